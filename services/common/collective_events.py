@@ -1,0 +1,57 @@
+"""CollectiveEvent: one record per collective or point-to-point op (the seed's telemetry event).
+
+The fields and their order match ``telemetry.proto``'s ``CollectiveEvent`` message; the worker's
+coordinator produces these and the telemetry service consumes them. Domain code never sees
+protobuf: the conversion lives next to the gRPC code.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveEvent:
+    replica_group_id: str
+    gpu_id: str
+    op_type: str  # "all_reduce", "all_gather", "broadcast", "send", "recv", "barrier"
+    bytes: int
+    duration_ms: float
+    group_size: int
+    timestamp_ms: int
+    timed_out: bool
+
+
+class EventSink(Protocol):
+    def record(self, event: CollectiveEvent) -> None: ...
+
+
+class RingBufferSink:
+    """Keeps the newest ``capacity`` events in memory; counts what it had to drop."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._events: collections.deque[CollectiveEvent] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def record(self, event: CollectiveEvent) -> None:
+        with self._lock:
+            if len(self._events) == self._events.maxlen:
+                self.dropped += 1
+            self._events.append(event)
+
+    def drain(self) -> list[CollectiveEvent]:
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            return events
+
+    def snapshot(self) -> list[CollectiveEvent]:
+        with self._lock:
+            return list(self._events)
+
+    def __len__(self) -> int:
+        return len(self._events)

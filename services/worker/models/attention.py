@@ -1,0 +1,86 @@
+"""Attention over a flattened batch, reading past keys and values through block tables.
+
+A step's tokens from every sequence are concatenated (``query_lens`` says how many belong to
+each). With a paged KV cache, new keys/values are written to their ``slot_mapping`` slots first,
+then each sequence's context is gathered block by block through its ``block_table``. This gather
++ ``scaled_dot_product_attention`` is the CPU path; a paged-attention kernel can replace
+:func:`paged_attention` on GPU without touching the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one forward step. ``context_lens[i]`` counts sequence i's tokens in the cache
+    after this step (past + new); without a cache it equals ``query_lens[i]``."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    slot_mapping: torch.Tensor | None = None  # [n_tokens] flat slot = block * block_size + offset
+    block_tables: torch.Tensor | None = None  # [n_seqs, max_blocks] int64, padded with 0
+
+    @classmethod
+    def prefill(cls, lengths: list[int]) -> AttentionMetadata:
+        return cls(query_lens=list(lengths), context_lens=list(lengths))
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:
+    """Query i sits at absolute position ctx_len - q_len + i and may see keys up to there."""
+    if q_len == 1:
+        return None
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+def attention_no_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+    """Causal self-attention over each sequence's new tokens only (a whole-prompt prefill)."""
+    outs, start = [], 0
+    for n in meta.query_lens:
+        qi, ki, vi = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale,
+                                                   enable_gqa=True).transpose(0, 1))
+        start += n
+    return torch.cat(outs, dim=0)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``q``: [tokens, heads, d]; caches: [blocks, block_size, kv_heads, d]."""
+    assert meta.block_tables is not None
+    block_size = k_cache.shape[1]
+    if meta.is_decode:
+        # one query per sequence: gather every context padded to the longest, mask the padding
+        max_ctx = max(meta.context_lens)
+        n_blocks = -(-max_ctx // block_size)
+        tables = meta.block_tables[:, :n_blocks]
+        keys = k_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [B, kv, L, d]
+        values = v_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+        lens = torch.tensor(meta.context_lens, device=q.device)
+        mask = (torch.arange(max_ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+        return out.squeeze(2)
+    outs, start = [], 0
+    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        n_blocks = -(-ctx // block_size)
+        table = meta.block_tables[i, :n_blocks]
+        keys = k_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)
+        values = v_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)
+        qi = q[start:start + n].transpose(0, 1)
+        out = F.scaled_dot_product_attention(qi, keys, values, attn_mask=_causal_mask(n, ctx, q.device),
+                                             scale=scale, enable_gqa=True)
+        outs.append(out.transpose(0, 1))
+        start += n
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,183 @@
+"""A Llama-family decoder built from tensor-parallel layers, one pipeline stage at a time.
+
+Plain PyTorch: RMSNorm, rotary embeddings (with Llama-3 scaling), grouped-query attention and a
+SwiGLU MLP. Parameter names match the Hugging Face checkpoint after fusing q/k/v into
+``qkv_proj`` and gate/up into ``gate_up_proj``; layers keep their *global* index
+(``model.layers.17``) so a stage owning layers 15..29 finds its weights by name.
+
+The model never sends or receives between stages: :meth:`LlamaForCausalLM.forward` takes either
+token ids (stage 0) or the previous stage's hidden states, and the runner moves tensors between
+stages through the coordinator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.models.attention import AttentionMetadata, attention_no_cache, paged_attention
+from services.worker.models.config import ModelConfig
+from services.worker.models.rotary import RotaryEmbedding
+from services.worker.parallel.coordinator import Coordinator
+from services.worker.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    replicated_loader,
+)
+from services.worker.parallel.plan import ParallelPlan
+
+
+class RMSNorm(nn.Module):
+    """``y = w · x / sqrt(mean(x²) + ε)``, computed in float32 and cast back (as the reference)."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = replicated_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, coordinator, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        coordinator, dtype=dtype, device=device)
+        self.heads = self.qkv_proj.heads_local
+        self.kv_heads = self.qkv_proj.kv_heads_local
+        self.scale = cfg.head_dim ** -0.5
+        # set by the engine: (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x)
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        if self.kv_cache is None:
+            out = attention_no_cache(q, k, v, meta, self.scale)
+        else:
+            k_cache, v_cache = self.kv_cache
+            assert meta.slot_mapping is not None, "a KV cache needs slot_mapping"
+            k_cache.view(-1, self.kv_heads, self.head_dim)[meta.slot_mapping] = k
+            v_cache.view(-1, self.kv_heads, self.head_dim)[meta.slot_mapping] = v
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))`` — gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       coordinator, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, coordinator,
+                                           dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(cfg, coordinator, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, meta, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, plan: ParallelPlan, coordinator: Coordinator, *, device=None) -> None:
+        super().__init__()
+        cfg, groups = plan.config, coordinator.groups
+        dtype = plan.torch_dtype
+        self.is_first = groups.is_first_stage
+        self.is_last = groups.is_last_stage
+        self.layer_range = plan.stage_layers(groups.pp_stage)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, coordinator,
+                                                    dtype=dtype, device=device) if self.is_first else None)
+        self.layers = nn.ModuleDict({
+            str(i): LlamaDecoderLayer(cfg, coordinator, dtype=dtype, device=device) for i in self.layer_range
+        })
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, device=device)
+
+    def forward(self, positions: torch.Tensor, meta: AttentionMetadata, *,
+                input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            assert input_ids is not None, "stage 0 takes token ids"
+            h = self.embed_tokens(input_ids)
+        else:
+            assert hidden_states is not None, "a later stage takes the previous stage's hidden states"
+            h = hidden_states
+        for layer in self.layers.values():
+            h = layer(h, positions, meta, self.rotary)
+        return self.norm(h) if self.is_last else h
+
+
+class LlamaForCausalLM(nn.Module):
+    """One pipeline stage of a TP-sharded Llama. Stage 0 owns the embedding, the last stage the
+    final norm and lm_head (tied embeddings: the last stage loads its own copy of the table)."""
+
+    def __init__(self, plan: ParallelPlan, coordinator: Coordinator, *, device=None) -> None:
+        super().__init__()
+        self.plan = plan
+        self.config = plan.config
+        self.model = LlamaModel(plan, coordinator, device=device)
+        self.lm_head = None
+        if self.model.is_last:
+            cfg = plan.config
+            if cfg.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, coordinator,
+                                              dtype=plan.torch_dtype, device=device)
+                self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, loaded once
+            else:
+                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, coordinator,
+                                              dtype=plan.torch_dtype, device=device)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.model.is_last
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers.values()]
+
+    @torch.inference_mode()
+    def forward(self, positions: torch.Tensor, meta: AttentionMetadata, *,
+                input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after this stage (final-normed on the last stage): [tokens, hidden]."""
+        return self.model(positions, meta, input_ids=input_ids, hidden_states=hidden_states)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (all-gathered across TP) for the given rows, in float32."""
+        assert self.lm_head is not None, "only the last stage computes logits"
+        return self.lm_head(hidden).float()

@@ -1,0 +1,166 @@
+"""The coordinator: every collective and point-to-point op of a rank goes through here.
+
+Each op is issued with ``async_op=True`` and waited on with a timeout, so a dead or hung peer
+surfaces as :class:`ShardGroupUnhealthy` within the timeout instead of a silent hang (NCCL under a
+dead peer never returns; gloo fails fast on a closed connection but only times out on a stopped
+one). Every op records a :class:`CollectiveEvent`. After the first failure the coordinator refuses
+every later call: a group that timed out is poisoned and must be torn down, never reused.
+
+Groups of one rank skip communication entirely (Megatron's convention), so TP=1 / PP=1 code paths
+make no collective calls and record no events.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.common.collective_events import CollectiveEvent, EventSink, RingBufferSink
+from services.worker.parallel.faults import FaultInjector
+from services.worker.parallel.groups import ParallelGroups
+
+DEFAULT_TIMEOUT_S = 2.0
+
+
+class ShardGroupUnhealthy(RuntimeError):
+    """A collective in this replica group failed or timed out; the group must be replaced."""
+
+    def __init__(self, replica_group_id: str, gpu_id: str, op: str, detail: str) -> None:
+        self.replica_group_id = replica_group_id
+        self.gpu_id = gpu_id
+        self.op = op
+        super().__init__(f"replica group {replica_group_id} is unhealthy: {op} on {gpu_id} {detail}")
+
+
+class Coordinator:
+    """Owns this rank's collectives, their timeouts and their telemetry."""
+
+    def __init__(self, groups: ParallelGroups, *, replica_group_id: str = "local",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, sink: EventSink | None = None,
+                 faults: FaultInjector | None = None) -> None:
+        self.groups = groups
+        self.replica_group_id = replica_group_id
+        self.gpu_id = f"{replica_group_id}:pp{groups.pp_stage}-tp{groups.tp_rank}"
+        self.timeout_s = timeout_s
+        self.sink: EventSink = sink if sink is not None else RingBufferSink()
+        self.faults = faults if faults is not None else FaultInjector(groups.global_rank)
+        self.failure: ShardGroupUnhealthy | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None
+
+    # -- the one place that waits ------------------------------------------------------------
+    def _run(self, op: str, nbytes: int, group_size: int, start_work, timeout_s: float | None) -> None:
+        if self.failure is not None:
+            raise ShardGroupUnhealthy(self.replica_group_id, self.gpu_id, op,
+                                      f"refused: group already failed ({self.failure.op})")
+        if self.faults:
+            self.faults.before(op)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.perf_counter()
+        error: str | None = None
+        try:
+            works = start_work()
+            for work in works if isinstance(works, list) else [works]:
+                if work.wait(timeout=timedelta(seconds=timeout)) is False:
+                    error = f"timed out after {timeout:g} s"
+                    break
+        except RuntimeError as exc:  # gloo: timeout or closed connection; nccl: abort
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            error = (f"timed out after {timeout:g} s" if "imeout" in text else "failed") + f" ({text})"
+        duration_ms = (time.perf_counter() - t0) * 1e3
+        self.sink.record(CollectiveEvent(
+            replica_group_id=self.replica_group_id, gpu_id=self.gpu_id, op_type=op, bytes=nbytes,
+            duration_ms=duration_ms, group_size=group_size, timestamp_ms=int(time.time() * 1e3),
+            timed_out=error is not None))
+        if error is not None:
+            self.failure = ShardGroupUnhealthy(self.replica_group_id, self.gpu_id, op, error)
+            raise self.failure
+
+    # -- tensor parallel ---------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place across the TP group."""
+        if self.groups.tp_degree == 1:
+            return tensor
+        self._run("all_reduce", _nbytes(tensor), self.groups.tp_degree,
+                  lambda: dist.all_reduce(tensor, group=self.groups.tp_group, async_op=True), None)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every TP rank's ``tensor`` along ``dim`` (rank order)."""
+        if self.groups.tp_degree == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.groups.tp_degree)]
+        self._run("all_gather", _nbytes(tensor) * self.groups.tp_degree, self.groups.tp_degree,
+                  lambda: dist.all_gather(parts, tensor, group=self.groups.tp_group, async_op=True), None)
+        return torch.cat(parts, dim=dim)
+
+    # -- pipeline parallel -------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst_stage: int, *, timeout_s: float | None = None) -> None:
+        """Send to the rank with the same tp_rank in ``dst_stage``."""
+        dst = self.groups.rank_of(dst_stage, self.groups.tp_rank)
+        tensor = tensor.contiguous()
+        self._run("send", _nbytes(tensor), 2,
+                  lambda: dist.isend(tensor, dst=dst, group=self.groups.pp_group), timeout_s)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src_stage: int, *,
+             timeout_s: float | None = None) -> torch.Tensor:
+        src = self.groups.rank_of(src_stage, self.groups.tp_rank)
+        out = torch.empty(shape, dtype=dtype, device=self.groups.device)
+        self._run("recv", _nbytes(out), 2,
+                  lambda: dist.irecv(out, src=src, group=self.groups.pp_group), timeout_s)
+        return out
+
+    # -- control messages (gloo, CPU tensors) ------------------------------------------------
+    def broadcast_object(self, obj: Any = None, *, src: int = 0, timeout_s: float | None = None) -> Any:
+        """Broadcast a picklable object from global rank ``src`` to every rank of the group."""
+        if self.groups.world_size == 1:
+            return obj
+        group = self.groups.control_group
+        is_src = self.groups.global_rank == src
+        payload = pickle.dumps(obj) if is_src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        self._run("broadcast", 8, self.groups.world_size,
+                  lambda: dist.broadcast(size, src=src, group=group, async_op=True), timeout_s)
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        self._run("broadcast", buf.numel(), self.groups.world_size,
+                  lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout_s)
+        return obj if is_src else pickle.loads(buf.numpy().tobytes())
+
+    def send_object(self, obj: Any, dst: int, *, timeout_s: float | None = None) -> None:
+        """Point-to-point control message to global rank ``dst`` (e.g. sampled ids to the driver)."""
+        payload = pickle.dumps(obj)
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        group = self.groups.control_group
+        self._run("send", 8 + buf.numel(), 2,
+                  lambda: [dist.isend(size, dst=dst, group=group), dist.isend(buf, dst=dst, group=group)],
+                  timeout_s)
+
+    def recv_object(self, src: int, *, timeout_s: float | None = None) -> Any:
+        group = self.groups.control_group
+        size = torch.empty(1, dtype=torch.int64)
+        self._run("recv", 8, 2, lambda: dist.irecv(size, src=src, group=group), timeout_s)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._run("recv", buf.numel(), 2, lambda: dist.irecv(buf, src=src, group=group), timeout_s)
+        return pickle.loads(buf.numpy().tobytes())
+
+    def barrier(self, *, timeout_s: float | None = None) -> None:
+        """All ranks of the replica group meet (e.g. after loading, whose time differs by rank)."""
+        if self.groups.world_size == 1:
+            return
+        token = torch.zeros(1)
+        self._run("barrier", 4, self.groups.world_size,
+                  lambda: dist.all_reduce(token, group=self.groups.control_group, async_op=True), timeout_s)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

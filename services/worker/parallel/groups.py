@@ -1,0 +1,98 @@
+"""Process groups of one replica group: the TP group of each stage, the PP group of each TP rank,
+and a gloo control group for small control messages.
+
+Global rank layout (DESIGN §2): ``global_rank = pp_stage * tp + tp_rank``. Every rank must create
+every group in the same order (torch.distributed requirement), so all groups are built here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from services.worker.parallel.plan import ParallelPlan
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's place in the replica group and the groups it belongs to."""
+
+    tp_degree: int
+    pp_degree: int
+    global_rank: int
+    backend: str
+    tp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_degree * self.pp_degree
+
+    @property
+    def pp_stage(self) -> int:
+        return self.global_rank // self.tp_degree
+
+    @property
+    def tp_rank(self) -> int:
+        return self.global_rank % self.tp_degree
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_stage == self.pp_degree - 1
+
+    @property
+    def is_driver(self) -> bool:
+        return self.global_rank == 0
+
+    def rank_of(self, pp_stage: int, tp_rank: int) -> int:
+        return pp_stage * self.tp_degree + tp_rank
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.global_rank)) % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    @classmethod
+    def single(cls) -> ParallelGroups:
+        """TP=1, PP=1: no process group at all."""
+        return cls(1, 1, 0, "none", None, None, None)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel_groups(plan: ParallelPlan, *, rank: int, backend: str | None = None,
+                         init_timeout_s: float = 120.0) -> ParallelGroups:
+    """Join the default process group (env:// rendezvous) and build TP, PP and control groups."""
+    world = plan.world_size
+    if world == 1:
+        return ParallelGroups.single()
+    backend = backend or default_backend()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=init_timeout_s))
+    tp, pp = plan.tp_degree, plan.pp_degree
+    tp_group = pp_group = None
+    for stage in range(pp):
+        ranks = [stage * tp + r for r in range(tp)]
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            tp_group = group
+    for tp_rank in range(tp):
+        ranks = [s * tp + tp_rank for s in range(pp)]
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            pp_group = group
+    control = dist.new_group(list(range(world)), backend="gloo")
+    return ParallelGroups(tp, pp, rank, backend, tp_group, pp_group, control)

@@ -1,0 +1,127 @@
+"""Launch a replica group's ranks as local processes, or join one started by ``torchrun``.
+
+``run_replica_group(world_size, rank_fn, *args)`` starts ``world_size`` spawned processes
+(env:// rendezvous on a free loopback port), calls ``rank_fn(rank, world_size, *args)`` in each,
+and returns rank 0's result. If any rank dies or raises, the others get until their collective
+timeout (plus a grace period) to notice and report, then are killed: the caller gets
+:class:`ReplicaGroupFailed` with every rank's message, never a hang.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the same ``rank_fn`` runs in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+class ReplicaGroupFailed(RuntimeError):
+    """One or more ranks of a replica group failed; ``errors`` maps rank → message."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        self.errors = dict(sorted(errors.items()))
+        lines = [f"rank {rank}: {msg}" for rank, msg in self.errors.items()]
+        super().__init__("replica group failed:\n  " + "\n  ".join(lines))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                   and "MASTER_ADDR" in os.environ)
+
+
+def threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _rank_main(rank: int, world_size: int, port: int, results: Any, rank_fn: Callable[..., Any],
+               args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads_per_rank(world_size))
+    try:
+        result = rank_fn(rank, world_size, *args)
+        results.put((rank, "ok", result if rank == 0 else None))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        detail = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, (RuntimeError, ValueError, KeyboardInterrupt)):
+            detail += "\n" + traceback.format_exc()
+        results.put((rank, "error", detail))
+        raise SystemExit(1) from None
+
+
+def run_replica_group(world_size: int, rank_fn: Callable[..., Any], *args: Any,
+                      failure_grace_s: float = 5.0) -> Any:
+    """Run ``rank_fn`` on every rank; rank 0's return value comes back."""
+    if world_size == 1:
+        return rank_fn(0, 1, *args)
+    if under_torchrun():
+        rank = int(os.environ["RANK"])
+        return rank_fn(rank, int(os.environ["WORLD_SIZE"]), *args)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, results, rank_fn, args),
+                         name=f"shardline-rank{rank}") for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    done: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    failed_at: float | None = None
+    exited_at: dict[int, float] = {}
+    try:
+        while len(done) + len(errors) < world_size:
+            try:
+                rank, kind, payload = results.get(timeout=0.1)
+                (done if kind == "ok" else errors)[rank] = payload
+            except queue_mod.Empty:
+                pass
+            now = time.monotonic()
+            for rank, proc in enumerate(procs):
+                if rank in done or rank in errors or proc.exitcode is None:
+                    continue
+                exited_at.setdefault(rank, now)
+                # a rank that raised reports before exiting; give its message a moment to arrive
+                if proc.exitcode < 0 or now - exited_at[rank] > 2.0:
+                    errors[rank] = _describe_exit(proc.exitcode)
+            if errors and failed_at is None:
+                failed_at = now
+            if failed_at is not None and now - failed_at > failure_grace_s:
+                for rank in range(world_size):
+                    if rank not in done and rank not in errors:
+                        errors[rank] = f"killed after rank(s) {sorted(errors)} failed (no report within " \
+                                       f"{failure_grace_s:g} s)"
+                break
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=5)
+        results.close()
+    if errors:
+        raise ReplicaGroupFailed(errors)
+    return done[0]
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"process died from signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"process died from signal {-code}"
+    return f"process exited with code {code} without a report"

@@ -1,0 +1,91 @@
+"""ParallelPlan: how one replica group splits a model — TP degree, PP degree, layer ranges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.models.config import ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
+
+
+def layer_split(num_layers: int, pp_degree: int) -> list[range]:
+    """Contiguous layer ranges per stage. When PP does not divide the layers, the *first*
+    ``num_layers % pp`` stages get one extra layer each: the last stage already carries the
+    final norm and lm_head, so it is the one to keep light."""
+    if pp_degree < 1 or pp_degree > num_layers:
+        raise ModelConfigError(f"pp_degree={pp_degree} must be between 1 and num_hidden_layers={num_layers}")
+    base, extra = divmod(num_layers, pp_degree)
+    ranges, start = [], 0
+    for stage in range(pp_degree):
+        n = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A TP×PP layout for one model; validated against the model's shape at construction.
+
+    Global rank layout: ``global_rank = pp_stage * tp_degree + tp_rank``.
+    """
+
+    config: ModelConfig
+    tp_degree: int = 1
+    pp_degree: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        cfg, tp = self.config, self.tp_degree
+        if tp < 1:
+            raise ModelConfigError(f"tp_degree must be >= 1, got {tp}")
+        checks = {
+            "num_attention_heads": cfg.num_attention_heads,
+            "intermediate_size": cfg.intermediate_size,
+            "vocab_size": cfg.vocab_size,
+        }
+        for name, value in checks.items():
+            if value % tp:
+                raise ModelConfigError(f"tp_degree={tp} does not divide {name}={value}")
+        kv = cfg.num_key_value_heads
+        if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+            raise ModelConfigError(
+                f"tp_degree={tp} does not divide num_key_value_heads={kv} "
+                f"(nor is it a multiple of it, which would replicate KV heads)")
+        layer_split(cfg.num_hidden_layers, self.pp_degree)  # validates pp
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_degree * self.pp_degree
+
+    @property
+    def layer_ranges(self) -> list[range]:
+        return layer_split(self.config.num_hidden_layers, self.pp_degree)
+
+    def stage_layers(self, pp_stage: int) -> range:
+        return self.layer_ranges[pp_stage]
+
+    def rank_of(self, pp_stage: int, tp_rank: int) -> int:
+        return pp_stage * self.tp_degree + tp_rank
+
+    def coords(self, global_rank: int) -> tuple[int, int]:
+        """(pp_stage, tp_rank) of a global rank."""
+        return divmod(global_rank, self.tp_degree)
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads a rank stores: kv/tp, or 1 (replicated) when TP exceeds the KV heads."""
+        return max(1, self.config.num_key_value_heads // self.tp_degree)
+
+    def describe_split(self) -> str:
+        sizes = [len(r) for r in self.layer_ranges]
+        if len(set(sizes)) == 1:
+            return f"{self.pp_degree} stage(s) of {sizes[0]} layers"
+        heavy = [s for s, n in enumerate(sizes) if n == max(sizes)]
+        return f"uneven split {sizes}: stage(s) {heavy} got {max(sizes)} layers, the rest {min(sizes)}"

@@ -1,0 +1,70 @@
+"""Prompt scoring across a replica group: one prefill, per-token log-probabilities.
+
+``logprobs[i] = log p(ids[i+1] | ids[..i])``; ``nll`` is their negated mean and ``perplexity``
+``exp(nll)``. The driver broadcasts the ids; stage 0 embeds, each stage runs its layers and sends
+the hidden states on; the last stage gathers the logits, and its TP rank 0 returns the numbers to
+the driver.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from services.worker.models.attention import AttentionMetadata
+from services.worker.runtime import RankRuntime, RankSpec
+
+
+@dataclass
+class ScoreResult:
+    n_tokens: int
+    logprobs: list[float]
+    nll: float
+    perplexity: float
+
+    @classmethod
+    def from_logprobs(cls, n_tokens: int, logprobs: list[float]) -> ScoreResult:
+        nll = -sum(logprobs) / len(logprobs) if logprobs else 0.0
+        return cls(n_tokens=n_tokens, logprobs=logprobs, nll=nll, perplexity=math.exp(nll))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prefill_logprobs(rt: RankRuntime, token_ids: list[int] | None) -> ScoreResult | None:
+    """Run on every rank; returns the result on the driver (global rank 0), None elsewhere."""
+    c, g, model = rt.coordinator, rt.groups, rt.model
+    ids = c.broadcast_object(token_ids, src=0)
+    n = len(ids)
+    positions = torch.arange(n, device=rt.device)
+    meta = AttentionMetadata.prefill([n])
+    if g.is_first_stage:
+        hidden = model(positions, meta, input_ids=torch.tensor(ids, device=rt.device))
+    else:
+        incoming = c.recv((n, rt.plan.config.hidden_size), rt.plan.torch_dtype, g.pp_stage - 1)
+        hidden = model(positions, meta, hidden_states=incoming)
+    if not g.is_last_stage:
+        c.send(hidden, g.pp_stage + 1)
+        result = None
+    else:
+        logits = model.compute_logits(hidden[:-1])
+        targets = torch.tensor(ids[1:], device=logits.device)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        result = ScoreResult.from_logprobs(n, logprobs.cpu().tolist())
+    last_leader = g.rank_of(g.pp_degree - 1, 0)
+    if last_leader == 0:
+        return result if g.is_driver else None
+    if g.global_rank == last_leader:
+        c.send_object(result, dst=0)
+        return None
+    if g.is_driver:
+        return c.recv_object(src=last_leader)
+    return None
+
+
+def score_rank(rank: int, world_size: int, spec: RankSpec, token_ids: list[int]) -> ScoreResult | None:
+    """Rank entry point for ``shardline score`` (spawned locally or under torchrun)."""
+    rt = RankRuntime.start(spec, rank)
+    return prefill_logprobs(rt, token_ids if rank == 0 else None)

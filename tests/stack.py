@@ -1,0 +1,153 @@
+"""Throw-away PostgreSQL and Redis on loopback for the test suite.
+
+``python -m tests.stack -- CMD ...`` starts both on free ports, exports
+``SHARDLINE_TEST_POSTGRES_URL`` and ``SHARDLINE_TEST_REDIS_URL`` to CMD, and stops them
+whatever CMD does. ``tests/conftest.py`` uses the same context manager when the suite runs
+without the wrapper, so plain ``pytest`` works too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+POSTGRES_BIN_DIRS = ("/usr/local/bin", "/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _find_postgres_bin(name: str) -> str:
+    for directory in POSTGRES_BIN_DIRS:
+        candidate = Path(directory) / name
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"PostgreSQL binary {name!r} not found in {POSTGRES_BIN_DIRS} or PATH")
+    return found
+
+
+def _as_user_prefix() -> tuple[list[str], str | None]:
+    """initdb and postgres refuse to run as root: run them as the `postgres` (or `nobody`) user."""
+    if os.geteuid() != 0:
+        return [], None
+    for user in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            continue
+        return ["runuser", "-u", user, "--"], user
+    raise RuntimeError("running as root and neither a 'postgres' nor a 'nobody' user exists")
+
+
+def _wait_for_port(port: int, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def postgres() -> Iterator[str]:
+    """A fresh PostgreSQL cluster in a temp dir; yields a SQLAlchemy URL (psycopg 3)."""
+    prefix, user = _as_user_prefix()
+    root = Path(tempfile.mkdtemp(prefix="shardline-pg-"))
+    data = root / "data"
+    data.mkdir()
+    if user is not None:
+        uid = pwd.getpwnam(user).pw_uid
+        gid = pwd.getpwnam(user).pw_gid
+        os.chown(root, uid, gid)
+        os.chown(data, uid, gid)
+    port = free_port()
+    subprocess.run(
+        [*prefix, _find_postgres_bin("initdb"), "-D", str(data), "-U", "shardline", "--auth=trust",
+         "--no-sync", "-E", "UTF8"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=root,
+    )
+    proc = subprocess.Popen(
+        [*prefix, _find_postgres_bin("postgres"), "-D", str(data), "-p", str(port), "-h", "127.0.0.1",
+         "-k", str(root), "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root,
+    )
+    try:
+        _wait_for_port(port, 30, "postgres", proc)
+        # the default database "postgres" exists; create ours
+        url_admin = f"postgresql+psycopg://shardline@127.0.0.1:{port}/postgres"
+        import psycopg
+
+        for _ in range(50):
+            try:
+                with psycopg.connect(url_admin.replace("+psycopg", ""), autocommit=True) as conn:
+                    conn.execute("CREATE DATABASE shardline_test")
+                break
+            except psycopg.OperationalError:
+                time.sleep(0.2)
+        yield f"postgresql+psycopg://shardline@127.0.0.1:{port}/shardline_test"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def redis() -> Iterator[str]:
+    """A fresh redis-server with no persistence on a free loopback port; yields redis://..."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server not found: `make test` installs it (apt-get install redis-server)")
+    port = free_port()
+    root = Path(tempfile.mkdtemp(prefix="shardline-redis-"))
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(root)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_port(port, 15, "redis-server", proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m tests.stack -- CMD [ARGS...]", file=sys.stderr)
+        return 2
+    with postgres() as pg_url, redis() as redis_url:
+        env = dict(os.environ, SHARDLINE_TEST_POSTGRES_URL=pg_url, SHARDLINE_TEST_REDIS_URL=redis_url)
+        print(f"test stack: postgres {pg_url}  redis {redis_url}", flush=True)
+        return subprocess.call(argv, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
