@@ -42,7 +42,7 @@ class RankRuntime:
     coordinator: Coordinator
     model: LlamaForCausalLM
     loaded_bytes: int
-    peak_rss_bytes: int
+    load_peak_rss_delta_bytes: int  # peak RSS while building + loading, minus the RSS before
     events: EventSink = field(repr=False, default_factory=RingBufferSink)
 
     @property
@@ -56,10 +56,19 @@ class RankRuntime:
         sink = sink if sink is not None else RingBufferSink()
         coordinator = Coordinator(groups, replica_group_id=spec.replica_group_id,
                                   timeout_s=spec.collective_timeout_s, sink=sink)
+        rss_before = _current_rss_bytes()
         model = LlamaForCausalLM(plan, coordinator, device=groups.device)
         with CheckpointReader(Path(spec.model_dir)) as reader:
             loaded = load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
         model.eval()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak_delta = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
         coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
-        return cls(plan, groups, coordinator, model, loaded, peak, sink)
+        return cls(plan, groups, coordinator, model, loaded, peak_delta, sink)
+
+
+def _current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: fall back to the peak, which makes the delta an underestimate
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

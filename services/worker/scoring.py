@@ -53,7 +53,7 @@ def prefill_logprobs(rt: RankRuntime, token_ids: list[int] | None) -> ScoreResul
         targets = torch.tensor(ids[1:], device=logits.device)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
         result = ScoreResult.from_logprobs(n, logprobs.cpu().tolist())
-    last_leader = g.rank_of(g.pp_degree - 1, 0)
+    last_leader = g.last_stage_leader
     if last_leader == 0:
         return result if g.is_driver else None
     if g.global_rank == last_leader:

@@ -75,6 +75,8 @@ class Coordinator:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             error = (f"timed out after {timeout:g} s" if "imeout" in text else "failed") + f" ({text})"
         duration_ms = (time.perf_counter() - t0) * 1e3
+        if error is not None:
+            error += f" after waiting {duration_ms / 1e3:.2f} s"
         self.sink.record(CollectiveEvent(
             replica_group_id=self.replica_group_id, gpu_id=self.gpu_id, op_type=op, bytes=nbytes,
             duration_ms=duration_ms, group_size=group_size, timestamp_ms=int(time.time() * 1e3),
@@ -136,17 +138,18 @@ class Coordinator:
         return obj if is_src else pickle.loads(buf.numpy().tobytes())
 
     def send_object(self, obj: Any, dst: int, *, timeout_s: float | None = None) -> None:
-        """Point-to-point control message to global rank ``dst`` (e.g. sampled ids to the driver)."""
+        """Point-to-point message to global rank ``dst`` on the result group (sampled tokens
+        from the last stage to the driver)."""
         payload = pickle.dumps(obj)
         size = torch.tensor([len(payload)], dtype=torch.int64)
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        group = self.groups.control_group
+        group = self.groups.result_group
         self._run("send", 8 + buf.numel(), 2,
                   lambda: [dist.isend(size, dst=dst, group=group), dist.isend(buf, dst=dst, group=group)],
                   timeout_s)
 
     def recv_object(self, src: int, *, timeout_s: float | None = None) -> Any:
-        group = self.groups.control_group
+        group = self.groups.result_group
         size = torch.empty(1, dtype=torch.int64)
         self._run("recv", 8, 2, lambda: dist.irecv(size, src=src, group=group), timeout_s)
         buf = torch.empty(int(size.item()), dtype=torch.uint8)

@@ -28,6 +28,9 @@ class ParallelGroups:
     tp_group: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
     control_group: dist.ProcessGroup | None
+    # gloo group of the driver and the last stage's TP rank 0: sampled tokens come back on it,
+    # so they never interleave with the plans broadcast on the control group
+    result_group: dist.ProcessGroup | None = None
 
     @property
     def world_size(self) -> int:
@@ -65,7 +68,12 @@ class ParallelGroups:
     @classmethod
     def single(cls) -> ParallelGroups:
         """TP=1, PP=1: no process group at all."""
-        return cls(1, 1, 0, "none", None, None, None)
+        return cls(1, 1, 0, "none", None, None, None, None)
+
+    @property
+    def last_stage_leader(self) -> int:
+        """Global rank of the last stage's TP rank 0: the rank that samples."""
+        return self.rank_of(self.pp_degree - 1, 0)
 
 
 def default_backend() -> str:
@@ -95,4 +103,7 @@ def init_parallel_groups(plan: ParallelPlan, *, rank: int, backend: str | None =
         if rank in ranks:
             pp_group = group
     control = dist.new_group(list(range(world)), backend="gloo")
-    return ParallelGroups(tp, pp, rank, backend, tp_group, pp_group, control)
+    last_leader = (pp - 1) * tp
+    result = dist.new_group([0, last_leader], backend="gloo") if last_leader != 0 else None
+    return ParallelGroups(tp, pp, rank, backend, tp_group, pp_group, control,
+                          result if rank in (0, last_leader) else None)

@@ -1,0 +1,35 @@
+"""Shard registry: replica groups, their GPU shards and checkpoint manifests (SQLAlchemy 2).
+
+PostgreSQL via psycopg 3 (``postgresql+psycopg://``) in production and tests, a SQLite file as
+the embedded default; the schema comes from the Alembic migration (``migrate.upgrade(url)``).
+"""
+
+from __future__ import annotations
+
+from .dtypes import PROJECT_DTYPES, REGISTRY_DTYPES, to_project_dtype, to_registry_dtype
+from .engine import default_registry_url, make_engine, registry_url, state_dir
+from .errors import (
+    Conflict,
+    DuplicateManifest,
+    DuplicateShard,
+    GroupNotFound,
+    IllegalTransition,
+    InvalidValue,
+    ManifestNotFound,
+    NotFound,
+    RegistryError,
+    ShardNotFound,
+)
+from .lifecycle import ALLOWED_TRANSITIONS, GROUP_STATUSES, SHARD_STATUSES
+from .migrate import downgrade, upgrade
+from .records import CheckpointManifest, GpuShard, ReplicaGroup
+from .repository import GroupIsDead, ShardRegistry
+
+__all__ = [
+    "ALLOWED_TRANSITIONS", "GROUP_STATUSES", "PROJECT_DTYPES", "REGISTRY_DTYPES", "SHARD_STATUSES",
+    "CheckpointManifest", "Conflict", "DuplicateManifest", "DuplicateShard", "GpuShard",
+    "GroupIsDead", "GroupNotFound", "IllegalTransition", "InvalidValue", "ManifestNotFound",
+    "NotFound", "RegistryError", "ReplicaGroup", "ShardNotFound", "ShardRegistry",
+    "default_registry_url", "downgrade", "make_engine", "registry_url", "state_dir",
+    "to_project_dtype", "to_registry_dtype", "upgrade",
+]

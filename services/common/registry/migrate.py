@@ -1,0 +1,61 @@
+"""Run the registry's Alembic migrations programmatically (no alembic.ini needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+
+from .engine import make_engine
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+
+def alembic_config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return config
+
+
+def _run(target: str | Engine, action: str, revision: str) -> None:
+    engine = make_engine(target) if isinstance(target, str) else target
+    try:
+        with engine.begin() as connection:
+            config = alembic_config()
+            config.attributes["connection"] = connection
+            getattr(command, action)(config, revision)
+    finally:
+        if isinstance(target, str):
+            engine.dispose()
+
+
+def upgrade(target: str | Engine, revision: str = "head") -> None:
+    """``alembic upgrade head`` against a URL (the SQLite file's directory is created) or an
+    existing engine (needed for ``sqlite:///:memory:``, which lives in one engine's pool)."""
+    _run(target, "upgrade", revision)
+
+
+def downgrade(target: str | Engine, revision: str = "base") -> None:
+    """``alembic downgrade base``: drops the registry tables."""
+    _run(target, "downgrade", revision)
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:
+        raise RuntimeError(f"no Alembic revisions found in {MIGRATIONS_DIR}")
+    return head
+
+
+def current_revision(url: str) -> str | None:
+    """The revision the database at ``url`` is at (None before the first upgrade)."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()

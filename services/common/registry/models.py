@@ -1,0 +1,160 @@
+"""SQLAlchemy 2 models of the seed's registry tables, extended (never renamed).
+
+Seed columns keep their names and meaning; the extensions are nullable or defaulted so a row
+written by the seed's DDL is still a valid row:
+
+- ``replica_groups``: ``name`` (human label such as ``replica-03``), ``endpoint`` (the driver's
+  gRPC address, how the router reaches the group), ``status_reason``, ``updated_at``.
+  ``kv_cache_cap_bytes`` is the per-GPU KV cache cap, as in the seed's planner.
+- ``gpu_shards``: ``status`` (what the rank last reported, see ``SHARD_STATUSES``).
+- ``checkpoint_manifests``: ``manifest_uri`` (unique), ``tp_degree``, ``pp_degree``.
+
+The schema itself is created by the Alembic migration in ``migrations/``; a test checks that the
+migrated database and these models agree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Text,
+    UniqueConstraint,
+    Uuid,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from .dtypes import REGISTRY_DTYPES
+from .lifecycle import GROUP_STATUSES, SHARD_STATUSES
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+NOW = text("CURRENT_TIMESTAMP")  # now() on PostgreSQL, UTC text on SQLite
+
+
+def in_list(column: str, values: tuple[str, ...] | list[str]) -> str:
+    quoted = ", ".join(f"'{v}'" for v in values)
+    return f"{column} IN ({quoted})"
+
+
+DTYPE_CHECK = in_list("dtype", list(REGISTRY_DTYPES))
+GROUP_STATUS_CHECK = in_list("status", GROUP_STATUSES)
+SHARD_STATUS_CHECK = in_list("status", SHARD_STATUSES)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """TIMESTAMPTZ that always hands back aware UTC datetimes, on PostgreSQL and on SQLite.
+
+    SQLite has no time zones: values are stored as naive UTC text (the same as its
+    CURRENT_TIMESTAMP), so comparisons in SQL stay correct.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"expected an aware datetime, got naive {value.isoformat()}")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ReplicaGroupRow(Base):
+    __tablename__ = "replica_groups"
+
+    replica_group_id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    model_name: Mapped[str] = mapped_column(Text)
+    tp_degree: Mapped[int] = mapped_column(Integer)
+    pp_degree: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(Text)
+    kv_cache_cap_bytes: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+    # extensions
+    name: Mapped[str | None] = mapped_column(Text)
+    endpoint: Mapped[str | None] = mapped_column(Text)
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+
+    __table_args__ = (
+        CheckConstraint(DTYPE_CHECK, name="dtype"),
+        CheckConstraint(GROUP_STATUS_CHECK, name="status"),
+        CheckConstraint("tp_degree > 0", name="tp_degree_positive"),
+        CheckConstraint("pp_degree > 0", name="pp_degree_positive"),
+        CheckConstraint("kv_cache_cap_bytes >= 0", name="kv_cache_cap_nonnegative"),
+        Index("idx_replica_groups_model_status", "model_name", "status"),
+    )
+
+
+class GpuShardRow(Base):
+    __tablename__ = "gpu_shards"
+
+    gpu_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    replica_group_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("replica_groups.replica_group_id")
+    )
+    node_id: Mapped[str] = mapped_column(Text)
+    tp_rank: Mapped[int] = mapped_column(Integer)
+    pp_stage: Mapped[int] = mapped_column(Integer)
+    weight_bytes: Mapped[int] = mapped_column(BigInteger)
+    kv_used_bytes: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+    # extension
+    status: Mapped[str] = mapped_column(Text, server_default=text("'starting'"))
+
+    __table_args__ = (
+        UniqueConstraint("replica_group_id", "tp_rank", "pp_stage"),
+        Index("idx_gpu_shards_group", "replica_group_id", "pp_stage", "tp_rank"),
+        CheckConstraint(SHARD_STATUS_CHECK, name="status"),
+        CheckConstraint("tp_rank >= 0", name="tp_rank_nonnegative"),
+        CheckConstraint("pp_stage >= 0", name="pp_stage_nonnegative"),
+    )
+
+
+class CheckpointManifestRow(Base):
+    __tablename__ = "checkpoint_manifests"
+
+    manifest_id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    model_name: Mapped[str] = mapped_column(Text)
+    dtype: Mapped[str] = mapped_column(Text)
+    shard_uri_prefix: Mapped[str] = mapped_column(Text)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    shard_count: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+    # extensions
+    manifest_uri: Mapped[str | None] = mapped_column(Text, unique=True)
+    tp_degree: Mapped[int | None] = mapped_column(Integer)
+    pp_degree: Mapped[int | None] = mapped_column(Integer)
+
+    __table_args__ = (
+        CheckConstraint(DTYPE_CHECK, name="dtype"),
+        Index("idx_checkpoint_manifests_model_dtype", "model_name", "dtype"),
+    )

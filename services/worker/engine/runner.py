@@ -1,0 +1,91 @@
+"""StageRunner: one rank's share of a forward step, and the loop non-driver ranks run.
+
+Every rank receives the same :class:`StepPlan`; stage 0 embeds the step's tokens, later stages
+receive the previous stage's hidden states, every stage writes its layers' keys and values into
+its own paged KV cache, and the last stage computes logits only for the rows that sample (the
+last token of each sampling sequence). The last stage's TP rank 0 samples and returns a
+:class:`StepResult`; the driver gets it directly (PP = 1) or over the result group.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.worker.engine.sampler import Sampler
+from services.worker.engine.step import SampledToken, StepPlan, StepResult
+from services.worker.models.attention import AttentionMetadata
+from services.worker.runtime import RankRuntime
+
+# How often an idle driver broadcasts a heartbeat plan. Ranks waiting for a plan allow this plus
+# the collective timeout, so a dead or hung rank is noticed within seconds even with no traffic.
+IDLE_HEARTBEAT_S = 0.5
+
+
+class StageRunner:
+    def __init__(self, rt: RankRuntime, *, num_blocks: int, block_size: int) -> None:
+        from services.worker.engine.kv_cache import allocate_kv_cache
+
+        self.rt = rt
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_cache_bytes = allocate_kv_cache(rt.model, num_blocks, block_size, rt.plan.torch_dtype,
+                                                rt.device)
+        self.sampler = Sampler()
+        self.samples_here = rt.groups.global_rank == rt.groups.last_stage_leader
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run this rank's part of ``plan``; the sampling rank returns the sampled tokens."""
+        rt, c, g = self.rt, self.rt.coordinator, self.rt.groups
+        t0 = time.perf_counter()
+        device = rt.device
+        token_ids = [t for s in plan.seqs for t in s.token_ids]
+        positions = torch.tensor([p for s in plan.seqs for p in s.positions], device=device)
+        max_blocks = max(len(s.block_table) for s in plan.seqs)
+        tables = torch.zeros((len(plan.seqs), max_blocks), dtype=torch.int64, device=device)
+        for i, s in enumerate(plan.seqs):
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        meta = AttentionMetadata(
+            query_lens=[len(s.token_ids) for s in plan.seqs],
+            context_lens=[s.context_len for s in plan.seqs],
+            slot_mapping=torch.tensor([x for s in plan.seqs for x in s.slots], dtype=torch.int64, device=device),
+            block_tables=tables,
+        )
+        if g.is_first_stage:
+            hidden = rt.model(positions, meta, input_ids=torch.tensor(token_ids, device=device))
+        else:
+            incoming = c.recv((len(token_ids), rt.plan.config.hidden_size), rt.plan.torch_dtype, g.pp_stage - 1)
+            hidden = rt.model(positions, meta, hidden_states=incoming)
+        if not g.is_last_stage:
+            c.send(hidden, g.pp_stage + 1)
+            return None
+        rows, sampling, end = [], [], 0
+        for s in plan.seqs:
+            end += len(s.token_ids)
+            if s.sample:
+                rows.append(end - 1)
+                sampling.append(s)
+        if not rows:
+            return StepResult(plan.step_id, [], time.perf_counter() - t0) if self.samples_here else None
+        logits = rt.model.compute_logits(hidden[rows])  # all TP ranks take part in the all-gather
+        if not self.samples_here:
+            return None
+        out = self.sampler.sample(logits, sampling)
+        sampled = [SampledToken(s.seq_id, tok, lp, top) for s, (tok, lp, top) in zip(sampling, out)]
+        return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
+
+
+def follower_loop(runner: StageRunner) -> None:
+    """Every rank but the driver: receive a plan, run it, send the sample back; until "stop"."""
+    c, g = runner.rt.coordinator, runner.rt.groups
+    wait_s = IDLE_HEARTBEAT_S + c.timeout_s + 1.0
+    while True:
+        plan: StepPlan = c.broadcast_object(None, src=0, timeout_s=wait_s)
+        if plan.kind == "stop":
+            return
+        if plan.kind == "idle":
+            continue
+        result = runner.execute(plan)
+        if result is not None and not g.is_driver:
+            c.send_object(result, dst=0)

@@ -1,0 +1,54 @@
+"""StepPlan: what the driver tells every rank to run in one forward step (a micro-batch).
+
+It crosses the control group pickled, so it holds plain Python lists only. Sequences appear in
+the order their tokens are concatenated; ``sample`` marks the sequences whose last token in this
+step gets a new token sampled (a decode, or the chunk that completes a prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    seq_id: int
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_table: list[int]
+    context_len: int  # tokens in the cache once this step's are written
+    sample: bool
+    # sampling parameters travel with the step: the last stage samples, statelessly
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    num_generated: int = 0  # tokens generated so far: with ``seed`` it fixes the random stream
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    kind: str  # "run" | "idle" (heartbeat: keeps the group's collectives alive) | "stop"
+    seqs: list[SeqStep] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    sampled: list[SampledToken]
+    forward_s: float = 0.0  # last stage's forward + sampling time, for Stats/bench

@@ -1,0 +1,127 @@
+"""Every collective goes through the coordinator; a dead or hung rank fails fast and loudly."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.worker.parallel.launch import ReplicaGroupFailed, run_replica_group
+from services.worker.parallel.plan import ParallelPlan
+from services.worker.runtime import RankRuntime, RankSpec
+from services.worker.scoring import prefill_logprobs
+from tests.worker.test_parallel_parity import make_tiny, random_ids
+
+
+def _counting_rank(rank: int, world_size: int, spec: RankSpec, ids: list[int], out_dir: str) -> None:
+    rt = RankRuntime.start(spec, rank)
+    prefill_logprobs(rt, ids if rank == 0 else None)
+    counts = collections.Counter(event.op_type for event in rt.events.snapshot())
+    timed_out = sum(event.timed_out for event in rt.events.snapshot())
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"counts": counts, "timed_out": timed_out,
+                                                             "load_delta": rt.load_peak_rss_delta_bytes,
+                                                             "loaded": rt.loaded_bytes}))
+
+
+def expected_events(plan: ParallelPlan, rank: int) -> dict[str, int]:
+    """What a TP×PP prefill must issue on ``rank``, derived from the layout."""
+    stage, tp_rank = plan.coords(rank)
+    layers = len(plan.stage_layers(stage))
+    counts: collections.Counter[str] = collections.Counter()
+    counts["barrier"] += 1  # after loading
+    counts["broadcast"] += 2  # the driver's token ids: size, then payload
+    if plan.tp_degree > 1:
+        counts["all_reduce"] += 2 * layers  # o_proj and down_proj of every layer
+        if stage == 0:
+            counts["all_reduce"] += 1  # vocab-parallel embedding
+        if stage == plan.pp_degree - 1:
+            counts["all_gather"] += 1  # logits
+    if stage < plan.pp_degree - 1:
+        counts["send"] += 1  # hidden states to the next stage
+    if stage > 0:
+        counts["recv"] += 1
+    last_leader = plan.rank_of(plan.pp_degree - 1, 0)
+    if last_leader != 0 and rank == last_leader:
+        counts["send"] += 1  # the result, to the driver (one op: size + payload)
+    if last_leader != 0 and rank == 0:
+        counts["recv"] += 2  # size, then payload
+    return dict(counts)
+
+
+def test_every_collective_of_a_tp2_pp2_prefill_is_recorded(tiny_model_dir, tmp_path):
+    spec = RankSpec(str(tiny_model_dir), tp_degree=2, pp_degree=2)
+    run_replica_group(4, _counting_rank, spec, random_ids(70, 512), str(tmp_path))
+    plan = spec.plan()
+    for rank in range(4):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["counts"] == expected_events(plan, rank), rank
+        assert got["timed_out"] == 0
+
+
+def test_tp1_pp1_makes_no_collective_calls(tiny_model_dir, tmp_path):
+    spec = RankSpec(str(tiny_model_dir))
+    run_replica_group(1, _counting_rank, spec, random_ids(20, 512), str(tmp_path))
+    assert json.loads((tmp_path / "rank0.json").read_text())["counts"] == {}
+
+
+def _score_with_fault(model_dir: str, fault: str, timeout_s: float = 2.0) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, SHARDLINE_FAULTS=fault)
+    ids = ",".join(map(str, random_ids(64, 512)))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "score", "--model", model_dir, "--tp", "2",
+                           "--pp", "2", "--ids", ids, "--json", "--collective-timeout", str(timeout_s),
+                           "--replica-group-id", "rg-test"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - t0
+
+
+def _waits(stderr: str) -> list[float]:
+    return [float(x) for x in re.findall(r"after waiting ([0-9.]+) s", stderr)]
+
+
+def test_sigkilled_rank_fails_the_group_fast(tiny_model_dir):
+    proc, _ = _score_with_fault(str(tiny_model_dir), "rank=1,op=all_reduce,after=2,action=kill")
+    assert proc.returncode == 1, proc.stderr
+    assert "rank 1: process died from signal SIGKILL" in proc.stderr
+    assert "ShardGroupUnhealthy: replica group rg-test is unhealthy: all_reduce on rg-test:pp0-tp0" in proc.stderr
+    waits = _waits(proc.stderr)
+    assert waits and max(waits) <= 2.0 + 1.0, proc.stderr
+
+
+def test_stopped_rank_times_out_instead_of_hanging(tiny_model_dir):
+    proc, elapsed = _score_with_fault(str(tiny_model_dir), "rank=3,op=recv,action=stop", timeout_s=1.5)
+    assert proc.returncode == 1, proc.stderr
+    assert "replica group rg-test is unhealthy" in proc.stderr
+    assert "timed out after 1.5 s" in proc.stderr
+    waits = _waits(proc.stderr)
+    assert waits and all(w <= 1.5 + 1.0 for w in waits), proc.stderr
+    assert elapsed < 60
+
+
+def test_replica_group_failed_lists_every_rank():
+    err = ReplicaGroupFailed({1: "process died from signal SIGKILL", 0: "ShardGroupUnhealthy: x"})
+    assert str(err).splitlines() == ["replica group failed:", "  rank 0: ShardGroupUnhealthy: x",
+                                     "  rank 1: process died from signal SIGKILL"]
+
+
+@pytest.mark.slow
+def test_loading_peak_memory_is_about_the_shard(tmp_path_factory, tmp_path):
+    """Each TP2/PP2 rank reads only its slices: its peak RSS growth is ~1/4 of the model, not all of it."""
+    model_dir = make_tiny(tmp_path_factory.mktemp("mid"), "--layers", "8", "--hidden", "768", "--heads", "12",
+                          "--kv-heads", "4", "--intermediate", "3072", "--vocab", "32000")
+    model_bytes = (Path(model_dir) / "model.safetensors").stat().st_size
+    spec = RankSpec(model_dir, tp_degree=2, pp_degree=2)
+    run_replica_group(4, _counting_rank, spec, random_ids(8, 32000), str(tmp_path))
+    for rank in range(4):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(f"rank {rank}: shard {got['loaded'] / 2**20:.0f} MiB, load peak RSS growth "
+              f"{got['load_delta'] / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB")
+        assert got["loaded"] < 0.3 * model_bytes
+        assert got["load_delta"] < got["loaded"] + 64 * 2**20
