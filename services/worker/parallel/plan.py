@@ -10,15 +10,17 @@ from services.worker.models.config import ModelConfig, ModelConfigError, canonic
 
 
 def layer_split(num_layers: int, pp_degree: int) -> list[range]:
-    """Contiguous layer ranges per stage. When PP does not divide the layers, the *first*
-    ``num_layers % pp`` stages get one extra layer each: the last stage already carries the
-    final norm and lm_head, so it is the one to keep light."""
+    """Contiguous layer ranges per stage. When PP does not divide the layers, the stages just
+    *before* the last get one extra layer each (vLLM's rule, which the planner's cost model
+    uses too): the last stage already carries the final norm and lm_head, stage 0 the embedding."""
     if pp_degree < 1 or pp_degree > num_layers:
         raise ModelConfigError(f"pp_degree={pp_degree} must be between 1 and num_hidden_layers={num_layers}")
     base, extra = divmod(num_layers, pp_degree)
+    sizes = [base] * pp_degree
+    for i in range(2, extra + 2):
+        sizes[-i] += 1
     ranges, start = [], 0
-    for stage in range(pp_degree):
-        n = base + (1 if stage < extra else 0)
+    for n in sizes:
         ranges.append(range(start, start + n))
         start += n
     return ranges

@@ -1,0 +1,213 @@
+"""The hardware a replica group runs on: nodes of GPUs, their memory, links and prices.
+
+All fields are SI base units (bytes, bytes/s, seconds, FLOP/s) and the YAML file uses the same
+names and units, so a topology file reads as what it is::
+
+    name: a100-80g-8x
+    gpus_per_node: 8
+    gpu_memory_bytes: 85899345920
+    intra_node_bandwidth_bytes_per_s: 6.0e+11
+    intra_node_latency_s: 1.0e-06
+    ...
+
+``intra_node_*`` describes the NVLink/NVSwitch domain (bus bandwidth per GPU and per-hop
+latency, the B and α of the ring all-reduce model); ``inter_node_*`` the network between nodes
+(InfiniBand, or TCP). ``reserve_bytes`` is held back on every GPU for the CUDA context,
+activations, NCCL buffers and allocator slack before weights and KV cache are placed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+class TopologyError(ValueError):
+    """A topology is unknown, malformed, or physically inconsistent."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One node type of the fleet and how its GPUs are connected."""
+
+    name: str
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    nvlink_domain_size: int
+    intra_node_bandwidth_bytes_per_s: float
+    intra_node_latency_s: float
+    inter_node_bandwidth_bytes_per_s: float
+    inter_node_latency_s: float
+    hbm_bandwidth_bytes_per_s: float
+    peak_dense_flops: float  # 16-bit (bf16/fp16) dense matmul, per GPU
+    peak_dense_flops_fp32: float
+    usd_per_gpu_hour: float
+    reserve_bytes: int = 3 * GIB
+    device: str = "gpu"  # "gpu", or "cpu" for a calibrated CPU host whose "GPUs" are ranks
+
+    def __post_init__(self) -> None:
+        positive_ints = ("gpus_per_node", "gpu_memory_bytes", "nvlink_domain_size")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise TopologyError(f"topology {self.name!r}: {name} must be a positive integer, got {value!r}")
+        positive_floats = (
+            "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
+            "hbm_bandwidth_bytes_per_s", "peak_dense_flops", "peak_dense_flops_fp32",
+        )
+        for name in positive_floats:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise TopologyError(f"topology {self.name!r}: {name} must be a positive number, got {value!r}")
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "usd_per_gpu_hour"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise TopologyError(f"topology {self.name!r}: {name} must be ≥ 0, got {value!r}")
+        if not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
+            raise TopologyError(
+                f"topology {self.name!r}: reserve_bytes must be a non-negative integer, got {self.reserve_bytes!r}"
+            )
+        if self.reserve_bytes >= self.gpu_memory_bytes:
+            raise TopologyError(
+                f"topology {self.name!r}: reserve_bytes {self.reserve_bytes} leaves nothing of "
+                f"gpu_memory_bytes {self.gpu_memory_bytes}"
+            )
+        if self.nvlink_domain_size > self.gpus_per_node:
+            # Multi-node NVLink (NVL72) is out of scope; a domain never spans nodes here.
+            raise TopologyError(
+                f"topology {self.name!r}: nvlink_domain_size {self.nvlink_domain_size} exceeds "
+                f"gpus_per_node {self.gpus_per_node}"
+            )
+        if self.device not in ("gpu", "cpu"):
+            raise TopologyError(f"topology {self.name!r}: device must be 'gpu' or 'cpu', got {self.device!r}")
+
+    def peak_flops(self, compute: str) -> float:
+        """Peak dense FLOP/s for a dtype's compute path ("16bit" or "fp32")."""
+        return self.peak_dense_flops_fp32 if compute == "fp32" else self.peak_dense_flops
+
+    def with_overrides(self, **overrides: Any) -> Topology:
+        """A copy with the given fields replaced (``None`` values are ignored)."""
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        if "gpus_per_node" in changes and "nvlink_domain_size" not in changes:
+            changes["nvlink_domain_size"] = min(self.nvlink_domain_size, changes["gpus_per_node"])
+        if changes:
+            changes.setdefault("name", f"{self.name}+custom")
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---- YAML ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "topology") -> Topology:
+        if not isinstance(data, dict):
+            raise TopologyError(f"{source}: expected a mapping of topology fields, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        # A calibrated file carries its raw measurements under `calibration`; the planner ignores them.
+        body = {k: v for k, v in data.items() if k != "calibration"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise TopologyError(f"{source}: unknown field(s) {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = sorted(required - set(body))
+        if missing:
+            raise TopologyError(f"{source}: missing field(s) {', '.join(missing)}")
+        values = dict(body)
+        for name in ("gpus_per_node", "gpu_memory_bytes", "nvlink_domain_size", "reserve_bytes"):
+            if name in values and isinstance(values[name], float) and values[name].is_integer():
+                values[name] = int(values[name])
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Topology:
+        p = Path(path)
+        try:
+            data = yaml.safe_load(p.read_text())
+        except OSError as exc:
+            raise TopologyError(f"cannot read topology file {p}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise TopologyError(f"{p} is not valid YAML: {exc}") from exc
+        return cls.from_dict(data, source=str(p))
+
+    def dump_yaml(self, *, calibration: dict[str, Any] | None = None) -> str:
+        data: dict[str, Any] = self.to_dict()
+        if calibration is not None:
+            data["calibration"] = calibration
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def save(self, path: str | Path, *, calibration: dict[str, Any] | None = None) -> None:
+        Path(path).write_text(self.dump_yaml(calibration=calibration))
+
+
+# Presets. Bandwidths are the figures engineers plan with: NVLink bus bandwidth per GPU and one
+# InfiniBand NIC per GPU (HDR 200 Gb/s ≈ 25 GB/s on A100 nodes, NDR 400 Gb/s ≈ 50 GB/s on H100/H200).
+# Per-hop latency: ~1 µs inside NVSwitch, ~5 µs across InfiniBand. Prices are on-demand-ish list
+# prices per GPU-hour; override with --usd-per-gpu-hour.
+PRESETS: dict[str, Topology] = {
+    t.name: t
+    for t in (
+        Topology(
+            name="a100-80g-8x",
+            gpus_per_node=8,
+            gpu_memory_bytes=80 * GIB,
+            nvlink_domain_size=8,
+            intra_node_bandwidth_bytes_per_s=600e9,
+            intra_node_latency_s=1.0e-6,
+            inter_node_bandwidth_bytes_per_s=25e9,
+            inter_node_latency_s=5.0e-6,
+            hbm_bandwidth_bytes_per_s=2.039e12,
+            peak_dense_flops=312e12,
+            peak_dense_flops_fp32=19.5e12,
+            usd_per_gpu_hour=2.80,
+        ),
+        Topology(
+            name="h100-80g-8x",
+            gpus_per_node=8,
+            gpu_memory_bytes=81559 * MIB,
+            nvlink_domain_size=8,
+            intra_node_bandwidth_bytes_per_s=900e9,
+            intra_node_latency_s=1.0e-6,
+            inter_node_bandwidth_bytes_per_s=50e9,
+            inter_node_latency_s=5.0e-6,
+            hbm_bandwidth_bytes_per_s=3.35e12,
+            peak_dense_flops=989e12,
+            peak_dense_flops_fp32=67e12,
+            usd_per_gpu_hour=4.00,
+        ),
+        Topology(
+            name="h200-141g-8x",
+            gpus_per_node=8,
+            gpu_memory_bytes=143771 * MIB,
+            nvlink_domain_size=8,
+            intra_node_bandwidth_bytes_per_s=900e9,
+            intra_node_latency_s=1.0e-6,
+            inter_node_bandwidth_bytes_per_s=50e9,
+            inter_node_latency_s=5.0e-6,
+            hbm_bandwidth_bytes_per_s=4.8e12,
+            peak_dense_flops=989e12,
+            peak_dense_flops_fp32=67e12,
+            usd_per_gpu_hour=4.50,
+        ),
+    )
+}
+
+
+def load_topology(spec: str) -> Topology:
+    """A preset name or a path to a topology YAML file."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if path.is_file():
+        return Topology.load(path)
+    raise TopologyError(f"unknown topology {spec!r}: expected a preset ({', '.join(PRESETS)}) or a YAML file")
+
+
+__all__ = ["GIB", "MIB", "PRESETS", "Topology", "TopologyError", "load_topology"]
