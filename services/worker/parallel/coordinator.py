@@ -73,7 +73,8 @@ class Coordinator:
                     break
         except RuntimeError as exc:  # gloo: timeout or closed connection; nccl: abort
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            error = (f"timed out after {timeout:g} s" if "imeout" in text else "failed") + f" ({text})"
+            timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+            error = (f"timed out after {timeout:g} s" if timed_out else "failed") + f" ({text})"
         duration_ms = (time.perf_counter() - t0) * 1e3
         if error is not None:
             error += f" after waiting {duration_ms / 1e3:.2f} s"
