@@ -1,0 +1,289 @@
+"""LLMEngine: the driver's loop — scheduler, steps across the group, streaming outputs.
+
+Runs on global rank 0. Each iteration it applies queued submissions and cancellations, asks the
+scheduler for a micro-batch, broadcasts the :class:`StepPlan` over the control group, runs its own
+shard of it, and hands sampled tokens back to the scheduler and to each request's stream. With
+PP > 1 up to PP micro-batches are in flight at once (the scheduler never puts a sequence in two),
+so stage 0 starts the next micro-batch while later stages still work on the previous ones; the
+last stage's samples come back over the result group in order. When there is nothing to do the
+driver broadcasts a heartbeat plan, so a dead rank is noticed within seconds even when idle.
+
+Threads: ``submit``/``abort`` may be called from any thread (gRPC handlers); everything else runs
+on the loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from services.common.errors import Unavailable
+from services.worker.engine.block_manager import BlockAllocator
+from services.worker.engine.detokenizer import IncrementalDetokenizer
+from services.worker.engine.kv_cache import KVCacheLayout
+from services.worker.engine.runner import IDLE_HEARTBEAT_S, StageRunner
+from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from services.worker.engine.sequence import FinishReason, InvalidRequest, SamplingParams, Sequence
+from services.worker.engine.step import SeqStep, StepPlan, StepResult
+from services.worker.parallel.coordinator import ShardGroupUnhealthy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    first_token_ns: int
+    total_ns: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: Exception
+    token_ids: list[int]
+
+
+class RequestHandle:
+    """A submitted request: its events arrive on ``events`` (TokenEvent…, then Finish or Error)."""
+
+    def __init__(self, engine: LLMEngine, seq: Sequence, request_id: str, tokenizer: Tokenizer | None) -> None:
+        self.engine = engine
+        self.seq = seq
+        self.request_id = request_id
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.detok = IncrementalDetokenizer(tokenizer, seq.sampling_params.stop) if tokenizer else None
+        self.submitted_ns = time.monotonic_ns()
+        self.first_token_ns = 0
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    def cancel(self) -> None:
+        self.engine.abort(self.seq_id)
+
+    def __iter__(self):
+        while True:
+            event = self.events.get()
+            yield event
+            if not isinstance(event, TokenEvent):
+                return
+
+
+class LLMEngine:
+    def __init__(self, runner: StageRunner, layout: KVCacheLayout, *, tokenizer: Tokenizer | None,
+                 scheduler_config: SchedulerConfig) -> None:
+        self.runner = runner
+        self.layout = layout
+        self.tokenizer = tokenizer
+        cfg = runner.rt.plan.config
+        self.scheduler = Scheduler(BlockAllocator(layout.num_blocks, layout.block_size), scheduler_config,
+                                   eos_token_ids=cfg.eos_token_ids)
+        self.coordinator = runner.rt.coordinator
+        self.groups = runner.rt.groups
+        self.max_in_flight = self.groups.pp_degree
+        self._in_flight: collections.deque[StepPlan] = collections.deque()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._requests: dict[int, RequestHandle] = {}
+        self._seq_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.failure: Exception | None = None
+        self.draining = False
+        self.stopped = False
+        self._token_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self.step_times_s: collections.deque[float] = collections.deque(maxlen=4096)
+
+    # -- any thread -----------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "") -> RequestHandle:
+        """Validate and queue a request. Raises InvalidRequest (bad field, too long) or
+        Unavailable (group failed, draining) at once; nothing is queued then."""
+        if self.failure is not None:
+            raise Unavailable(f"replica group {self.coordinator.replica_group_id} is unhealthy: {self.failure}")
+        if self.draining or self.stopped:
+            raise Unavailable(f"replica group {self.coordinator.replica_group_id} is draining")
+        vocab = self.runner.rt.plan.config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params)
+        self.scheduler.check_request(seq)
+        handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", self.tokenizer)
+        with self._lock:
+            self._requests[seq.seq_id] = handle
+        self._commands.put(("add", seq))
+        self._wakeup.set()
+        return handle
+
+    def abort(self, seq_id: int) -> None:
+        self._commands.put(("abort", seq_id))
+        self._wakeup.set()
+
+    def stats(self) -> dict:
+        alloc = self.scheduler.allocator
+        used = alloc.num_used_blocks
+        now = time.monotonic()
+        recent = [t for t in list(self._token_times) if now - t <= 5.0]
+        return {
+            "kv_bytes_used": self.layout.bytes_for_blocks(used),
+            "kv_bytes_capacity": self.layout.capacity_bytes,
+            "kv_bytes_per_token": self.layout.bytes_per_token,
+            "blocks_total": alloc.num_blocks,
+            "blocks_free": alloc.num_free_blocks,
+            "blocks_used": used,
+            "block_size": alloc.block_size,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "tokens_per_s": len(recent) / 5.0,
+            "max_model_len": self.scheduler.max_tokens_supported(),
+            "draining": self.draining,
+        }
+
+    @property
+    def in_flight_requests(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    # -- loop thread ----------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set (then tell the other ranks to stop) or the group fails."""
+        try:
+            while not stop.is_set():
+                if not self.step():
+                    self._wakeup.wait(IDLE_HEARTBEAT_S)
+                    self._wakeup.clear()
+                    if self._commands.empty() and not stop.is_set():
+                        self.coordinator.broadcast_object(StepPlan(-1, "idle"))
+            self.shutdown()
+        except ShardGroupUnhealthy as exc:
+            self._fail(exc)
+
+    def run_until_done(self) -> None:
+        """Step until every submitted request has finished (CLI, tests, benchmarks)."""
+        try:
+            while True:
+                progressed = self.step()
+                with self._lock:
+                    pending = bool(self._requests)
+                if not pending and not self._in_flight:
+                    return
+                if not progressed:
+                    self._wakeup.wait(0.01)
+                    self._wakeup.clear()
+        except ShardGroupUnhealthy as exc:
+            self._fail(exc)
+            raise
+
+    def shutdown(self) -> None:
+        if not self.stopped and self.failure is None:
+            self.stopped = True
+            self.coordinator.broadcast_object(StepPlan(-1, "stop"))
+
+    def step(self) -> bool:
+        """One iteration; False when there was nothing to do."""
+        self._apply_commands()
+        if len(self._in_flight) < self.max_in_flight:
+            out = self.scheduler.schedule()
+            if not out.is_empty:
+                plan = self._plan_of(out)
+                t0 = time.perf_counter()
+                self.coordinator.broadcast_object(plan)
+                result = self.runner.execute(plan)
+                if self.groups.last_stage_leader == 0:
+                    self.step_times_s.append(time.perf_counter() - t0)
+                    self._apply_result(plan, result)
+                else:
+                    self._in_flight.append(plan)
+                return True
+        if self._in_flight:
+            result: StepResult = self.coordinator.recv_object(src=self.groups.last_stage_leader)
+            plan = self._in_flight.popleft()
+            assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
+            self._apply_result(plan, result)
+            return True
+        return False
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                with self._lock:
+                    alive = arg.seq_id in self._requests
+                if alive:
+                    self.scheduler.add(arg)
+            elif kind == "abort":
+                self.scheduler.abort(arg)
+                with self._lock:
+                    self._requests.pop(arg, None)
+
+    def _plan_of(self, out: SchedulerOutput) -> StepPlan:
+        steps = []
+        for s in out.scheduled:
+            seq = self.scheduler.get(s.seq_id)
+            p = seq.sampling_params
+            steps.append(SeqStep(s.seq_id, s.token_ids, s.positions, s.slot_mapping, s.block_table, s.context_len,
+                                 s.do_sample, p.temperature, p.top_p, p.top_k, p.seed, seq.num_output_tokens,
+                                 p.logprobs))
+        return StepPlan(out.step_id, "run", steps)
+
+    def _apply_result(self, plan: StepPlan, result: StepResult) -> None:
+        sampled = {s.seq_id: None for s in plan.seqs}
+        logprobs = {}
+        by_seq = {}
+        for tok in result.sampled:
+            sampled[tok.seq_id] = tok.token_id
+            logprobs[tok.seq_id] = tok.logprob
+            by_seq[tok.seq_id] = tok
+        finished = {seq.seq_id: seq for seq in self.scheduler.on_step_done(sampled, logprobs)}
+        now_ns = time.monotonic_ns()
+        for seq_id, tok in by_seq.items():
+            with self._lock:
+                handle = self._requests.get(seq_id)
+            if handle is None:
+                continue  # cancelled while in flight
+            self._token_times.append(time.monotonic())
+            if not handle.first_token_ns:
+                handle.first_token_ns = now_ns
+            text, stopped = handle.detok.push(tok.token_id) if handle.detok else ("", False)
+            if stopped and seq_id not in finished:
+                seq = self.scheduler.finish(seq_id, FinishReason.STOP_SEQUENCE)
+                if seq is not None:
+                    finished[seq_id] = seq
+            handle.events.put(TokenEvent(tok.token_id, text, tok.logprob, tok.top_logprobs))
+            if seq_id in finished:
+                seq = finished[seq_id]
+                with self._lock:
+                    self._requests.pop(seq_id, None)
+                handle.events.put(FinishEvent(
+                    seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
+                    handle.detok.text if handle.detok else "",
+                    handle.first_token_ns - handle.submitted_ns, now_ns - handle.submitted_ns))
+
+    def _fail(self, exc: Exception) -> None:
+        self.failure = exc
+        log.error("engine stopped: %s", exc)
+        with self._lock:
+            handles, self._requests = list(self._requests.values()), {}
+        for handle in handles:
+            handle.events.put(ErrorEvent(Unavailable(str(exc)), list(handle.seq.output_token_ids)))

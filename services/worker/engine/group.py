@@ -1,0 +1,96 @@
+"""Starting a serving replica group: every rank builds its runner; the driver builds the engine.
+
+``EngineSpec`` is what each rank needs (picklable, it crosses the spawn). The driver then either
+serves (``shardline serve worker``) or runs a batch of requests to completion (``shardline
+generate``, tests, benchmarks); every other rank runs :func:`follower_loop` until told to stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from services.worker.engine.engine import ErrorEvent, FinishEvent, LLMEngine, TokenEvent
+from services.worker.engine.kv_cache import CacheConfig, KVCacheLayout
+from services.worker.engine.runner import StageRunner, follower_loop
+from services.worker.engine.scheduler import SchedulerConfig
+from services.worker.engine.sequence import SamplingParams
+from services.worker.runtime import RankRuntime, RankSpec
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB per rank on CPU; GPUs default to the plan's 20 GiB
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    rank: RankSpec
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(kv_cache_bytes=CPU_DEFAULT_KV_CACHE_BYTES))
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def scheduler_config(self, layout: KVCacheLayout, max_position: int) -> SchedulerConfig:
+        max_len = min(self.max_model_len or max_position, max_position)
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
+                               max_model_len=max_len)
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer | None:
+    path = Path(model_dir) / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.exists() else None
+
+
+def start_rank(spec: EngineSpec, rank: int) -> tuple[StageRunner, KVCacheLayout]:
+    rt = RankRuntime.start(spec.rank, rank)
+    layout = KVCacheLayout.for_plan(rt.plan, spec.cache)
+    runner = StageRunner(rt, num_blocks=layout.num_blocks, block_size=layout.block_size)
+    return runner, layout
+
+
+def build_engine(spec: EngineSpec, runner: StageRunner, layout: KVCacheLayout) -> LLMEngine:
+    cfg = runner.rt.plan.config
+    return LLMEngine(runner, layout, tokenizer=load_tokenizer(spec.rank.model_dir),
+                     scheduler_config=spec.scheduler_config(layout, cfg.max_position_embeddings))
+
+
+@dataclass
+class Completion:
+    """One finished request, as ``shardline generate --json`` prints it."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str
+    prompt_tokens: int
+
+    def to_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "logprobs": self.logprobs,
+                "finish_reason": self.finish_reason}
+
+
+def generate_rank(rank: int, world_size: int, spec: EngineSpec, prompts: list[list[int]],
+                  params: list[SamplingParams]) -> list[Completion] | None:
+    """Rank entry point: run ``prompts`` to completion as one batch; the driver returns them."""
+    runner, layout = start_rank(spec, rank)
+    if rank != 0:
+        follower_loop(runner)
+        return None
+    engine = build_engine(spec, runner, layout)
+    handles = [engine.submit(ids, p) for ids, p in zip(prompts, params, strict=True)]
+    engine.run_until_done()
+    engine.shutdown()
+    return [collect(handle) for handle in handles]
+
+
+def collect(handle) -> Completion:
+    ids, logprobs = [], []
+    while True:
+        event = handle.events.get_nowait()
+        if isinstance(event, TokenEvent):
+            ids.append(event.token_id)
+            logprobs.append(event.logprob)
+        elif isinstance(event, FinishEvent):
+            return Completion(ids, event.text, logprobs, event.reason.value, event.prompt_tokens)
+        elif isinstance(event, ErrorEvent):
+            raise event.error

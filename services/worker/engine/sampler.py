@@ -1,0 +1,198 @@
+"""Token sampling from a batch of logits with per-row parameters.
+
+For each row (one sequence's last position), in float32:
+
+- ``temperature == 0``: greedy, ``argmax(logits)`` (first index on ties).
+- otherwise ``z = logits / temperature``; top-k keeps the ``k`` largest ``z`` (0 = all); top-p
+  (nucleus) then keeps the smallest prefix of the remaining tokens, sorted by probability, whose
+  cumulative probability ``softmax(z)`` reaches ``top_p``; the token is drawn from the
+  renormalised kept set. The draw is an exponential race, ``argmax(p_i / q_i)`` with
+  ``q_i ~ Exp(1)``, which picks ``i`` with probability ``p_i``.
+
+Reproducibility: a row whose request has a ``seed`` draws its ``q`` from its own
+``torch.Generator`` seeded with ``mix(seed, n)``, ``n`` being the number of tokens the request
+has generated so far. The token drawn therefore depends only on the row's logits, its
+parameters, its seed and ``n``: the same request gives the same tokens alone or in any batch,
+and after a preemption (recompute) as well. Rows without a seed share the sampler's generator.
+
+Logprobs are *raw*: ``log_softmax`` of the unmodified logits, before temperature, top-k or top-p
+(vLLM's default ``logprobs_mode="raw_logprobs"``). Each row gets the sampled token's logprob and,
+when its request asks for ``logprobs = k > 0``, the ``k`` most likely tokens with theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.worker.engine.sequence import SamplingParams
+
+_MASK64 = 2**64 - 1
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (request seed, tokens generated so far): splitmix64 of
+    ``seed + (step + 1) * golden``. Distinct steps of one seed give unrelated streams."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class SamplingRow(Protocol):
+    """What the sampler needs to know about one row. ``StepPlan``'s per-sequence entries carry
+    these fields; ``Sampler.__call__`` builds them from ``SamplingParams``."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def num_generated(self) -> int: ...  # tokens the request generated before this one
+    @property
+    def top_logprobs(self) -> int: ...  # alternatives to return (SamplingParams.logprobs)
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """A ``SamplingRow`` built from a request's ``SamplingParams``."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    num_generated: int
+    top_logprobs: int
+
+    @classmethod
+    def of(cls, params: SamplingParams, num_generated: int) -> RowParams:
+        return cls(params.temperature, params.top_p, params.top_k, params.seed, num_generated,
+                   params.logprobs)
+
+
+@dataclass
+class SampleResult:
+    """Per row: the chosen token, its raw logprob, and ``[(token_id, logprob), ...]`` best
+    first (empty when the row asked for no top logprobs). Iterating yields one
+    ``(token_id, logprob, top_logprobs)`` tuple per row."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+    def __iter__(self) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
+        return iter(zip(self.token_ids, self.logprobs, self.top_logprobs, strict=True))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class SamplerError(ValueError):
+    """Logits and per-row parameters do not match."""
+
+
+class Sampler:
+    """Stateless apart from the generator used by rows without a seed."""
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
+                 num_generated: Seq[int]) -> SampleResult:
+        """``logits``: float32 ``[n, vocab]``; ``params[i]`` and ``num_generated[i]`` (tokens
+        row i's request has generated so far) describe row i."""
+        if len(params) != len(num_generated):
+            raise SamplerError(f"got {len(params)} params but {len(num_generated)} num_generated")
+        return self.sample(logits, [RowParams.of(p, n) for p, n in zip(params, num_generated, strict=True)])
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Seq[SamplingRow]) -> SampleResult:
+        """``logits``: float32 ``[n, vocab]``; ``rows[i]`` describes row i."""
+        if logits.dim() != 2:
+            raise SamplerError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
+        n, vocab = logits.shape
+        if len(rows) != n:
+            raise SamplerError(f"logits have {n} rows but got {len(rows)} sampling rows")
+        if n == 0:
+            return SampleResult([], [], [])
+        logits = logits.float()
+        device = logits.device
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        token_ids = logits.argmax(dim=-1)
+        sampled_rows = [i for i, r in enumerate(rows) if r.temperature != 0]
+        if sampled_rows:
+            index = torch.tensor(sampled_rows, device=device)
+            probs = self._filtered_probs(logits[index], [rows[i] for i in sampled_rows], vocab)
+            q = torch.empty_like(probs)
+            shared = self._shared_generator(device)
+            for j, i in enumerate(sampled_rows):
+                seed = rows[i].seed
+                gen = shared
+                if seed is not None:
+                    gen = torch.Generator(device=device)
+                    gen.manual_seed(mix_seed(seed, rows[i].num_generated))
+                q[j].exponential_(generator=gen)
+            # q may (rarely) be 0: clamp so masked tokens (p = 0) stay at 0, never 0/0
+            token_ids[index] = (probs / q.clamp_min_(1e-30)).argmax(dim=-1)
+
+        chosen = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        k_max = min(max(r.top_logprobs for r in rows), vocab)
+        if k_max > 0:
+            values, indices = raw_logprobs.topk(k_max, dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+            for i, r in enumerate(rows):
+                k = min(r.top_logprobs, vocab)
+                top[i] = list(zip(indices[i][:k], values[i][:k], strict=True))
+        return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: Seq[SamplingRow], vocab: int) -> torch.Tensor:
+        """Probabilities after temperature, top-k and top-p, renormalised; [rows, vocab].
+
+        Which computation a row goes through depends on its own parameters only (never on the
+        rest of the batch), so a row's probabilities are bit-identical alone or batched."""
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if not filtered:
+            return probs
+        rows = torch.tensor(filtered, device=logits.device)
+        z = logits[rows] / temps[rows][:, None]
+        top_ks = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in filtered]
+        # top_p = 1 means off: a threshold above 1 is never reached, even by a rounded cumsum
+        top_ps = [params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in filtered]
+        # sort once, descending and stable (ties keep the lower token id first, as argmax does)
+        z_sorted, order = z.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=z.device)[None, :]
+        k = torch.tensor(top_ks, device=z.device)[:, None]
+        z_sorted = z_sorted.masked_fill(rank >= k, float("-inf"))
+        p_sorted = torch.softmax(z_sorted, dim=-1)
+        top_p = torch.tensor(top_ps, dtype=p_sorted.dtype, device=z.device)[:, None]
+        # drop a token when the tokens before it already reach top_p; the first always stays
+        before = p_sorted.cumsum(dim=-1) - p_sorted
+        p_sorted = p_sorted.masked_fill((before >= top_p) & (rank > 0), 0.0)
+        p_sorted = p_sorted / p_sorted.sum(dim=-1, keepdim=True)
+        probs[rows] = torch.zeros_like(p_sorted).scatter_(-1, order, p_sorted)
+        return probs

@@ -1,0 +1,399 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Pure Python: no torch, no torch.distributed, no gRPC. The driver calls ``schedule()`` to get
+one step's (micro-batch's) work, runs it across the replica group, and reports the sampled
+tokens with ``on_step_done``.
+
+Priority is arrival order: both queues are kept sorted by ``Sequence.arrival`` (the oldest
+first), and an older sequence is never preempted for a newer one. Each ``schedule()``:
+
+1. **Decodes.** Every running sequence with exactly one uncomputed token (its last sampled
+   token) gets one slot, oldest first. If it needs a new block and none is free, the *newest*
+   running sequence that is newer than it (and not in flight, not already in this step) is
+   preempted: its blocks are freed and it goes back to the waiting queue, ahead of every
+   later arrival, with its generated tokens kept, to be prefilled again (prompt + outputs so
+   far, "recompute") when it is re-admitted. If no newer sequence can be preempted now
+   because the newer ones are in flight or already in this step, the sequence waits for a
+   later step, keeping its blocks; if there is no newer running sequence at all, the
+   sequence itself is the newest and is the one preempted.
+2. **Unfinished prefills.** Running sequences admitted with only part of their prompt get
+   their next chunk, within the remaining token budget (same preemption rule).
+3. **Admission.** Unless something was preempted or had to wait for blocks this step, waiting
+   sequences are admitted in order (first come, first served: a sequence that does not fit
+   blocks those behind it) while the token budget, free blocks and ``max_num_seqs`` allow. A
+   prompt longer than the remaining budget is admitted with a first chunk and continues in
+   later steps (chunked prefill), so long prompts never stall running decodes.
+
+Liveness: the oldest running sequence is never preempted (only newer ones are victims, and it
+preempts itself only when no other sequence runs, when its blocks always fit since
+``check_request`` bounds every request by the whole cache). It waits only while newer
+sequences are in flight or decoding, and those finish or give way, so every request completes.
+
+Invariants:
+
+- the tokens of one step never exceed ``max_batched_tokens``; running sequences never exceed
+  ``max_num_seqs``;
+- a scheduled sequence is *in flight* until ``on_step_done`` reports it; an in-flight sequence
+  is neither scheduled again nor preempted, so with pipeline parallelism several micro-batches
+  can be in flight and no two of them contain the same sequence;
+- every running sequence holds exactly the blocks for its scheduled tokens; waiting and
+  finished sequences hold none.
+
+Abort/finish frees blocks at once, even for an in-flight sequence: each pipeline stage runs
+micro-batches in order, so a block handed to a later micro-batch is written at each stage only
+after the earlier micro-batch is done with it there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from services.worker.engine.block_manager import BlockAllocator
+from services.worker.engine.sequence import FinishReason, InvalidRequest, Sequence, SequenceStatus
+
+
+class SchedulerError(RuntimeError):
+    """The caller broke the scheduler's protocol (e.g. reported a sequence not in flight)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits. ``max_batched_tokens`` is the per-step token budget shared by decodes
+    and prefill chunks; ``max_model_len`` caps prompt + max_tokens."""
+
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: run ``token_ids`` at ``positions`` writing KV to
+    ``slot_mapping``; attend over ``context_len`` tokens through ``block_table``. When
+    ``do_sample`` the chunk completes the prefill (or is a decode) and the logits of its last
+    token are sampled."""
+
+    seq_id: int
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_table: list[int]
+    do_sample: bool
+    context_len: int
+
+    @property
+    def query_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.context_len > 1
+
+
+@dataclass
+class SchedulerOutput:
+    """One step (one micro-batch). Decodes come first, then prefill chunks."""
+
+    step_id: int
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [s.seq_id for s in self.scheduled]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.query_len for s in self.scheduled)
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [s.query_len for s in self.scheduled]
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [s.context_len for s in self.scheduled]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All sequences' tokens, concatenated in ``scheduled`` order."""
+        return [t for s in self.scheduled for t in s.token_ids]
+
+    @property
+    def positions(self) -> list[int]:
+        return [p for s in self.scheduled for p in s.positions]
+
+    @property
+    def slot_mapping(self) -> list[int]:
+        return [x for s in self.scheduled for x in s.slot_mapping]
+
+    def block_tables(self) -> list[list[int]]:
+        """Block tables padded with 0 to the longest (``AttentionMetadata.block_tables``)."""
+        width = max((len(s.block_table) for s in self.scheduled), default=0)
+        return [s.block_table + [0] * (width - len(s.block_table)) for s in self.scheduled]
+
+    @property
+    def sample_seq_ids(self) -> list[int]:
+        """Sequences whose last token's logits are sampled this step, in ``scheduled`` order."""
+        return [s.seq_id for s in self.scheduled if s.do_sample]
+
+    @property
+    def sample_indices(self) -> list[int]:
+        """Row of each sampled sequence's last token in the flattened batch."""
+        rows, end = [], 0
+        for s in self.scheduled:
+            end += s.query_len
+            if s.do_sample:
+                rows.append(end - 1)
+        return rows
+
+
+class Scheduler:
+    """Waiting and running queues over one ``BlockAllocator``; see the module docstring."""
+
+    def __init__(self, allocator: BlockAllocator, config: SchedulerConfig | None = None, *,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self.allocator = allocator
+        self.config = config or SchedulerConfig()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self._seqs: dict[int, Sequence] = {}  # waiting + running
+        self._in_flight: dict[int, ScheduledSequence] = {}
+        self._dropped_in_flight: set[int] = set()  # finished while in flight; ignore their report
+        self._next_arrival = 0
+        self._next_step = 0
+
+    # ---- queries ----------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        return frozenset(self._in_flight)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The waiting or running sequence with this id (None once finished)."""
+        return self._seqs.get(seq_id)
+
+    def max_tokens_supported(self) -> int:
+        """The longest prompt + max_tokens a request may have here."""
+        kv_tokens = self.allocator.capacity_tokens + 1  # the last sampled token is never cached
+        return min(self.config.max_model_len, kv_tokens)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def check_request(self, seq: Sequence) -> None:
+        """Raise ``InvalidRequest`` if the request can never run here (numbers in the message).
+
+        The KV need is prompt + max_tokens - 1 tokens: the last sampled token's KV is never
+        written, because the sequence finishes as soon as it is sampled.
+        """
+        p, m = seq.num_prompt_tokens, seq.sampling_params.max_tokens
+        if p + m > self.config.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({p} tokens) + max_tokens ({m}) = {p + m} exceeds the maximum context "
+                f"length max_model_len={self.config.max_model_len}")
+        kv_tokens = p + m - 1
+        blocks = self.allocator.blocks_needed(kv_tokens)
+        if blocks > self.allocator.num_blocks:
+            raise InvalidRequest(
+                f"prompt ({p} tokens) + max_tokens ({m}) needs KV cache for {kv_tokens} tokens "
+                f"({blocks} blocks of {self.allocator.block_size}), but the KV cache holds "
+                f"{self.allocator.num_blocks} blocks ({self.allocator.capacity_tokens} tokens)")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request at the back of the waiting queue (after ``check_request``)."""
+        if seq.seq_id in self._seqs or seq.seq_id in self._dropped_in_flight:
+            raise InvalidRequest(f"seq_id {seq.seq_id} is already in use")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
+            raise InvalidRequest(f"sequence {seq.seq_id} must be new (WAITING, nothing computed), "
+                                 f"got {seq.status.name} with {seq.num_computed_tokens} computed")
+        self.check_request(seq)
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
+        """End a waiting or running sequence now (stop string, cancel), freeing its blocks.
+        Returns it, or None if it is unknown or already finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        self._finish(seq, reason)
+        return seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancel a request wherever it is; its blocks are free when this returns."""
+        return self.finish(seq_id, FinishReason.CANCELLED)
+
+    # ---- stepping ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (micro-batch) from the sequences not already in flight."""
+        out = SchedulerOutput(step_id=self._next_step)
+        self._next_step += 1
+        budget = self.config.max_batched_tokens
+        scheduled_ids: set[int] = set()
+        blocked = False  # a running sequence preempted or waited for blocks: admit nobody
+
+        for decodes in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if (seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._in_flight
+                        or seq.seq_id in scheduled_ids):
+                    continue  # preempted as a victim earlier in this loop, or busy
+                remaining = seq.num_uncomputed_tokens
+                if (remaining == 1) != decodes:
+                    continue
+                n = min(remaining, budget)
+                if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
+                    blocked = True
+                    continue
+                self._emit(seq, n, out, scheduled_ids)
+                budget -= n
+
+        if not blocked and not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                n = min(seq.num_tokens, budget)  # waiting sequences have nothing computed
+                if not self.allocator.can_allocate(n):
+                    break
+                self.allocator.allocate(seq.seq_id, n)
+                self.waiting.popleft()
+                _insert_by_arrival(self.running, seq)
+                seq.status = SequenceStatus.RUNNING
+                self._emit(seq, n, out, scheduled_ids)
+                budget -= n
+        return out
+
+    def on_step_done(self, sampled: Mapping[int, int | None],
+                     logprobs: Mapping[int, float] | None = None) -> list[Sequence]:
+        """Report a finished step: ``sampled`` maps every seq_id of that step's output to its
+        sampled token (None for a prefill chunk that did not sample); ``logprobs`` optionally
+        gives each sampled token's logprob. Appends the tokens, applies max_tokens, EOS (unless
+        ignore_eos), stop_token_ids and max_model_len, frees finished sequences' blocks, and
+        returns the sequences that finished."""
+        finished: list[Sequence] = []
+        for seq_id, token in sampled.items():
+            chunk = self._in_flight.pop(seq_id, None)
+            if chunk is None:
+                if seq_id in self._dropped_in_flight:
+                    self._dropped_in_flight.discard(seq_id)
+                    continue
+                raise SchedulerError(f"sequence {seq_id} is not in flight; in flight: {sorted(self._in_flight)}")
+            if chunk.do_sample != (token is not None):
+                self._in_flight[seq_id] = chunk
+                want = "a sampled token" if chunk.do_sample else "None (prefill chunk without sampling)"
+                raise SchedulerError(f"sequence {seq_id}: expected {want}, got {token!r}")
+            seq = self._seqs[seq_id]
+            seq.num_computed_tokens = chunk.context_len
+            if token is None:
+                continue
+            seq.output_token_ids.append(token)
+            if logprobs is not None and seq_id in logprobs:
+                seq.output_logprobs.append(logprobs[seq_id])
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.sampling_params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.EOS_TOKEN
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _make_room(self, seq: Sequence, total_tokens: int, scheduled_ids: set[int],
+                   out: SchedulerOutput) -> bool:
+        """Grow ``seq``'s blocks to ``total_tokens``, preempting newer running sequences (the
+        newest first) while blocks are short. False if ``seq`` cannot run this step: it was
+        preempted itself, or it waits (keeping its blocks) for busy newer sequences."""
+        while not self.allocator.can_grow(seq.seq_id, total_tokens):
+            newer = [s for s in self.running if s.arrival > seq.arrival]
+            victims = [s for s in newer if s.seq_id not in self._in_flight and s.seq_id not in scheduled_ids]
+            if victims:
+                self._preempt(victims[-1], out)
+            elif newer:
+                return False  # newer sequences hold blocks but are busy: wait for them
+            else:
+                self._preempt(seq, out)
+                return False
+        self.allocator.ensure_capacity(seq.seq_id, total_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.allocator.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        _insert_by_arrival(self.waiting, seq)
+        out.preempted.append(seq.seq_id)
+
+    def _emit(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled_ids: set[int]) -> None:
+        start = seq.num_computed_tokens
+        stop = start + n
+        chunk = ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids_slice(start, stop),
+            positions=list(range(start, stop)),
+            slot_mapping=self.allocator.slots(seq.seq_id, start, stop),
+            block_table=self.allocator.block_table(seq.seq_id),
+            do_sample=stop == seq.num_tokens,
+            context_len=stop,
+        )
+        out.scheduled.append(chunk)
+        scheduled_ids.add(seq.seq_id)
+        self._in_flight[seq.seq_id] = chunk
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.allocator:
+            self.allocator.free(seq.seq_id)
+        if self._in_flight.pop(seq.seq_id, None) is not None:
+            self._dropped_in_flight.add(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+
+
+def _insert_by_arrival(queue: deque[Sequence], seq: Sequence) -> None:
+    """Insert keeping ``queue`` sorted by arrival (a new arrival simply goes to the back)."""
+    if not queue or queue[-1].arrival < seq.arrival:
+        queue.append(seq)
+        return
+    index = next(i for i, other in enumerate(queue) if other.arrival > seq.arrival)
+    queue.insert(index, seq)

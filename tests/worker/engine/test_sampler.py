@@ -1,0 +1,157 @@
+"""Sampler: greedy, top-k/top-p limits, seeded reproducibility alone vs batched, raw logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.worker.engine.sampler import RowParams, Sampler, SamplerError, mix_seed
+from services.worker.engine.sequence import SamplingParams
+
+VOCAB = 300
+
+
+def logits_batch(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, VOCAB, generator=g) * 3
+
+
+def test_greedy_is_argmax_with_raw_logprobs() -> None:
+    logits = logits_batch(5)
+    out = Sampler()(logits, [SamplingParams(temperature=0)] * 5, [0] * 5)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).max(-1).values.tolist()
+    assert out.logprobs == pytest.approx(expected, abs=0)
+    assert out.top_logprobs == [[]] * 5
+
+
+def test_greedy_ties_take_the_lowest_id() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, [7, 3, 9]] = 5.0
+    assert Sampler()(logits, [SamplingParams(temperature=0)], [0]).token_ids == [3]
+    assert Sampler(seed=1)(logits, [SamplingParams(temperature=0.7, top_k=1)], [0]).token_ids == [3]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.3, top_k=1),
+    SamplingParams(temperature=2.0, top_p=1e-6),
+    SamplingParams(temperature=0.9, top_k=1, seed=5),
+    SamplingParams(temperature=5.0, top_k=50, top_p=1e-9, seed=7),
+])
+def test_top_k_one_and_tiny_top_p_equal_greedy(params: SamplingParams) -> None:
+    logits = logits_batch(8, seed=3)
+    for step in range(3):
+        out = Sampler(seed=step)(logits, [params] * 8, [step] * 8)
+        assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_request_is_the_same_alone_and_batched() -> None:
+    sampler = Sampler(seed=123)
+    mine = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=42)
+    others = [SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.5, top_p=0.5, seed=9), SamplingParams(temperature=1.0, top_k=3)]
+    row = logits_batch(1, seed=11)
+    alone = [Sampler()(row, [mine], [n]).token_ids[0] for n in range(20)]
+    for n in range(20):
+        batch = torch.cat([logits_batch(2, seed=n), row, logits_batch(2, seed=100 + n)])
+        params = [others[0], others[1], mine, others[2], others[3]]
+        out = sampler(batch, params, [5, 0, n, 3, 1])
+        assert out.token_ids[2] == alone[n]
+    assert len(set(alone)) > 1  # it really samples: different steps, different tokens
+
+
+def test_seeded_sampling_repeats_and_seeds_differ() -> None:
+    logits = logits_batch(1, seed=2)
+    draw = lambda seed: [Sampler()(logits, [SamplingParams(seed=seed)], [n]).token_ids[0]  # noqa: E731
+                         for n in range(30)]
+    assert draw(1) == draw(1)
+    assert draw(1) != draw(2)
+
+
+def test_sampled_distribution_matches_the_softmax() -> None:
+    """Fixed seed, 4000 draws over 4 tokens with p = softmax(logits / T): frequencies within
+    4 standard errors, and top-p / top-k cut exactly the tokens they should."""
+    base = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    n = 4000
+    logits = base.repeat(n, 1)
+    params = [SamplingParams(temperature=0.8)] * n
+    out = Sampler(seed=0)(logits, params, [0] * n)
+    p = torch.softmax(base / 0.8, -1)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
+    se = (p * (1 - p) / n).sqrt()
+    assert ((counts - p).abs() <= 4 * se).all(), (counts, p)
+    # top_p = 0.8: sorted probs at T=0.8 are ~[0.64, 0.18, 0.097, 0.015]: keep the first two
+    out = Sampler(seed=0)(logits, [SamplingParams(temperature=0.8, top_p=0.8)] * n, [0] * n)
+    kept = p[:2] / p[:2].sum()
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
+    assert counts[2:].sum() == 0
+    assert abs(counts[0] - kept[0]) <= 4 * math.sqrt(kept[0] * (1 - kept[0]) / n)
+    # top_k = 3 never picks the least likely token
+    out = Sampler(seed=0)(logits, [SamplingParams(temperature=5.0, top_k=3)] * n, [0] * n)
+    assert 3 not in out.token_ids and set(out.token_ids) == {0, 1, 2}
+
+
+def test_top_p_keeps_smallest_set_reaching_the_threshold() -> None:
+    # probabilities exactly 0.5, 0.25, 0.125, 0.125 (T = 1)
+    logits = torch.log(torch.tensor([[0.125, 0.5, 0.125, 0.25]]))
+    probs = Sampler._filtered_probs(logits, [SamplingParams(top_p=0.75)], 4)
+    assert probs.tolist() == [[0.0, pytest.approx(2 / 3), 0.0, pytest.approx(1 / 3)]]
+    probs = Sampler._filtered_probs(logits, [SamplingParams(top_p=0.76)], 4)
+    assert probs[0, [1, 3]].sum() < 1 and (probs[0] > 0).sum() == 3
+    probs = Sampler._filtered_probs(logits, [SamplingParams(top_p=0.5)], 4)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_logprobs_are_raw_and_best_first() -> None:
+    logits = logits_batch(3, seed=4)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=2.0, seed=1),
+              SamplingParams(temperature=0.5, logprobs=5, seed=2)]
+    out = Sampler()(logits, params, [0, 0, 0])
+    raw = torch.log_softmax(logits, -1)
+    for i, k in ((0, 3), (2, 5)):
+        values, ids = raw[i].topk(k)
+        assert out.top_logprobs[i] == list(zip(ids.tolist(), values.tolist(), strict=True))
+    assert out.top_logprobs[1] == []
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == raw[i, tok].item()  # raw: temperature does not change them
+
+
+def test_mismatched_inputs_are_rejected() -> None:
+    with pytest.raises(SamplerError, match="got 1 params but 2 num_generated"):
+        Sampler()(logits_batch(2), [SamplingParams()], [0, 0])
+    with pytest.raises(SamplerError, match="logits have 2 rows but got 1 sampling rows"):
+        Sampler()(logits_batch(2), [SamplingParams()], [0])
+    with pytest.raises(SamplerError, match=r"logits must be \[n, vocab\], got shape \(300,\)"):
+        Sampler()(torch.zeros(VOCAB), [], [])
+    assert Sampler()(torch.zeros(0, VOCAB), [], []).token_ids == []
+
+
+def test_mix_seed_is_deterministic_and_in_range() -> None:
+    assert mix_seed(42, 0) == mix_seed(42, 0)
+    values = {mix_seed(s, n) for s in (0, 1, 2**64 - 1) for n in range(50)}
+    assert len(values) == 150
+    assert all(0 <= v < 2**63 for v in values)
+
+
+def test_sample_takes_step_rows_and_iterates_as_tuples() -> None:
+    """``sample`` reads the per-row fields the driver's step plan carries; same draws as
+    ``__call__`` with the request's SamplingParams."""
+    from services.worker.engine.step import SeqStep
+
+    logits = logits_batch(3, seed=8)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=3, logprobs=2),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.2, top_k=5, seed=4)]
+    generated = [4, 0, 9]
+    by_params = Sampler()(logits, params, generated)
+    steps = [SeqStep(seq_id=i, token_ids=[1], positions=[0], slots=[0], block_table=[0], context_len=1,
+                     sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                     num_generated=n, top_logprobs=p.logprobs)
+             for i, (p, n) in enumerate(zip(params, generated, strict=True))]
+    by_steps = Sampler().sample(logits, steps)
+    assert by_steps == by_params
+    assert Sampler().sample(logits, [RowParams.of(p, n) for p, n in zip(params, generated, strict=True)]) == by_params
+    rows = list(by_steps)
+    assert len(by_steps) == 3 and rows[1] == (by_params.token_ids[1], by_params.logprobs[1], [])
+    assert len(rows[0][2]) == 2
