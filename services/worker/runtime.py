@@ -61,14 +61,29 @@ class RankRuntime:
         with CheckpointReader(Path(spec.model_dir)) as reader:
             loaded = load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
         model.eval()
-        peak_delta = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        peak_delta = _peak_rss_bytes() - rss_before
         coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
         return cls(plan, groups, coordinator, model, loaded, peak_delta, sink)
 
 
-def _current_rss_bytes() -> int:
+def _status_kib(field: str) -> int | None:
     try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
-    except OSError:  # not Linux: fall back to the peak, which makes the delta an underestimate
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _current_rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_rss_bytes() -> int:
+    """This address space's high-water RSS. Not ``ru_maxrss``: Linux carries that over from the
+    parent across fork+exec, so a spawned rank would report its launcher's peak."""
+    kib = _status_kib("VmHWM")
+    return kib * 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

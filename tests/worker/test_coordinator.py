@@ -124,4 +124,7 @@ def test_loading_peak_memory_is_about_the_shard(tmp_path_factory, tmp_path):
         print(f"rank {rank}: shard {got['loaded'] / 2**20:.0f} MiB, load peak RSS growth "
               f"{got['load_delta'] / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB")
         assert got["loaded"] < 0.3 * model_bytes
-        assert got["load_delta"] < got["loaded"] + 64 * 2**20
+        # RSS counts the checkpoint's mmapped pages a rank touches (a row-parallel slice strides
+        # through its whole tensor) plus one slice in flight: about twice the shard, never the model
+        assert got["load_delta"] < 2.5 * got["loaded"]
+        assert got["load_delta"] < 0.75 * model_bytes
