@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests import stack
+from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
 
 
 @pytest.fixture(scope="session")

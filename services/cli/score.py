@@ -10,8 +10,9 @@ from pathlib import Path
 from services.worker.models.config import ModelConfigError
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+def add_layout_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    parser.add_argument("--model", required=model_required, default=None, help="Hugging Face model directory")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")

@@ -35,8 +35,13 @@ class ScoreResult:
 
 def prefill_logprobs(rt: RankRuntime, token_ids: list[int] | None) -> ScoreResult | None:
     """Run on every rank; returns the result on the driver (global rank 0), None elsewhere."""
+    return score_tokens(rt, rt.coordinator.broadcast_object(token_ids, src=0))
+
+
+def score_tokens(rt: RankRuntime, ids: list[int]) -> ScoreResult | None:
+    """Every rank, once all know ``ids``: one prefill without the KV cache (it never touches the
+    paged cache, so it can run between serving steps)."""
     c, g, model = rt.coordinator, rt.groups, rt.model
-    ids = c.broadcast_object(token_ids, src=0)
     n = len(ids)
     positions = torch.arange(n, device=rt.device)
     meta = AttentionMetadata.prefill([n])

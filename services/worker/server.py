@@ -1,56 +1,189 @@
 """WorkerService: token streaming, scoring, KV stats and draining for one replica group.
 
 Served by the group's driver (global rank 0). A thin servicer: protobuf in, a call into the
-engine, protobuf out; domain errors become statuses in ``services.common.grpc_server``. Until
-issue 4 puts the serving engine behind it, every RPC answers UNIMPLEMENTED naming that issue.
+engine, protobuf out; domain errors become statuses in ``services.common.grpc_server``. The
+driver process also launches the group's other ranks (``services.worker.serving``).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 
 import grpc
 
-from services.common.grpc_server import ServiceBinding, serve_service, unimplemented
-from services.common.proto import worker_pb2, worker_pb2_grpc
+from services.common.config import resolve
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service
+from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 
 SERVICE = "worker"
-BUILT_BY_ISSUE = 4
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "eos_token": common_pb2.FINISH_REASON_EOS_TOKEN,
+    "stop_sequence": common_pb2.FINISH_REASON_STOP_SEQUENCE,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+DTYPES = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
+          "float16": common_pb2.DTYPE_FLOAT16}
+# Trailing metadata of a stream that failed mid-way: the ids already streamed, so a router can
+# continue the request on another group.
+GENERATED_IDS_KEY = "shardline-generated-token-ids"
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParameters):
+    from services.worker.engine.sequence import SamplingParams
+
+    return SamplingParams(
+        temperature=pb.temperature if pb.HasField("temperature") else 1.0,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=pb.top_k,
+        seed=pb.seed if pb.HasField("seed") else None,
+        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else 16,
+        stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), logprobs=pb.logprobs,
+        ignore_eos=pb.ignore_eos)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """gRPC face of a replica group's engine."""
+    """gRPC face of a replica group's engine (set once the group has loaded)."""
 
-    def Generate(
-        self, request: worker_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.GenerateResponse]:
-        unimplemented(context, "WorkerService.Generate", BUILT_BY_ISSUE)
+    def __init__(self) -> None:
+        self.group = None  # services.worker.serving.ServingGroup
+        self.ready = threading.Event()
+
+    @property
+    def engine(self):
+        if not self.ready.is_set() or self.group is None:
+            raise Unavailable("the worker is still loading its shards")
+        return self.group.engine
+
+    def _prompt_ids(self, request, field: str) -> list[int]:
+        which = request.WhichOneof(field)
+        if which == "text":
+            if not request.text:
+                raise InvalidArgument(f"{field}: text must not be empty")
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise FailedPrecondition("this model has no tokenizer.json: send token_ids")
+            return tokenizer.encode(request.text).ids
+        if which == "token_ids":
+            if not request.token_ids.ids:
+                raise InvalidArgument(f"{field}: token_ids must not be empty")
+            return list(request.token_ids.ids)
+        raise InvalidArgument(f"{field}: set text or token_ids (the {field} is empty)")
+
+    def Generate(self, request: worker_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[worker_pb2.GenerateResponse]:
+        from services.worker.engine.engine import ErrorEvent, FinishEvent
+
+        engine = self.engine
+        ids = self._prompt_ids(request, "prompt")
+        handle = engine.submit(ids, sampling_from_pb(request.sampling), request_id=request.request_id)
+        context.add_callback(handle.cancel)  # client cancel or disconnect frees the blocks at once
+        rid = handle.request_id
+        index = 0
+        for event in handle:
+            if isinstance(event, FinishEvent):
+                yield worker_pb2.GenerateResponse(request_id=rid, finished=common_pb2.GenerationFinished(
+                    finish_reason=FINISH_REASONS[event.reason.value],
+                    usage=common_pb2.Usage(prompt_tokens=event.prompt_tokens,
+                                           completion_tokens=event.completion_tokens),
+                    timings=common_pb2.Timings(time_to_first_token_ns=max(0, event.first_token_ns),
+                                               total_ns=event.total_ns)))
+                return
+            if isinstance(event, ErrorEvent):
+                context.set_trailing_metadata(((GENERATED_IDS_KEY, ",".join(map(str, event.token_ids))),))
+                raise event.error
+            yield worker_pb2.GenerateResponse(request_id=rid, token=common_pb2.GeneratedToken(
+                index=index, token_id=event.token_id, text=event.text, logprob=event.logprob,
+                top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in event.top_logprobs]))
+            index += 1
 
     def Score(self, request: worker_pb2.ScoreRequest, context: grpc.ServicerContext) -> worker_pb2.ScoreResponse:
-        unimplemented(context, "WorkerService.Score", BUILT_BY_ISSUE)
+        ids = self._prompt_ids(request, "input")
+        if len(ids) < 2:
+            raise InvalidArgument(f"input: need at least 2 tokens to score, got {len(ids)}")
+        t0 = time.perf_counter_ns()
+        result = self.engine.score(ids)
+        return worker_pb2.ScoreResponse(token_ids=ids, n_tokens=result.n_tokens, logprobs=result.logprobs,
+                                        nll=result.nll, perplexity=result.perplexity,
+                                        total_ns=time.perf_counter_ns() - t0)
 
     def Stats(self, request: worker_pb2.StatsRequest, context: grpc.ServicerContext) -> worker_pb2.StatsResponse:
-        unimplemented(context, "WorkerService.Stats", BUILT_BY_ISSUE)
+        engine = self.engine
+        plan = engine.runner.rt.plan
+        return worker_pb2.StatsResponse(
+            replica_group_id=self.group.replica_group_id,
+            layout=common_pb2.ShardLayout(tp_degree=plan.tp_degree, pp_degree=plan.pp_degree,
+                                          dtype=DTYPES.get(plan.dtype, common_pb2.DTYPE_UNSPECIFIED)),
+            model_name=self.group.options.model_name or plan.config.name, **engine.stats())
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResponse:
-        unimplemented(context, "WorkerService.Drain", BUILT_BY_ISSUE)
+        engine = self.engine
+        engine.draining = True
+        deadline = time.monotonic() + request.timeout_ns / 1e9
+        while engine.in_flight_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        in_flight = engine.in_flight_requests
+        return worker_pb2.DrainResponse(drained=in_flight == 0, in_flight=in_flight)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Worker-specific flags (the common server flags are added by the caller). Issue 4 adds
-    --model, --tp, --pp, --dtype here; issue 5 adds --checkpoint."""
+    from services.cli.generate import add_engine_arguments
+    from services.cli.score import add_layout_arguments
 
-
-def bindings(args: argparse.Namespace) -> list[ServiceBinding]:
-    return [
-        ServiceBinding(
-            full_name=worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
-            servicer=WorkerServicer(),
-            add_to_server=worker_pb2_grpc.add_WorkerServiceServicer_to_server,
-        )
-    ]
+    add_layout_arguments(parser, model_required=False)
+    add_engine_arguments(parser)
+    parser.add_argument("--registry-url", default=None,
+                        help="shard registry URL (env SHARDLINE_REGISTRY_URL; default: none)")
+    parser.add_argument("--redis-url", default=None,
+                        help="health store (env SHARDLINE_REDIS_URL; default: none, routers poll Stats)")
 
 
 def serve(args: argparse.Namespace) -> int:
-    return serve_service(args, service=SERVICE, bindings=lambda: bindings(args))
+    from services.cli.generate import engine_spec
+    from services.worker.serving import ServingGroup, ServingOptions
+
+    args.model = resolve("model", args.model, "")
+    if not args.model:
+        print("shardline serve worker: --model DIR (or SHARDLINE_MODEL) is required", flush=True)
+        return 2
+    if args.replica_group_id == "local":
+        args.replica_group_id = f"rg-{uuid.uuid4().hex[:8]}"
+    servicer = WorkerServicer()
+    spec = engine_spec(args)
+    spec.rank.plan()  # bad layouts fail here, before anything starts
+
+    def on_started(server: GrpcServer) -> None:
+        options = ServingOptions(registry_url=resolve("registry_url", args.registry_url, "") or None,
+                                 health_url=resolve("redis_url", args.redis_url, "") or None,
+                                 endpoint=server.address, model_name=args.served_model_name or "")
+        servicer.group = ServingGroup(spec, options)
+        servicer.group.start()
+        servicer.ready.set()
+        server.set_serving(True)
+        threading.Thread(target=_watch, args=(servicer, server), daemon=True).start()
+
+    def on_stopping(server: GrpcServer) -> None:
+        if servicer.group is not None:
+            servicer.group.stop()
+
+    binding = ServiceBinding(full_name=worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+                             servicer=servicer, add_to_server=worker_pb2_grpc.add_WorkerServiceServicer_to_server)
+    return serve_service(args, service=SERVICE, bindings=lambda: [binding], start_serving=False,
+                         on_started=on_started, on_stopping=on_stopping)
+
+
+def _watch(servicer: WorkerServicer, server: GrpcServer) -> None:
+    """Health turns NOT_SERVING as soon as the group fails."""
+    while servicer.group is not None and servicer.group.healthy:
+        time.sleep(0.2)
+    if servicer.group is not None and servicer.group.engine is not None and servicer.group.engine.failure:
+        server.set_serving(False)

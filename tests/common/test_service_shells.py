@@ -45,8 +45,9 @@ SERVING_DEADLINE_S = 10.0
 class Shell:
     name: str
     full_name: str
-    call_unbuilt: Callable[[grpc.Channel], object]
+    call_unbuilt: Callable[[grpc.Channel], object] | None  # None: every RPC is built
     issue: int
+    needs_model: bool = False
 
 
 SHELLS = [
@@ -54,8 +55,7 @@ SHELLS = [
           lambda ch: planner_pb2_grpc.PlannerServiceStub(ch).Plan(planner_pb2.PlanRequest(), timeout=5), 6),
     Shell("loader", "shardline.v1.LoaderService",
           lambda ch: loader_pb2_grpc.LoaderServiceStub(ch).ListManifests(loader_pb2.ListManifestsRequest(), timeout=5), 5),
-    Shell("worker", "shardline.v1.WorkerService",
-          lambda ch: worker_pb2_grpc.WorkerServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5), 4),
+    Shell("worker", "shardline.v1.WorkerService", None, 4, needs_model=True),
     Shell("router", "shardline.v1.RouterService",
           # A server-streaming RPC: the status arrives when the stream is read.
           lambda ch: list(router_pb2_grpc.RouterServiceStub(ch).Generate(
@@ -102,7 +102,7 @@ def processes() -> Iterator[list[subprocess.Popen]]:
 
 
 def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigterm(
-    tmp_path: Path, processes: list[subprocess.Popen]
+    tmp_path: Path, processes: list[subprocess.Popen], tiny_model_dir: Path
 ) -> None:
     running: list[tuple[Shell, subprocess.Popen, grpc.Channel, Path]] = []
     try:
@@ -118,6 +118,8 @@ def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigte
                 env.update(SHARDLINE_HOST="127.0.0.1", SHARDLINE_PORT=str(port))
             else:
                 command += ["--port", str(port)]
+            if shell.needs_model:
+                command += ["--model", str(tiny_model_dir), "--kv-cache-gb", "0.05"]
             with log.open("wb") as out:
                 proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
             processes.append(proc)
@@ -129,6 +131,10 @@ def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigte
             assert _health(channel, shell.full_name) == "SERVING"
             services = ProtoReflectionDescriptorDatabase(channel).get_services()
             assert shell.full_name in services and "grpc.health.v1.Health" in services
+            if shell.call_unbuilt is None:
+                stats = worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
+                assert stats.blocks_total > 0 and stats.block_size == 16
+                continue
             with pytest.raises(grpc.RpcError) as caught:
                 shell.call_unbuilt(channel)
             assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED

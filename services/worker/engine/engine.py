@@ -133,6 +133,27 @@ class LLMEngine:
         self._wakeup.set()
         return handle
 
+    def score(self, token_ids: list[int], timeout_s: float = 600.0):
+        """Prompt logprobs through the group (the quality gate's input); any thread."""
+        if self.failure is not None:
+            raise Unavailable(f"replica group {self.coordinator.replica_group_id} is unhealthy: {self.failure}")
+        vocab = self.runner.rt.plan.config.vocab_size
+        limit = self.runner.rt.plan.config.max_position_embeddings
+        if len(token_ids) > limit:
+            raise InvalidRequest(f"input has {len(token_ids)} tokens, more than max_position_embeddings={limit}")
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})")
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands.put(("score", (list(token_ids), done)))
+        self._wakeup.set()
+        try:
+            outcome = done.get(timeout=timeout_s)
+        except queue.Empty:
+            raise Unavailable(f"scoring did not finish within {timeout_s:g} s") from None
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
     def abort(self, seq_id: int) -> None:
         self._commands.put(("abort", seq_id))
         self._wakeup.set()
@@ -236,6 +257,21 @@ class LLMEngine:
                 self.scheduler.abort(arg)
                 with self._lock:
                     self._requests.pop(arg, None)
+            elif kind == "score":
+                self._score(*arg)
+
+    def _score(self, token_ids: list[int], done: queue.SimpleQueue) -> None:
+        from services.worker.scoring import score_tokens
+
+        while self._in_flight:  # results come back in order: finish the micro-batches first
+            result = self.coordinator.recv_object(src=self.groups.last_stage_leader)
+            self._apply_result(self._in_flight.popleft(), result)
+        try:
+            self.coordinator.broadcast_object(StepPlan(-1, "score", [SeqStep(0, token_ids, [], [], [], 0, False)]))
+            done.put(score_tokens(self.runner.rt, token_ids))
+        except ShardGroupUnhealthy as exc:
+            done.put(Unavailable(str(exc)))
+            raise
 
     def _plan_of(self, out: SchedulerOutput) -> StepPlan:
         steps = []

@@ -17,6 +17,7 @@ from services.worker.engine.sampler import Sampler
 from services.worker.engine.step import SampledToken, StepPlan, StepResult
 from services.worker.models.attention import AttentionMetadata
 from services.worker.runtime import RankRuntime
+from services.worker.scoring import score_tokens
 
 # How often an idle driver broadcasts a heartbeat plan. Ranks waiting for a plan allow this plus
 # the collective timeout, so a dead or hung rank is noticed within seconds even with no traffic.
@@ -85,6 +86,9 @@ def follower_loop(runner: StageRunner) -> None:
         if plan.kind == "stop":
             return
         if plan.kind == "idle":
+            continue
+        if plan.kind == "score":
+            score_tokens(runner.rt, plan.seqs[0].token_ids)
             continue
         result = runner.execute(plan)
         if result is not None and not g.is_driver:

@@ -31,7 +31,9 @@ class SeqStep:
 @dataclass(frozen=True)
 class StepPlan:
     step_id: int
-    kind: str  # "run" | "idle" (heartbeat: keeps the group's collectives alive) | "stop"
+    # "run" | "score" (one no-cache prefill of seqs[0].token_ids) | "stop"
+    # | "idle" (a heartbeat: keeps the group's collectives alive, so a dead rank shows when idle)
+    kind: str
     seqs: list[SeqStep] = field(default_factory=list)
 
     @property

@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        if self.kv_cache is None:
+        if self.kv_cache is None or meta.slot_mapping is None:
             out = attention_no_cache(q, k, v, meta, self.scale)
         else:
             k_cache, v_cache = self.kv_cache

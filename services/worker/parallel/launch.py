@@ -125,3 +125,33 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"process died from signal {-code}"
     return f"process exited with code {code} without a report"
+
+
+class Followers:
+    """Ranks 1..N-1 of a group whose rank 0 is this process (a serving driver)."""
+
+    def __init__(self, world_size: int, rank_fn: Callable[..., Any], *args: Any) -> None:
+        self.world_size = world_size
+        self.port = free_port()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK="0",
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_rank_main, args=(rank, world_size, self.port, self.results, rank_fn, args),
+                                  name=f"shardline-rank{rank}", daemon=True)
+                      for rank in range(1, world_size)]
+        for proc in self.procs:
+            proc.start()
+
+    def dead(self) -> list[str]:
+        return [f"rank {i + 1}: {_describe_exit(p.exitcode)}" for i, p in enumerate(self.procs)
+                if p.exitcode not in (None, 0)]
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)

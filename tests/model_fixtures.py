@@ -20,7 +20,7 @@ import pytest
 from services.worker.models import gguf_import, hf_tokenizer
 from services.worker.models.tiny import TinyModelSpec, write_tiny_model
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPLETE_MARKER = ".complete"
 
 

@@ -1,0 +1,154 @@
+"""A serving replica group on this machine: the driver (this process, rank 0) and its followers.
+
+Start-up loads every rank (followers in spawned processes), builds the engine on the driver and
+runs its loop on a thread. While it serves, a heartbeat thread reports each rank and the KV
+utilization to the health store and the registry (shared/DESIGN.md §5). When a collective fails
+the engine stops, the group is marked unhealthy in the health store and dead in the registry,
+and open streams end with UNAVAILABLE carrying the tokens already produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+
+from services.common.health import make_health_store
+from services.common.health.base import HealthStore, rank_field
+from services.common.registry.repository import ShardRegistry
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.group import EngineSpec, build_engine, start_rank
+from services.worker.engine.runner import follower_loop
+from services.worker.parallel.launch import Followers
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
+
+
+def follower_rank(rank: int, world_size: int, spec: EngineSpec) -> None:
+    runner, _ = start_rank(spec, rank)
+    follower_loop(runner)
+
+
+@dataclass
+class ServingOptions:
+    registry_url: str | None = None  # None: no registry (tests, bare worker)
+    health_url: str | None = None  # redis://… ; None: no shared health store (the router polls Stats)
+    endpoint: str = ""
+    model_name: str = ""
+
+
+class ServingGroup:
+    def __init__(self, spec: EngineSpec, options: ServingOptions) -> None:
+        self.spec = spec
+        self.options = options
+        self.replica_group_id = spec.rank.replica_group_id
+        self.engine: LLMEngine | None = None
+        self.followers: Followers | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.registry: ShardRegistry | None = None
+        self.health: HealthStore | None = None
+
+    def start(self) -> LLMEngine:
+        plan = self.spec.rank.plan()
+        if plan.world_size > 1:
+            self.followers = Followers(plan.world_size, follower_rank, self.spec)
+        runner, layout = start_rank(self.spec, 0)
+        self.engine = build_engine(self.spec, runner, layout)
+        self._register(runner.rt.loaded_bytes)
+        loop = threading.Thread(target=self._run_engine, name="engine-loop", daemon=True)
+        beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._threads = [loop, beat]
+        for thread in self._threads:
+            thread.start()
+        return self.engine
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine is not None and self.engine.failure is None and not self._stop.is_set()
+
+    def _run_engine(self) -> None:
+        assert self.engine is not None
+        self.engine.run(self._stop)
+        if self.engine.failure is not None:
+            self._report_failure(self.engine.failure)
+
+    def _rank_statuses(self, status: str) -> dict[str, str]:
+        plan = self.spec.rank.plan()
+        return {rank_field(tp, pp): status for pp in range(plan.pp_degree) for tp in range(plan.tp_degree)}
+
+    def _register(self, weight_bytes: int) -> None:
+        opts = self.options
+        if opts.health_url:
+            self.health = make_health_store(opts.health_url)
+        if not opts.registry_url:
+            return
+        plan = self.spec.rank.plan()
+        self.registry = ShardRegistry(opts.registry_url, migrate_schema=True)
+        group_uuid = _as_uuid(self.replica_group_id)
+        self.registry.create_replica_group(opts.model_name or plan.config.name, plan.tp_degree, plan.pp_degree,
+                                           plan.dtype, self.engine.layout.capacity_bytes,
+                                           name=self.replica_group_id, endpoint=opts.endpoint,
+                                           replica_group_id=group_uuid)
+        node = socket.gethostname()
+        for pp in range(plan.pp_degree):
+            for tp in range(plan.tp_degree):
+                self.registry.register_shard(group_uuid, f"{self.replica_group_id}:pp{pp}-tp{tp}", node, tp, pp,
+                                             weight_bytes)
+        self.registry.set_status(group_uuid, "healthy")
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if self.engine is None or self.engine.failure is not None:
+                return
+            stats = self.engine.stats()
+            util = stats["kv_bytes_used"] / max(1, stats["kv_bytes_capacity"])
+            try:
+                if self.health is not None:
+                    self.health.heartbeat(self.replica_group_id, self._rank_statuses("healthy"))
+                    self.health.set_kv_utilization(self.replica_group_id, util)
+                if self.registry is not None:
+                    plan = self.spec.rank.plan()
+                    for pp in range(plan.pp_degree):
+                        for tp in range(plan.tp_degree):
+                            self.registry.heartbeat(f"{self.replica_group_id}:pp{pp}-tp{tp}", stats["kv_bytes_used"])
+            except Exception as exc:  # a store being down must not stop serving
+                log.warning("heartbeat failed: %s", exc)
+
+    def _report_failure(self, exc: Exception) -> None:
+        log.error("replica group %s failed: %s", self.replica_group_id, exc)
+        try:
+            if self.health is not None:
+                self.health.mark_group(self.replica_group_id, "unhealthy")
+            if self.registry is not None:
+                self.registry.set_status(_as_uuid(self.replica_group_id), "dead", reason=str(exc)[:500])
+        except Exception as report_exc:
+            log.warning("could not record the failure: %s", report_exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        if self.followers is not None:
+            self.followers.join()
+        if self.registry is not None and self.engine is not None and self.engine.failure is None:
+            try:
+                group = _as_uuid(self.replica_group_id)
+                if self.registry.get_group(group).status in ("healthy", "degraded"):
+                    self.registry.set_status(group, "draining")
+                self.registry.set_status(group, "dead", reason="stopped")
+            except Exception as exc:
+                log.warning("could not record the stop: %s", exc)
+        if self.health is not None:
+            self.health.remove_group(self.replica_group_id)
+
+
+def _as_uuid(group_id: str) -> uuid.UUID:
+    """Registry ids are UUIDs; a human group name maps to a stable UUID5."""
+    try:
+        return uuid.UUID(group_id)
+    except ValueError:
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"shardline:{group_id}")

@@ -1,0 +1,73 @@
+"""Shared by the loader tests: ranks built in-process, bitwise comparisons, a scoring rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.loader.layout import rank_model
+from services.loader.rank_loading import load_checkpoint_weights, plan_for_checkpoint
+from services.worker.models.config import ModelConfig
+from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.weights import CheckpointReader, load_weights
+from services.worker.parallel.coordinator import Coordinator
+from services.worker.parallel.groups import init_parallel_groups
+from services.worker.parallel.plan import ParallelPlan
+from services.worker.runtime import LOAD_BARRIER_TIMEOUT_S, RankRuntime
+from services.worker.scoring import ScoreResult, prefill_logprobs
+
+SENTINEL = 12345.0
+
+
+def plan_of(model_dir: Path, tp: int, pp: int, dtype: str = "float32") -> ParallelPlan:
+    return ParallelPlan(ModelConfig.from_dir(model_dir), tp, pp, dtype)
+
+
+def hf_rank(model_dir: Path, plan: ParallelPlan, rank: int) -> LlamaForCausalLM:
+    """Rank ``rank`` loaded from the HF directory by the worker's own loader (the reference)."""
+    model = rank_model(plan, rank, device="cpu")
+    with CheckpointReader(model_dir) as reader:
+        load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
+    return model
+
+
+def sentinel_rank(plan: ParallelPlan, rank: int) -> LlamaForCausalLM:
+    """A rank whose every weight holds SENTINEL, to prove a refused shard never touched it."""
+    model = rank_model(plan, rank, device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(SENTINEL)
+    return model
+
+
+def untouched(model: LlamaForCausalLM) -> bool:
+    return all(bool((p == SENTINEL).all()) for p in model.parameters())
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def state_dict_diffs(a: LlamaForCausalLM, b: LlamaForCausalLM) -> list[str]:
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        return [f"keys differ: {sorted(set(sa) ^ set(sb))}"]
+    return [name for name in sa if not bitwise_equal(sa[name], sb[name])]
+
+
+def score_from_checkpoint_rank(rank: int, world_size: int, checkpoint: str, tp: int, pp: int,
+                               cache_dir: str | None, token_ids: list[int]) -> ScoreResult | None:
+    """A rank of ``shardline score --checkpoint``, as RankRuntime.start will run it once wired:
+    the plan from the manifest, the weights from this rank's verified shard."""
+    plan = plan_for_checkpoint(checkpoint, tp_degree=tp, pp_degree=pp)
+    groups = init_parallel_groups(plan, rank=rank)
+    coordinator = Coordinator(groups, replica_group_id="ckpt", timeout_s=10.0)
+    model = LlamaForCausalLM(plan, coordinator, device=groups.device)
+    loaded = load_checkpoint_weights(model, plan, rank, checkpoint, cache_dir=cache_dir)
+    model.eval()
+    coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
+    runtime = RankRuntime(plan, groups, coordinator, model, loaded, 0)
+    return prefill_logprobs(runtime, token_ids if rank == 0 else None)
