@@ -173,7 +173,7 @@ class S3Store(ObjectStore):
 
     def _not_found(self, exc: Exception, key: str) -> bool:
         code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-        return code in ("404", "NoSuchKey", "NotFound")
+        return code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
 
     def put_file(self, key: str, path: str | Path) -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key))

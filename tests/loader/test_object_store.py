@@ -84,3 +84,8 @@ def test_split_object_uri() -> None:
     assert split_object_uri("/m.json", default_name="manifest.json") == ("/", "m.json")
     assert split_object_uri("m.json", default_name="manifest.json") == (".", "m.json")
     assert split_object_uri("/d", default_name="manifest.json") == ("/d", "manifest.json")
+
+
+def test_missing_bucket_is_not_found(s3_endpoint: str) -> None:
+    with pytest.raises(ObjectNotFound, match="s3://no-such-bucket-here/x/manifest.json"):
+        open_store("s3://no-such-bucket-here/x").read_bytes("manifest.json")

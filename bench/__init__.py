@@ -1,0 +1,1 @@
+"""Benchmarks: each writes JSON + a markdown table under bench/results/."""
