@@ -7,7 +7,7 @@ import json
 import sys
 
 from services.cli.score import add_layout_arguments, encode_prompt
-from services.common.errors import InvalidArgument
+from services.common.errors import ShardlineError
 from services.worker.models.config import ModelConfigError
 
 
@@ -27,7 +27,8 @@ def engine_spec(args: argparse.Namespace):
     from services.worker.engine.kv_cache import CacheConfig
     from services.worker.runtime import RankSpec
 
-    rank = RankSpec(args.model, args.tp, args.pp, args.dtype, args.replica_group_id, args.collective_timeout)
+    rank = RankSpec(args.model, args.tp, args.pp, args.dtype, args.replica_group_id, args.collective_timeout,
+                    args.checkpoint)
     cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
     return EngineSpec(rank, cache, args.max_num_seqs, args.max_batched_tokens, args.max_model_len)
 
@@ -59,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
         spec = engine_spec(args)
         plan = spec.rank.plan()
         ids = ([int(t) for t in args.prompt_ids.split(",") if t.strip()] if args.prompt_ids
-               else encode_prompt(args.model, args.prompt))
+               else encode_prompt(spec.rank.tokenizer_dir, args.prompt))
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
         [completion] = run_replica_group(plan.world_size, generate_rank, spec, [ids], [params],
                                          failure_grace_s=args.collective_timeout + 3.0)
-    except (ModelConfigError, InvalidArgument, FileNotFoundError) as exc:
+    except (ModelConfigError, ShardlineError, FileNotFoundError) as exc:
         print(f"shardline generate: {exc}", file=sys.stderr)
         return 2
     except ReplicaGroupFailed as exc:

@@ -7,15 +7,20 @@ import json
 import sys
 from pathlib import Path
 
+from services.common.errors import ShardlineError
 from services.worker.models.config import ModelConfigError
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
-    parser.add_argument("--model", required=model_required, default=None, help="Hugging Face model directory")
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model directory (or give --checkpoint)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="manifest.json of a pre-sharded checkpoint (path or s3://…): the fast path")
+    parser.add_argument("--dtype", default=None,
+                        help="float32 | bfloat16 | float16 (default float32, or the checkpoint's dtype)")
     parser.add_argument("--collective-timeout", type=float, default=2.0,
                         help="seconds before a hung collective fails the group (default 2)")
     parser.add_argument("--replica-group-id", default="local", help="name of this replica group")
@@ -32,10 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def encode_prompt(model_dir: str, text: str) -> list[int]:
+def encode_prompt(model_dir: str | None, text: str) -> list[int]:
     from tokenizers import Tokenizer
 
-    path = Path(model_dir) / "tokenizer.json"
+    path = Path(model_dir or ".") / "tokenizer.json"
     if not path.exists():
         raise ModelConfigError(f"{path} not found: pass --ids, or give the model a tokenizer.json")
     return Tokenizer.from_file(str(path)).encode(text).ids
@@ -47,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from services.worker.scoring import score_rank
 
     try:
-        spec = RankSpec(args.model, args.tp, args.pp, args.dtype, args.replica_group_id, args.collective_timeout)
+        spec = RankSpec(args.model, args.tp, args.pp, args.dtype, args.replica_group_id, args.collective_timeout,
+                        args.checkpoint)
         plan = spec.plan()
         if args.ids:
             ids = [int(tok) for tok in args.ids.split(",") if tok.strip()]
         else:
             text = args.text if args.text is not None else args.text_file.read_text()
-            ids = encode_prompt(args.model, text)
+            ids = encode_prompt(spec.tokenizer_dir, text)
         if len(ids) < 2:
             raise ModelConfigError(f"need at least 2 tokens to score, got {len(ids)}")
         if len(ids) > plan.config.max_position_embeddings:
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             raise ModelConfigError(f"token ids {bad[:5]} outside the vocabulary [0, {plan.config.vocab_size})")
         result = run_replica_group(plan.world_size, score_rank, spec, ids,
                                    failure_grace_s=args.collective_timeout + 3.0)
-    except (ModelConfigError, FileNotFoundError) as exc:
+    except (ModelConfigError, ShardlineError, FileNotFoundError) as exc:
         print(f"shardline score: {exc}", file=sys.stderr)
         return 2
     except ReplicaGroupFailed as exc:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from services.common.collective_events import EventSink, RingBufferSink
-from services.worker.models.config import ModelConfig
+from services.worker.models.config import ModelConfig, ModelConfigError
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.weights import CheckpointReader, load_weights
 from services.worker.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
@@ -24,15 +24,36 @@ LOAD_BARRIER_TIMEOUT_S = 600.0
 class RankSpec:
     """What a rank is asked to run (picklable: it crosses the process spawn)."""
 
-    model_dir: str
+    model_dir: str | None
     tp_degree: int = 1
     pp_degree: int = 1
-    dtype: str = "float32"
+    dtype: str | None = None  # None: float32 from an HF directory, the checkpoint's own dtype
     replica_group_id: str = "local"
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
+    checkpoint: str | None = None  # manifest URI of a pre-sharded checkpoint (the fast path)
+
+    def __post_init__(self) -> None:
+        if not self.model_dir and not self.checkpoint:
+            raise ModelConfigError("give a model directory (--model) or a pre-sharded checkpoint (--checkpoint)")
 
     def plan(self) -> ParallelPlan:
-        return ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree, self.dtype)
+        if self.checkpoint:
+            from services.loader.rank_loading import plan_for_checkpoint
+
+            return plan_for_checkpoint(self.checkpoint, tp_degree=self.tp_degree, pp_degree=self.pp_degree,
+                                       dtype=self.dtype)
+        return ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree,
+                            self.dtype or "float32")
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """Where tokenizer.json lives: the model directory, else beside a local manifest."""
+        if self.model_dir:
+            return self.model_dir
+        if self.checkpoint and "://" not in self.checkpoint:
+            path = Path(self.checkpoint)
+            return str(path if path.is_dir() else path.parent)
+        return None
 
 
 @dataclass
@@ -58,8 +79,16 @@ class RankRuntime:
                                   timeout_s=spec.collective_timeout_s, sink=sink)
         rss_before = _current_rss_bytes()
         model = LlamaForCausalLM(plan, coordinator, device=groups.device)
-        with CheckpointReader(Path(spec.model_dir)) as reader:
-            loaded = load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
+        if spec.checkpoint:
+            from services.loader.layout import model_fingerprint
+            from services.loader.rank_loading import load_checkpoint_weights
+
+            loaded = load_checkpoint_weights(
+                model, plan, rank, spec.checkpoint,
+                expected_fingerprint=model_fingerprint(spec.model_dir) if spec.model_dir else None)
+        else:
+            with CheckpointReader(Path(spec.model_dir)) as reader:
+                loaded = load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
         model.eval()
         peak_delta = _peak_rss_bytes() - rss_before
         coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)

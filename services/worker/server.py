@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.cli.generate import add_engine_arguments
     from services.cli.score import add_layout_arguments
 
-    add_layout_arguments(parser, model_required=False)
+    add_layout_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--registry-url", default=None,
                         help="shard registry URL (env SHARDLINE_REGISTRY_URL; default: none)")
@@ -151,9 +151,11 @@ def serve(args: argparse.Namespace) -> int:
     from services.cli.generate import engine_spec
     from services.worker.serving import ServingGroup, ServingOptions
 
-    args.model = resolve("model", args.model, "")
-    if not args.model:
-        print("shardline serve worker: --model DIR (or SHARDLINE_MODEL) is required", flush=True)
+    args.model = resolve("model", args.model, "") or None
+    args.checkpoint = resolve("checkpoint", args.checkpoint, "") or None
+    if not args.model and not args.checkpoint:
+        print("shardline serve worker: --model DIR or --checkpoint MANIFEST (or SHARDLINE_MODEL / "
+              "SHARDLINE_CHECKPOINT) is required", flush=True)
         return 2
     if args.replica_group_id == "local":
         args.replica_group_id = f"rg-{uuid.uuid4().hex[:8]}"

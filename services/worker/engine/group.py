@@ -36,7 +36,9 @@ class EngineSpec:
                                max_model_len=max_len)
 
 
-def load_tokenizer(model_dir: str) -> Tokenizer | None:
+def load_tokenizer(model_dir: str | None) -> Tokenizer | None:
+    if not model_dir:
+        return None
     path = Path(model_dir) / "tokenizer.json"
     return Tokenizer.from_file(str(path)) if path.exists() else None
 
@@ -50,7 +52,7 @@ def start_rank(spec: EngineSpec, rank: int) -> tuple[StageRunner, KVCacheLayout]
 
 def build_engine(spec: EngineSpec, runner: StageRunner, layout: KVCacheLayout) -> LLMEngine:
     cfg = runner.rt.plan.config
-    return LLMEngine(runner, layout, tokenizer=load_tokenizer(spec.rank.model_dir),
+    return LLMEngine(runner, layout, tokenizer=load_tokenizer(spec.rank.tokenizer_dir),
                      scheduler_config=spec.scheduler_config(layout, cfg.max_position_embeddings))
 
 

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from services.common.errors import ShardlineError
+
 
 class ReplicaGroupFailed(RuntimeError):
     """One or more ranks of a replica group failed; ``errors`` maps rank → message."""
@@ -58,7 +60,7 @@ def _rank_main(rank: int, world_size: int, port: int, results: Any, rank_fn: Cal
         results.put((rank, "ok", result if rank == 0 else None))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         detail = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, (RuntimeError, ValueError, KeyboardInterrupt)):
+        if not isinstance(exc, (RuntimeError, ValueError, KeyboardInterrupt, ShardlineError)):
             detail += "\n" + traceback.format_exc()
         results.put((rank, "error", detail))
         raise SystemExit(1) from None
