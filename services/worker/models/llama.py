@@ -18,7 +18,7 @@ from torch import nn
 
 from services.worker.models.attention import AttentionMetadata, attention_no_cache, paged_attention
 from services.worker.models.config import ModelConfig
-from services.worker.models.rotary import RotaryEmbedding
+from services.worker.models.rotary import RotaryEmbedding, apply_rotary
 from services.worker.parallel.coordinator import Coordinator
 from services.worker.parallel.layers import (
     MergedColumnParallelLinear,
@@ -41,10 +41,9 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = replicated_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, eps=self.eps).mul_(self.weight)
+        return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype).mul_(self.weight)
 
 
 class LlamaAttention(nn.Module):
@@ -61,14 +60,13 @@ class LlamaAttention(nn.Module):
         # set by the engine: (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        q = q.view(n, self.heads, self.head_dim)
-        k = k.view(n, self.kv_heads, self.head_dim)
-        v = v.view(n, self.kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = F.linear(x, self.qkv_proj.weight).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
+        # rotate q and k in one pass over the fused projection's first heads + kv_heads heads
+        qk = apply_rotary(qkv[:, :self.heads + self.kv_heads], *rope)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        v = qkv[:, self.heads + self.kv_heads:]
         if self.kv_cache is None or meta.slot_mapping is None:
             out = attention_no_cache(q, k, v, meta, self.scale)
         else:
@@ -103,9 +101,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                rotary: RotaryEmbedding) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, rotary)
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -134,8 +131,9 @@ class LlamaModel(nn.Module):
         else:
             assert hidden_states is not None, "a later stage takes the previous stage's hidden states"
             h = hidden_states
+        rope = self.rotary.tables(positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, positions, meta, self.rotary)
+            h = layer(h, rope, meta)
         return self.norm(h) if self.is_last else h
 
 

@@ -59,9 +59,24 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q``: [tokens, heads, d], ``k``: [tokens, kv_heads, d], ``positions``: [tokens]."""
+        cos, sin = self.tables(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half-width cos/sin rows for ``positions``, [tokens, 1, d/2]: computed once per step and
+        shared by every layer (the two halves of the reference's tables are equal)."""
         if int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings="
                              f"{self.cos.shape[0]}")
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions, :half].unsqueeze(1).to(dtype)
+        sin = self.sin[positions, :half].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x·cos + rotate_half(x)·sin`` on half-width tables: ``[x1·c − x2·s, x2·c + x1·s]``.
+    Bit-identical to the reference's form (``a + (−b)·s`` and ``a − b·s`` round the same)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,51 @@
+"""Shared pieces of the benchmarks: models to run on, timing, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct in HF layout under .models/ (converted from the wheel's GGUF once)."""
+    from services.worker.models.gguf_import import convert_smollm2
+
+    out = REPO / ".models" / "smollm2-bench"
+    if not (out / "model.safetensors").exists():
+        convert_smollm2(out, dtype="float32")
+    return out
+
+
+def median_time(fn: Callable[[], object], *, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cuda": torch.cuda.is_available()}
+
+
+def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+    json_path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    md_path.write_text(markdown)
+    return json_path, md_path
