@@ -1,4 +1,5 @@
-"""`shardline shard`: cut an HF checkpoint into per-rank safetensors shards plus manifest.json."""
+"""`shardline shard`: cut an HF checkpoint into per-rank safetensors shards plus manifest.json,
+with the model's config and tokenizer files copied beside them."""
 
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     summary = {"out": args.out, "model_name": manifest.model_name, "model_fingerprint": manifest.model_fingerprint,
                "plan": manifest.plan.to_dict(), "total_bytes": manifest.total_bytes,
-               "shards": [{"file": s.file, "bytes": s.bytes, "sha256": s.sha256} for s in manifest.shards]}
+               "shards": [{"file": s.file, "bytes": s.bytes, "sha256": s.sha256} for s in manifest.shards],
+               "model_files": [f.to_dict() for f in manifest.model_files]}
     if args.json:
         print(json.dumps(summary))
     else:
+        files = ", ".join(f.file for f in manifest.model_files) or "none"
         print(f"wrote {len(manifest.shards)} shard(s), {manifest.total_bytes:,} bytes, to {args.out} "
-              f"({manifest.plan.describe()}); manifest.json last")
+              f"({manifest.plan.describe()}); model files: {files}; manifest.json last")
     return 0

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"ok  {check.file}  {check.bytes:,} bytes  sha256 {check.sha256[:16]}…")
 
         report = verify_checkpoint(args.manifest, plan=plan, expected_fingerprint=fingerprint,
-                                   endpoint_url=args.endpoint_url, on_shard=shown)
+                                   endpoint_url=args.endpoint_url, on_shard=shown, on_model_file=shown)
     except (FailedPrecondition, InvalidArgument) as exc:
         return fail(exc, 1)
     except (NotFound, FileNotFoundError, ModelConfigError) as exc:
@@ -59,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": True, "model_name": m.model_name, "model_fingerprint": m.model_fingerprint,
                           "plan": m.plan.to_dict(), "checked_against": against, "total_bytes": report.total_bytes,
-                          "shards": [{"file": s.file, "bytes": s.bytes, "sha256": s.sha256} for s in report.shards]}))
+                          "shards": [{"file": s.file, "bytes": s.bytes, "sha256": s.sha256} for s in report.shards],
+                          "model_files": [{"file": f.file, "bytes": f.bytes, "sha256": f.sha256}
+                                          for f in report.model_files]}))
     else:
+        files = f" and {len(report.model_files)} model file(s)" if report.model_files else ""
         print(f"verified {len(report.shards)} shard(s), {report.total_bytes:,} bytes of {m.model_name} "
-              f"({m.plan.describe()}) against {against}")
+              f"({m.plan.describe()}){files} against {against}")
     return 0

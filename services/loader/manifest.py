@@ -2,9 +2,11 @@
 
 One manifest describes one cut of one model: the model (name, HF config, fingerprint), the plan
 it was cut for (tp, pp, dtype, layer split) and one entry per rank — file name, size, sha256,
-layer range and every tensor's shape and dtype. Shard names are plain file names that follow
-:data:`SHARD_NAME_TEMPLATE`; anything that could climb out of the checkpoint's prefix is refused
-when the manifest is read, before any file is opened.
+layer range and every tensor's shape and dtype — and, optionally, the source model's non-weight
+files copied beside the shards (config, tokenizer, generation config: :data:`MODEL_FILE_NAMES`),
+each with its size and sha256, so a worker given only the checkpoint can tokenize. Shard names
+are plain file names that follow :data:`SHARD_NAME_TEMPLATE`; anything that could climb out of
+the checkpoint's prefix is refused when the manifest is read, before any file is opened.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.loader.errors import ManifestError, ShardLayoutError
+from services.loader.errors import ManifestError, ObjectNotFound, ShardLayoutError
 from services.worker.models.config import DTYPES, ModelConfigError, canonical_dtype
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SHARD_NAME_TEMPLATE = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+# The source directory's files a checkpoint carries beside its shards when present: what a worker
+# needs besides the weights (config.json, the tokenizer, generation defaults). tokenizer.model and
+# special_tokens_map.json are the older sentencepiece-era tokenizer files (Llama-2).
+MODEL_FILE_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "tokenizer.model")
 
 
 def shard_file_name(tp_rank: int, pp_stage: int) -> str:
@@ -169,11 +176,41 @@ class ShardEntry:
 
 
 @dataclass(frozen=True)
+class ModelFile:
+    """A non-weight file of the source model copied beside the shards (e.g. tokenizer.json)."""
+
+    file: str
+    bytes: int
+    sha256: str
+
+    def __post_init__(self) -> None:
+        check_plain_file_name(self.file)
+        if self.file == MANIFEST_NAME or self.file.endswith(".safetensors"):
+            raise ManifestError(f"model file {self.file!r} would collide with the manifest or a shard")
+        if isinstance(self.bytes, bool) or not isinstance(self.bytes, int) or self.bytes < 0:
+            raise ManifestError(f"{self.file}: bytes must be a non-negative integer, got {self.bytes!r}")
+        if not _SHA256_HEX.fullmatch(self.sha256):
+            raise ManifestError(f"{self.file}: sha256 {self.sha256!r} is not 64 lowercase hex digits")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, obj: Any, index: int) -> ModelFile:
+        where = f"model_files[{index}]"
+        name = check_plain_file_name(_need(obj, "file", str, where))
+        where = f"model_files[{index}] ({name})"
+        return cls(file=name, bytes=_need(obj, "bytes", int, where), sha256=_need(obj, "sha256", str, where))
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A sharded checkpoint: the model, the plan, one :class:`ShardEntry` per (tp_rank, pp_stage).
 
     Invariants (checked here): every rank of the plan has exactly one shard, its layer range is
-    the plan's range for its stage, and ``total_bytes`` is the sum of the shard sizes.
+    the plan's range for its stage, and ``total_bytes`` is the sum of the shard sizes (the model
+    files are not weights and are not counted). ``model_files`` is optional: manifests written
+    before it existed have none, and read the same.
     """
 
     model_name: str
@@ -183,6 +220,7 @@ class Manifest:
     shards: tuple[ShardEntry, ...]
     total_bytes: int
     format_version: int = FORMAT_VERSION
+    model_files: tuple[ModelFile, ...] = ()
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
@@ -215,6 +253,17 @@ class Manifest:
         total = sum(s.bytes for s in self.shards)
         if total != self.total_bytes:
             raise ManifestError(f"total_bytes is {self.total_bytes}, the shards sum to {total}")
+        names = [f.file for f in self.model_files]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ManifestError(f"model_files lists {repeated} more than once")
+
+    def model_file(self, name: str) -> ModelFile:
+        for entry in self.model_files:
+            if entry.file == name:
+                return entry
+        raise ObjectNotFound(f"the manifest lists no model file {name!r}: it has "
+                            f"{[f.file for f in self.model_files] or 'none'}")
 
     def shard(self, tp_rank: int, pp_stage: int) -> ShardEntry:
         for entry in self.shards:
@@ -229,10 +278,13 @@ class Manifest:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"format_version": self.format_version, "model_name": self.model_name,
-                "model_config": self.model_config, "model_fingerprint": self.model_fingerprint,
-                "plan": self.plan.to_dict(), "shards": [s.to_dict() for s in self.shards],
-                "total_bytes": self.total_bytes}
+        out = {"format_version": self.format_version, "model_name": self.model_name,
+               "model_config": self.model_config, "model_fingerprint": self.model_fingerprint,
+               "plan": self.plan.to_dict(), "shards": [s.to_dict() for s in self.shards],
+               "total_bytes": self.total_bytes}
+        if self.model_files:  # optional: absent rather than empty, as in manifests written before it
+            out["model_files"] = [f.to_dict() for f in self.model_files]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -244,12 +296,14 @@ class Manifest:
             raise ManifestError(f"manifest format_version {version} is not supported: this build reads "
                                 f"version {FORMAT_VERSION}")
         shards = _need(obj, "shards", list, "manifest")
+        files = _need(obj, "model_files", list, "manifest") if isinstance(obj, dict) and "model_files" in obj else []
         return cls(model_name=_need(obj, "model_name", str, "manifest"),
                    model_config=_need(obj, "model_config", dict, "manifest"),
                    model_fingerprint=_need(obj, "model_fingerprint", str, "manifest"),
                    plan=PlanInfo.from_dict(_need(obj, "plan", dict, "manifest")),
                    shards=tuple(ShardEntry.from_dict(s, i) for i, s in enumerate(shards)),
-                   total_bytes=_need(obj, "total_bytes", int, "manifest"), format_version=version)
+                   total_bytes=_need(obj, "total_bytes", int, "manifest"), format_version=version,
+                   model_files=tuple(ModelFile.from_dict(f, i) for i, f in enumerate(files)))
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> Manifest:

@@ -10,6 +10,9 @@ shard is checked on three sides before any of its bytes reach a model:
 3. plan    — the manifest's plan and model config equal the plan the worker runs, and the entry's
              tensors equal what the rank's model (built from that plan) expects, name by name.
 
+The model files a checkpoint carries beside its shards (config, tokenizer) are checked on the
+first side only: size and sha256 against the manifest.
+
 Every failure raises :class:`ShardLayoutError` (or :class:`ShardChecksumError`) naming the
 expected and the actual value.
 """
@@ -23,9 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from services.loader.errors import ManifestError, ShardChecksumError, ShardLayoutError
+from services.loader.errors import ManifestError, ObjectNotFound, ShardChecksumError, ShardLayoutError
 from services.loader.layout import RankLayout
-from services.loader.manifest import MANIFEST_NAME, Manifest, ShardEntry, TensorInfo, expected_metadata
+from services.loader.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ModelFile,
+    ShardEntry,
+    TensorInfo,
+    expected_metadata,
+)
 from services.loader.object_store import ObjectStore, open_store, split_object_uri
 from services.loader.safetensors_format import (
     LENGTH_PREFIX,
@@ -80,7 +90,7 @@ def digest_stream(stream: BinaryIO, *, sink: BinaryIO | None = None, chunk_bytes
     return StreamDigest(digest.hexdigest(), total, bytes(head))
 
 
-def check_bytes(entry: ShardEntry, got: StreamDigest, *, source: str) -> None:
+def check_bytes(entry: ShardEntry | ModelFile, got: StreamDigest, *, source: str) -> None:
     """Size, then sha256, against the manifest entry (a truncated file is named as such)."""
     if got.nbytes != entry.bytes:
         what = "short: truncated, or another file" if got.nbytes < entry.bytes else "long: another file"
@@ -215,6 +225,35 @@ def _header_hint(got: StreamDigest, manifest: Manifest, entry: ShardEntry) -> st
     return f"; its header says {', '.join(diffs)}" if diffs else ""
 
 
+@dataclass(frozen=True)
+class FileCheck:
+    """A model file (config, tokenizer) whose size and sha256 matched the manifest."""
+
+    file: str
+    bytes: int
+    sha256: str
+    verify_ns: int = 0
+
+
+def verify_model_file_stream(stream: BinaryIO, entry: ModelFile, *, source: str,
+                             sink: BinaryIO | None = None) -> FileCheck:
+    """Size and sha256 of one model file read from ``stream`` (copied to ``sink`` on the way)."""
+    start = time.perf_counter_ns()
+    got = digest_stream(stream, sink=sink)
+    check_bytes(entry, got, source=source)
+    return FileCheck(entry.file, got.nbytes, got.sha256, time.perf_counter_ns() - start)
+
+
+def verify_model_file(path: str | Path, entry: ModelFile) -> FileCheck:
+    path = Path(path)
+    try:
+        stream = open(path, "rb")
+    except FileNotFoundError:
+        raise ObjectNotFound(f"{path}: model file {entry.file} listed in the manifest is missing") from None
+    with stream:
+        return verify_model_file_stream(stream, entry, source=str(path))
+
+
 def verify_file(path: str | Path, manifest: Manifest, entry: ShardEntry) -> ShardCheck:
     path = Path(path)
     try:
@@ -252,6 +291,7 @@ class VerifyReport:
     manifest: Manifest
     shards: tuple[ShardCheck, ...]
     plan_checked: bool
+    model_files: tuple[FileCheck, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -261,8 +301,10 @@ class VerifyReport:
 def verify_checkpoint(manifest_uri: str | Path, *, plan: ParallelPlan | None = None,
                       expected_fingerprint: str | None = None, endpoint_url: str | None = None,
                       store: ObjectStore | None = None, on_bytes: Callable[[int], None] | None = None,
-                      on_shard: Callable[[ShardCheck], None] | None = None) -> VerifyReport:
-    """Verify every shard of a checkpoint where it is stored (streamed, nothing written).
+                      on_shard: Callable[[ShardCheck], None] | None = None,
+                      on_model_file: Callable[[FileCheck], None] | None = None) -> VerifyReport:
+    """Verify every shard of a checkpoint where it is stored (streamed, nothing written), then
+    every model file it carries (config, tokenizer: size and sha256).
 
     With ``plan``, each shard is also checked against that plan's rank models; without, against
     the manifest's own plan — so the tensor lists are always checked against real model shapes.
@@ -287,7 +329,15 @@ def verify_checkpoint(manifest_uri: str | Path, *, plan: ParallelPlan | None = N
         checks.append(check)
         if on_shard is not None:
             on_shard(check)
-    return VerifyReport(manifest, tuple(checks), plan is not None)
+    file_checks: list[FileCheck] = []
+    for model_file in manifest.model_files:
+        with store.open(model_file.file) as stream:
+            file_check = verify_model_file_stream(stream, model_file, source=store.uri_for(model_file.file))
+        file_checks.append(file_check)
+        if on_model_file is not None:
+            on_model_file(file_check)
+    return VerifyReport(manifest, tuple(checks), plan is not None, tuple(file_checks))
+
 
 
 def _in_rank_order(entries: Iterable[ShardEntry]) -> list[ShardEntry]:

@@ -8,6 +8,10 @@ loading the HF directory runs, so a shard holds exactly the bytes that worker wo
 and hashes it, and frees it. Peak memory is about one full source tensor (its mapped pages) plus
 two rank-sized slices (one being sliced, the previous one being written), never a shard or the
 model.
+
+The source's non-weight files (config.json, the tokenizer, generation_config.json:
+:data:`~services.loader.manifest.MODEL_FILE_NAMES`) are copied beside the shards and listed in
+the manifest with their sha256, so a worker given only the checkpoint can also tokenize.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch
 from services.loader.layout import RankLayout, model_fingerprint, rank_model, unique_parameters
 from services.loader.manifest import (
     MANIFEST_NAME,
+    MODEL_FILE_NAMES,
     Manifest,
+    ModelFile,
     PlanInfo,
     ShardEntry,
     shard_file_name,
@@ -138,6 +144,23 @@ def write_rank_shard(reader: CheckpointReader, plan: ParallelPlan, global_rank: 
                       tensors=layout.tensors)
 
 
+def copy_model_files(model_dir: Path, store: ObjectStore) -> tuple[ModelFile, ...]:
+    """Hash and store the source directory's non-weight files that exist (in
+    :data:`MODEL_FILE_NAMES` order); returns their manifest entries."""
+    copied: list[ModelFile] = []
+    for name in MODEL_FILE_NAMES:
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 * 1024 * 1024):
+                digest.update(chunk)
+        store.put_file(name, path)
+        copied.append(ModelFile(file=name, bytes=path.stat().st_size, sha256=digest.hexdigest()))
+    return tuple(copied)
+
+
 def _progress_bar(total: int, enabled: bool | None) -> Any:
     from tqdm import tqdm
 
@@ -174,6 +197,7 @@ def write_shards(job: ShardJob, *, store: ObjectStore | None = None, endpoint_ur
                     path.unlink()
     finally:
         bar.close()
+    model_files = copy_model_files(job.model_dir, store)
     manifest = Manifest(
         model_name=job.model_name or plan.config.name,
         model_config=plan.config.raw,
@@ -182,6 +206,7 @@ def write_shards(job: ShardJob, *, store: ObjectStore | None = None, endpoint_ur
                       tuple((r.start, r.stop) for r in plan.layer_ranges)),
         shards=tuple(entries),
         total_bytes=sum(e.bytes for e in entries),
+        model_files=model_files,
     )
     store.put_bytes(MANIFEST_NAME, manifest.to_json().encode())
     return manifest

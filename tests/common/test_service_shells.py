@@ -48,14 +48,17 @@ class Shell:
     call_unbuilt: Callable[[grpc.Channel], object] | None  # None: every RPC is built
     issue: int
     needs_model: bool = False
+    call_built: Callable[[grpc.Channel], bool] | None = None  # a built RPC's answer is sane
 
 
 SHELLS = [
-    Shell("planner", "shardline.v1.PlannerService",
-          lambda ch: planner_pb2_grpc.PlannerServiceStub(ch).Plan(planner_pb2.PlanRequest(), timeout=5), 6),
-    Shell("loader", "shardline.v1.LoaderService",
-          lambda ch: loader_pb2_grpc.LoaderServiceStub(ch).ListManifests(loader_pb2.ListManifestsRequest(), timeout=5), 5),
-    Shell("worker", "shardline.v1.WorkerService", None, 4, needs_model=True),
+    Shell("planner", "shardline.v1.PlannerService", None, 6, call_built=lambda ch: _rejects_empty_plan(ch)),
+    Shell("loader", "shardline.v1.LoaderService", None, 5, call_built=lambda ch: list(
+        loader_pb2_grpc.LoaderServiceStub(ch).ListManifests(loader_pb2.ListManifestsRequest(), timeout=5).manifests)
+        == []),
+    Shell("worker", "shardline.v1.WorkerService", None, 4, needs_model=True, call_built=lambda ch: (
+        lambda stats: stats.blocks_total > 0 and stats.block_size == 16)(
+        worker_pb2_grpc.WorkerServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5))),
     Shell("router", "shardline.v1.RouterService",
           # A server-streaming RPC: the status arrives when the stream is read.
           lambda ch: list(router_pb2_grpc.RouterServiceStub(ch).Generate(
@@ -63,6 +66,15 @@ SHELLS = [
     Shell("telemetry", "shardline.v1.TelemetryService",
           lambda ch: telemetry_pb2_grpc.TelemetryServiceStub(ch).Query(telemetry_pb2.QueryRequest(), timeout=5), 8),
 ]
+
+
+def _rejects_empty_plan(channel: grpc.Channel) -> bool:
+    """A built planner answers an empty PlanRequest with INVALID_ARGUMENT naming what is missing."""
+    try:
+        planner_pb2_grpc.PlannerServiceStub(channel).Plan(planner_pb2.PlanRequest(), timeout=5)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "model_preset" in exc.details()
+    return False
 
 
 def _clean_env() -> dict[str, str]:
@@ -112,6 +124,7 @@ def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigte
             port = free_port()
             log = tmp_path / f"{shell.name}.log"
             env = _clean_env()
+            env["SHARDLINE_STATE_DIR"] = str(tmp_path / "state")  # embedded registry: not the user's
             command = [sys.executable, "-m", "services.cli", "serve", shell.name]
             if shell.name == "telemetry":
                 # Configured through the environment instead of flags, as docker-compose does.
@@ -132,8 +145,7 @@ def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigte
             services = ProtoReflectionDescriptorDatabase(channel).get_services()
             assert shell.full_name in services and "grpc.health.v1.Health" in services
             if shell.call_unbuilt is None:
-                stats = worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
-                assert stats.blocks_total > 0 and stats.block_size == 16
+                assert shell.call_built is not None and shell.call_built(channel), shell.name
                 continue
             with pytest.raises(grpc.RpcError) as caught:
                 shell.call_unbuilt(channel)

@@ -71,3 +71,22 @@ def score_from_checkpoint_rank(rank: int, world_size: int, checkpoint: str, tp: 
     coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
     runtime = RankRuntime(plan, groups, coordinator, model, loaded, 0)
     return prefill_logprobs(runtime, token_ids if rank == 0 else None)
+
+
+def score_from_staged_rank(rank: int, world_size: int, checkpoint: str, staged_paths: dict[int, str], tp: int,
+                           pp: int, token_ids: list[int]) -> ScoreResult | None:
+    """A rank that loads the shard a LoaderService ``Stage`` call put on this node
+    (``staged_paths[rank]``), verified again against the manifest and the plan, then scores."""
+    from services.loader.rank_loading import load_rank_shard
+    from services.loader.verify import read_manifest
+
+    manifest, _ = read_manifest(checkpoint)
+    plan = plan_for_checkpoint(checkpoint, tp_degree=tp, pp_degree=pp)
+    groups = init_parallel_groups(plan, rank=rank)
+    coordinator = Coordinator(groups, replica_group_id="staged", timeout_s=10.0)
+    model = LlamaForCausalLM(plan, coordinator, device=groups.device)
+    loaded = load_rank_shard(model, manifest, staged_paths[rank], plan, rank)
+    model.eval()
+    coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
+    runtime = RankRuntime(plan, groups, coordinator, model, loaded, 0)
+    return prefill_logprobs(runtime, token_ids if rank == 0 else None)

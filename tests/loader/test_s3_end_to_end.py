@@ -26,7 +26,8 @@ def test_shard_to_s3_stage_load_and_score(tiny_dir: Path, s3_bucket: str, tmp_pa
     assert cli_main(["shard", "--model", str(tiny_dir), "--tp", "2", "--pp", "2", "--out", prefix, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     store = open_store(prefix)
-    assert store.list() == sorted(["manifest.json"] + [s["file"] for s in summary["shards"]])
+    assert store.list() == sorted(["manifest.json", "config.json", "generation_config.json"]
+                                  + [s["file"] for s in summary["shards"]])
     assert cli_main(["verify", "--manifest", f"{prefix}/manifest.json", "--tp", "2", "--pp", "2"]) == 0
     assert "verified 4 shard(s)" in capsys.readouterr().out
 

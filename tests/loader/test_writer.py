@@ -27,8 +27,14 @@ def test_manifest_describes_files_exactly(tiny_dir: Path, sharded, tp: int, pp: 
     assert manifest.model_config == json.loads((tiny_dir / "config.json").read_text())
     assert (manifest.plan.tp_degree, manifest.plan.pp_degree, manifest.plan.dtype) == (tp, pp, "float32")
     assert manifest.plan.layer_split == tuple((r.start, r.stop) for r in plan.layer_ranges)
+    model_files = ["config.json", "generation_config.json"]  # what transformers wrote beside the weights
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(
-        ["manifest.json"] + [shard_file_name(t, p) for t in range(tp) for p in range(pp)])
+        ["manifest.json", *model_files] + [shard_file_name(t, p) for t in range(tp) for p in range(pp)])
+    assert [f.file for f in manifest.model_files] == model_files
+    for model_file in manifest.model_files:
+        source = (tiny_dir / model_file.file).read_bytes()
+        assert (ckpt / model_file.file).read_bytes() == source
+        assert (model_file.bytes, model_file.sha256) == (len(source), hashlib.sha256(source).hexdigest())
     for rank in range(plan.world_size):
         pp_stage, tp_rank = plan.coords(rank)
         entry = manifest.shard(tp_rank, pp_stage)
