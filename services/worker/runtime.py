@@ -47,12 +47,15 @@ class RankSpec:
 
     @property
     def tokenizer_dir(self) -> str | None:
-        """Where tokenizer.json lives: the model directory, else beside a local manifest."""
+        """Where tokenizer.json lives: the model directory, else the checkpoint's verified model
+        files (beside a local manifest, or staged from the object store)."""
         if self.model_dir:
             return self.model_dir
-        if self.checkpoint and "://" not in self.checkpoint:
-            path = Path(self.checkpoint)
-            return str(path if path.is_dir() else path.parent)
+        if self.checkpoint:
+            from services.loader.staging import stage_model_files
+
+            staged = stage_model_files(self.checkpoint)
+            return str(staged) if staged is not None else None
         return None
 
 
