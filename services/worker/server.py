@@ -20,6 +20,7 @@ from services.common.config import resolve
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.telemetry.tracing import traced_stream
 
 SERVICE = "worker"
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return list(request.token_ids.ids)
         raise InvalidArgument(f"{field}: set text or token_ids (the {field} is empty)")
 
+    @traced_stream("shardline.worker/Generate")
     def Generate(self, request: worker_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[worker_pb2.GenerateResponse]:
         from services.worker.engine.engine import ErrorEvent, FinishEvent
@@ -138,6 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.cli.generate import add_engine_arguments
     from services.cli.score import add_layout_arguments
+    from services.telemetry.server import add_metrics_arguments
 
     add_layout_arguments(parser)
     add_engine_arguments(parser)
@@ -145,10 +148,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shard registry URL (env SHARDLINE_REGISTRY_URL; default: none)")
     parser.add_argument("--redis-url", default=None,
                         help="health store (env SHARDLINE_REDIS_URL; default: none, routers poll Stats)")
+    parser.add_argument("--telemetry", default=None, metavar="ADDRESS",
+                        help="telemetry service host:port every rank ships its CollectiveEvents to "
+                             "(env SHARDLINE_TELEMETRY_ADDR; default: none)")
+    parser.add_argument("--telemetry-sample", default=None, metavar="OP=RATE,...",
+                        help="per-op sampling of shipped events, e.g. broadcast=0.1; timeouts are always kept "
+                             "(env SHARDLINE_TELEMETRY_SAMPLE; default: every event)")
+    add_metrics_arguments(parser)
 
 
 def serve(args: argparse.Namespace) -> int:
     from services.cli.generate import engine_spec
+    from services.telemetry.client import ShipperConfig
+    from services.telemetry.server import setup_observability
     from services.worker.serving import ServingGroup, ServingOptions
 
     args.model = resolve("model", args.model, "") or None
@@ -162,11 +174,18 @@ def serve(args: argparse.Namespace) -> int:
     servicer = WorkerServicer()
     spec = engine_spec(args)
     spec.rank.plan()  # bad layouts fail here, before anything starts
+    try:
+        telemetry = ShipperConfig.from_settings(args.telemetry, args.telemetry_sample)
+    except ValueError as exc:  # a bad sampling spec or buffer size
+        print(f"shardline serve worker: {exc}", flush=True)
+        return 2
 
     def on_started(server: GrpcServer) -> None:
         options = ServingOptions(registry_url=resolve("registry_url", args.registry_url, "") or None,
                                  health_url=resolve("redis_url", args.redis_url, "") or None,
-                                 endpoint=server.address, model_name=args.served_model_name or "")
+                                 endpoint=server.address, model_name=args.served_model_name or "",
+                                 telemetry=telemetry)
+        setup_observability(args, SERVICE)
         servicer.group = ServingGroup(spec, options)
         servicer.group.start()
         servicer.ready.set()

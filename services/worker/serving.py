@@ -21,15 +21,22 @@ from services.common.registry.repository import ShardRegistry
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.group import EngineSpec, build_engine, start_rank
 from services.worker.engine.runner import follower_loop
+from services.telemetry.client import ShipperConfig, TelemetryShipper
+from services.telemetry.instrument import instrument_engine
 from services.worker.parallel.launch import Followers
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 
-def follower_rank(rank: int, world_size: int, spec: EngineSpec) -> None:
-    runner, _ = start_rank(spec, rank)
-    follower_loop(runner)
+def follower_rank(rank: int, world_size: int, spec: EngineSpec, telemetry: ShipperConfig | None = None) -> None:
+    shipper = TelemetryShipper(telemetry) if telemetry is not None else None
+    try:
+        runner, _ = start_rank(spec, rank, sink=shipper)
+        follower_loop(runner)
+    finally:
+        if shipper is not None:
+            shipper.close()
 
 
 @dataclass
@@ -38,6 +45,7 @@ class ServingOptions:
     health_url: str | None = None  # redis://… ; None: no shared health store (the router polls Stats)
     endpoint: str = ""
     model_name: str = ""
+    telemetry: ShipperConfig | None = None  # ship CollectiveEvents to a telemetry service
 
 
 class ServingGroup:
@@ -51,13 +59,17 @@ class ServingGroup:
         self._threads: list[threading.Thread] = []
         self.registry: ShardRegistry | None = None
         self.health: HealthStore | None = None
+        self.shipper: TelemetryShipper | None = None
 
     def start(self) -> LLMEngine:
         plan = self.spec.rank.plan()
         if plan.world_size > 1:
-            self.followers = Followers(plan.world_size, follower_rank, self.spec)
-        runner, layout = start_rank(self.spec, 0)
+            self.followers = Followers(plan.world_size, follower_rank, self.spec, self.options.telemetry)
+        if self.options.telemetry is not None:
+            self.shipper = TelemetryShipper(self.options.telemetry)
+        runner, layout = start_rank(self.spec, 0, sink=self.shipper)
         self.engine = build_engine(self.spec, runner, layout)
+        instrument_engine(self.engine, self.replica_group_id, self.shipper)
         self._register(runner.rt.loaded_bytes)
         loop = threading.Thread(target=self._run_engine, name="engine-loop", daemon=True)
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -134,6 +146,8 @@ class ServingGroup:
             thread.join(timeout=10)
         if self.followers is not None:
             self.followers.join()
+        if self.shipper is not None:
+            self.shipper.close()
         if self.registry is not None and self.engine is not None and self.engine.failure is None:
             try:
                 group = _as_uuid(self.replica_group_id)

@@ -83,6 +83,30 @@ def test_preemption_under_pipeline_parallelism(tiny_model_dir):
     assert [o.token_ids for o in outs] == [reference_greedy(tiny_model_dir, p, 30) for p in prompts]
 
 
+def _overlap_rank(rank, world, spec, prompts, params):
+    from services.worker.engine.group import build_engine, collect, start_rank
+    from services.worker.engine.runner import follower_loop
+
+    runner, layout = start_rank(spec, rank)
+    if rank != 0:
+        follower_loop(runner)
+        return None
+    engine = build_engine(spec, runner, layout)
+    handles = [engine.submit(p, params) for p in prompts]
+    engine.run_until_done()
+    engine.shutdown()
+    return engine.peak_in_flight, [collect(h).token_ids for h in handles]
+
+
+def test_pipeline_keeps_pp_micro_batches_in_flight(tiny_model_dir):
+    prompts = prompts_of([12, 20, 7, 30], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = EngineSpec(RankSpec(str(tiny_model_dir), 1, 2), CacheConfig(kv_cache_bytes=16 << 20))
+    peak, outs = run_replica_group(2, _overlap_rank, spec, prompts, params)
+    assert peak == 2
+    assert outs == [reference_greedy(tiny_model_dir, p, 12) for p in prompts]
+
+
 def test_stop_strings(tiny_model_dir):
     # random weights often emit reserved (textless) ids: pick a prompt whose completion has text
     prompts = [prompts_of([10], seed=s)[0] for s in range(12)]

@@ -101,6 +101,7 @@ class LLMEngine:
         self.groups = runner.rt.groups
         self.max_in_flight = self.groups.pp_degree
         self._in_flight: collections.deque[StepPlan] = collections.deque()
+        self.peak_in_flight = 0  # most micro-batches in flight at once (PP overlap, for tests/bench)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._requests: dict[int, RequestHandle] = {}
@@ -222,7 +223,7 @@ class LLMEngine:
         """One iteration; False when there was nothing to do."""
         self._apply_commands()
         if len(self._in_flight) < self.max_in_flight:
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule(self._micro_batch_seqs())
             if not out.is_empty:
                 plan = self._plan_of(out)
                 t0 = time.perf_counter()
@@ -233,6 +234,7 @@ class LLMEngine:
                     self._apply_result(plan, result)
                 else:
                     self._in_flight.append(plan)
+                    self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
                 return True
         if self._in_flight:
             result: StepResult = self.coordinator.recv_object(src=self.groups.last_stage_leader)
@@ -241,6 +243,14 @@ class LLMEngine:
             self._apply_result(plan, result)
             return True
         return False
+
+    def _micro_batch_seqs(self) -> int | None:
+        """With PP stages, split the live sequences into PP micro-batches so that every stage has
+        work at once (bubble (p-1)/(m+p-1) shrinks as m grows); None (no cap) without PP."""
+        if self.max_in_flight == 1:
+            return None
+        live = self.scheduler.num_running + self.scheduler.num_waiting
+        return max(1, -(-live // self.max_in_flight))
 
     def _apply_commands(self) -> None:
         while True:

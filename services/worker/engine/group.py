@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from services.common.collective_events import EventSink
 from services.worker.engine.engine import ErrorEvent, FinishEvent, LLMEngine, TokenEvent
 from services.worker.engine.kv_cache import CacheConfig, KVCacheLayout
 from services.worker.engine.runner import StageRunner, follower_loop
@@ -43,8 +44,8 @@ def load_tokenizer(model_dir: str | None) -> Tokenizer | None:
     return Tokenizer.from_file(str(path)) if path.exists() else None
 
 
-def start_rank(spec: EngineSpec, rank: int) -> tuple[StageRunner, KVCacheLayout]:
-    rt = RankRuntime.start(spec.rank, rank)
+def start_rank(spec: EngineSpec, rank: int, *, sink: EventSink | None = None) -> tuple[StageRunner, KVCacheLayout]:
+    rt = RankRuntime.start(spec.rank, rank, sink=sink)
     layout = KVCacheLayout.for_plan(rt.plan, spec.cache)
     runner = StageRunner(rt, num_blocks=layout.num_blocks, block_size=layout.block_size)
     return runner, layout

@@ -84,6 +84,7 @@ def follower_loop(runner: StageRunner) -> None:
     while True:
         plan: StepPlan = c.broadcast_object(None, src=0, timeout_s=wait_s)
         if plan.kind == "stop":
+            c.flush()
             return
         if plan.kind == "idle":
             continue
@@ -92,4 +93,4 @@ def follower_loop(runner: StageRunner) -> None:
             continue
         result = runner.execute(plan)
         if result is not None and not g.is_driver:
-            c.send_object(result, dst=0)
+            c.send_object(result, dst=0, deferred=True)

@@ -252,9 +252,11 @@ class Scheduler:
 
     # ---- stepping ---------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step (micro-batch) from the sequences not already in flight."""
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """Plan one step (micro-batch) from the sequences not already in flight, with at most
+        ``max_seqs`` sequences (pipeline parallelism splits the batch into micro-batches)."""
         out = SchedulerOutput(step_id=self._next_step)
+        cap = self.config.max_num_seqs if max_seqs is None else max(1, max_seqs)
         self._next_step += 1
         budget = self.config.max_batched_tokens
         scheduled_ids: set[int] = set()
@@ -262,7 +264,7 @@ class Scheduler:
 
         for decodes in (True, False):
             for seq in list(self.running):
-                if budget == 0:
+                if budget == 0 or len(out.scheduled) >= cap:
                     break
                 if (seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._in_flight
                         or seq.seq_id in scheduled_ids):
@@ -278,7 +280,8 @@ class Scheduler:
                 budget -= n
 
         if not blocked and not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+                   and len(out.scheduled) < cap):
                 seq = self.waiting[0]
                 n = min(seq.num_tokens, budget)  # waiting sequences have nothing computed
                 if not self.allocator.can_allocate(n):

@@ -50,6 +50,7 @@ class Coordinator:
         self.sink: EventSink = sink if sink is not None else RingBufferSink()
         self.faults = faults if faults is not None else FaultInjector(groups.global_rank)
         self.failure: ShardGroupUnhealthy | None = None
+        self._pending: tuple[list, tuple] | None = None  # a deferred send: (works, tensors kept alive)
 
     @property
     def healthy(self) -> bool:
@@ -138,16 +139,38 @@ class Coordinator:
                   lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout_s)
         return obj if is_src else pickle.loads(buf.numpy().tobytes())
 
-    def send_object(self, obj: Any, dst: int, *, timeout_s: float | None = None) -> None:
+    def send_object(self, obj: Any, dst: int, *, timeout_s: float | None = None, deferred: bool = False) -> None:
         """Point-to-point message to global rank ``dst`` on the result group (sampled tokens
-        from the last stage to the driver)."""
+        from the last stage to the driver).
+
+        ``deferred``: issue the send and return; it is waited for (with the timeout, recorded like
+        any op) before the next send or at :meth:`flush`. Gloo completes a send only once the peer
+        posts the matching receive, and with PP micro-batches the driver receives result k only
+        after broadcasting plan k+1 — waiting here would deadlock the pipeline.
+        """
+        self.flush(timeout_s=timeout_s)
         payload = pickle.dumps(obj)
         size = torch.tensor([len(payload)], dtype=torch.int64)
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         group = self.groups.result_group
-        self._run("send", 8 + buf.numel(), 2,
-                  lambda: [dist.isend(size, dst=dst, group=group), dist.isend(buf, dst=dst, group=group)],
-                  timeout_s)
+
+        def start():
+            return [dist.isend(size, dst=dst, group=group), dist.isend(buf, dst=dst, group=group)]
+
+        if not deferred:
+            self._run("send", 8 + buf.numel(), 2, start, timeout_s)
+            return
+        if self.failure is not None:
+            raise ShardGroupUnhealthy(self.replica_group_id, self.gpu_id, "send",
+                                      f"refused: group already failed ({self.failure.op})")
+        self._pending = (start(), (size, buf))
+
+    def flush(self, *, timeout_s: float | None = None) -> None:
+        """Wait for a deferred send (see :meth:`send_object`)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            works, tensors = pending
+            self._run("send", sum(t.numel() * t.element_size() for t in tensors), 2, lambda: works, timeout_s)
 
     def recv_object(self, src: int, *, timeout_s: float | None = None) -> Any:
         group = self.groups.result_group
