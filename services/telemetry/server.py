@@ -1,57 +1,178 @@
 """TelemetryService: CollectiveEvent ingest, windowed percentiles and alerts over gRPC.
 
-A thin servicer: protobuf in, a call into the telemetry domain modules (windows, rules,
-exporters), protobuf out; domain errors become statuses in ``services.common.grpc_server``.
-Until issue 8 builds those, every RPC answers UNIMPLEMENTED naming that issue.
+A thin servicer: protobuf in, a call into :class:`~services.telemetry.pipeline.TelemetryPipeline`
+(windows, rules, effects), protobuf out. ``Report`` hands each batch's events to the pipeline as
+they are (they carry the CollectiveEvent field names), so ingest converts nothing per event.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
+import time
 from collections.abc import Iterator
 
 import grpc
 
-from services.common.grpc_server import ServiceBinding, serve_service, unimplemented
+from services.common.config import resolve
+from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
+from services.telemetry.convert import alert_to_pb, window_to_pb
+from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
+from services.telemetry.rules import RuleConfig
+from services.telemetry.windows import WindowConfig
 
 SERVICE = "telemetry"
-BUILT_BY_ISSUE = 8
+log = logging.getLogger(__name__)
+ALERT_POLL_S = 0.25
 
 
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
     """gRPC face of the telemetry pipeline."""
 
-    def Report(
-        self, request_iterator: Iterator[telemetry_pb2.ReportRequest], context: grpc.ServicerContext
-    ) -> telemetry_pb2.ReportResponse:
-        unimplemented(context, "TelemetryService.Report", BUILT_BY_ISSUE)
+    def __init__(self, pipeline: TelemetryPipeline) -> None:
+        self.pipeline = pipeline
 
-    def Query(
-        self, request: telemetry_pb2.QueryRequest, context: grpc.ServicerContext
-    ) -> telemetry_pb2.QueryResponse:
-        unimplemented(context, "TelemetryService.Query", BUILT_BY_ISSUE)
+    def Report(self, request_iterator: Iterator[telemetry_pb2.ReportRequest],
+               context: grpc.ServicerContext) -> telemetry_pb2.ReportResponse:
+        accepted = dropped = 0
+        for request in request_iterator:
+            accepted += self.pipeline.ingest(request.events, dropped=request.dropped)
+            dropped += request.dropped
+        return telemetry_pb2.ReportResponse(accepted=accepted, dropped=dropped)
 
-    def Alerts(
-        self, request: telemetry_pb2.AlertsRequest, context: grpc.ServicerContext
-    ) -> Iterator[telemetry_pb2.Alert]:
-        unimplemented(context, "TelemetryService.Alerts", BUILT_BY_ISSUE)
+    def Query(self, request: telemetry_pb2.QueryRequest, context: grpc.ServicerContext) -> telemetry_pb2.QueryResponse:
+        windows = self.pipeline.query(replica_group_id=request.replica_group_id, gpu_id=request.gpu_id,
+                                      op_type=request.op_type)
+        return telemetry_pb2.QueryResponse(windows=[window_to_pb(w) for w in windows],
+                                           dropped_total=self.pipeline.dropped_total)
+
+    def Alerts(self, request: telemetry_pb2.AlertsRequest,
+               context: grpc.ServicerContext) -> Iterator[telemetry_pb2.Alert]:
+        subscription = self.pipeline.subscribe(request.replica_group_id)
+        context.add_callback(subscription.close)
+        try:
+            while context.is_active() and not subscription.closed:
+                alert = subscription.get(ALERT_POLL_S)
+                if alert is not None:
+                    yield alert_to_pb(alert)
+        finally:
+            subscription.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Telemetry-specific flags (the common server flags are added by the caller). Issue 8 adds
-    --metrics-port, the window and alert-rule settings here."""
+    """Telemetry-specific flags (the common server flags are added by the caller)."""
+    group = parser.add_argument_group("telemetry")
+    group.add_argument("--redis-url", default=None,
+                       help="health store the alerts write to (env SHARDLINE_REDIS_URL; default: none)")
+    group.add_argument("--registry-url", default=None,
+                       help="shard registry whose replica_groups.status alerts update "
+                            "(env SHARDLINE_REGISTRY_URL; default: none)")
+    group.add_argument("--window-s", type=float, default=None,
+                       help="window length in seconds (env SHARDLINE_TELEMETRY_WINDOW_S; default 10)")
+    group.add_argument("--retain-windows", type=int, default=None, help="windows kept per series (default 6)")
+    group.add_argument("--slow-k", type=float, default=None,
+                       help="a rank is slow above k x the group's all-reduce p99 baseline (default 3)")
+    group.add_argument("--sustain-windows", type=int, default=None,
+                       help="consecutive windows a rank must be slow before the alert (default 3)")
+    group.add_argument("--baseline-windows", type=int, default=None,
+                       help="windows the group's baseline is learned over (default 3)")
+    group.add_argument("--min-events", type=int, default=None,
+                       help="all-reduces a rank needs in a window for its p99 to count (default 10)")
+    group.add_argument("--min-excess-ms", type=float, default=None,
+                       help="a slow p99 must also exceed the baseline by this many ms (default 0.5)")
+    add_metrics_arguments(group)
 
 
-def bindings(args: argparse.Namespace) -> list[ServiceBinding]:
-    return [
-        ServiceBinding(
-            full_name=telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"].full_name,
-            servicer=TelemetryServicer(),
-            add_to_server=telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server,
-        )
-    ]
+def add_metrics_arguments(parser) -> None:
+    """``--metrics-port`` and ``--otlp-endpoint``: the same two flags on every service."""
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on this port, 0 for any (env SHARDLINE_METRICS_PORT; "
+                             "default: off)")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="export OpenTelemetry metrics and traces over OTLP/gRPC to host:port "
+                             "(env SHARDLINE_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; default: off)")
+
+
+def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
+    window_s = resolve("telemetry_window_s", args.window_s, 10.0)
+    rules = RuleConfig()
+    return PipelineConfig(
+        windows=WindowConfig(window_s=window_s, retain_windows=args.retain_windows or 6),
+        rules=RuleConfig(slow_k=args.slow_k or rules.slow_k,
+                         sustain_windows=args.sustain_windows or rules.sustain_windows,
+                         baseline_windows=args.baseline_windows or rules.baseline_windows,
+                         min_events=args.min_events or rules.min_events,
+                         min_excess_ms=args.min_excess_ms if args.min_excess_ms is not None else rules.min_excess_ms),
+        close_grace_s=min(1.0, max(0.3, window_s / 4)))
+
+
+def build_pipeline(args: argparse.Namespace) -> TelemetryPipeline:
+    from services.telemetry.effects import GroupStatusEffects
+
+    redis_url = resolve("redis_url", args.redis_url, "") or None
+    registry_url = resolve("registry_url", args.registry_url, "") or None
+    effects = None
+    if redis_url or registry_url:
+        from services.common.health import make_health_store
+        from services.common.registry import ShardRegistry
+
+        health = make_health_store(redis_url) if redis_url else None
+        registry = ShardRegistry(registry_url, migrate_schema=True) if registry_url else None
+        effects = GroupStatusEffects(health=health, registry=registry)
+    return TelemetryPipeline(pipeline_config(args), effects=effects)
+
+
+def setup_observability(args: argparse.Namespace, service: str):
+    """Metrics (/metrics, OTLP) and traces for one service process, from its flags and env."""
+    from services.telemetry.otel import MetricsOptions, configure_metrics, otlp_endpoint_from_env
+    from services.telemetry.tracing import configure_tracing
+
+    port = resolve("metrics_port", args.metrics_port, -1)
+    otlp = args.otlp_endpoint or otlp_endpoint_from_env()
+    host = resolve("host", getattr(args, "host", None), "127.0.0.1")
+    configure_tracing(service, otlp)
+    return configure_metrics(MetricsOptions(service, metrics_port=None if port < 0 else port, metrics_host=host,
+                                            otlp_endpoint=otlp))
 
 
 def serve(args: argparse.Namespace) -> int:
-    return serve_service(args, service=SERVICE, bindings=lambda: bindings(args))
+    from services.telemetry.otel import MetricsPortError, collective_metrics
+
+    pipeline = build_pipeline(args)
+    servicer = TelemetryServicer(pipeline)
+    # /metrics is up before health says SERVING: whoever waits for SERVING can scrape at once
+    try:
+        metrics = setup_observability(args, SERVICE)
+    except MetricsPortError as exc:
+        print(f"shardline serve telemetry: {exc}", file=sys.stderr)
+        return 1
+    start_ns = time.time_ns()
+    metrics.add_producer(lambda now_ns: collective_metrics(pipeline.totals(), start_ns=start_ns, now_ns=now_ns))
+    metrics.meter.create_observable_counter(
+        "shardline.telemetry.sender_dropped", unit="{event}",
+        description="Events the ranks' shippers reported dropping",
+        callbacks=[lambda _o: [_observation(pipeline.dropped_total)]])
+    metrics.meter.create_observable_counter(
+        "shardline.telemetry.alerts", unit="{alert}", description="Alerts raised",
+        callbacks=[lambda _o: [_observation(pipeline.alerts_fired)]])
+
+    def on_started(server: GrpcServer) -> None:
+        pipeline.start()
+        log.info("telemetry windows of %g s; /metrics port %s", pipeline.config.windows.window_s, metrics.metrics_port)
+
+    def on_stopping(server: GrpcServer) -> None:
+        pipeline.close()
+
+    binding = ServiceBinding(
+        full_name=telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"].full_name,
+        servicer=servicer, add_to_server=telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server)
+    return serve_service(args, service=SERVICE, bindings=lambda: [binding], on_started=on_started,
+                         on_stopping=on_stopping)
+
+
+def _observation(value: int):
+    from opentelemetry.metrics import Observation
+
+    return Observation(value)

@@ -1,0 +1,52 @@
+"""Protobuf <-> domain conversion for the telemetry service (the only telemetry module besides
+server.py and client.py that imports generated code)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from services.common.collective_events import CollectiveEvent
+from services.common.proto import common_pb2, telemetry_pb2
+from services.telemetry.rules import Alert, AlertKind, GroupStatus
+from services.telemetry.windows import WindowSummary
+
+ALERT_KINDS = {
+    AlertKind.COLLECTIVE_TIMEOUT: telemetry_pb2.ALERT_KIND_COLLECTIVE_TIMEOUT,
+    AlertKind.SLOW_RANK: telemetry_pb2.ALERT_KIND_SLOW_RANK,
+    AlertKind.STAGE_LINK_FAILURE: telemetry_pb2.ALERT_KIND_STAGE_LINK_FAILURE,
+}
+GROUP_STATUSES = {
+    GroupStatus.HEALTHY: common_pb2.REPLICA_GROUP_STATUS_HEALTHY,
+    GroupStatus.DEGRADED: common_pb2.REPLICA_GROUP_STATUS_DEGRADED,
+    GroupStatus.DRAINING: common_pb2.REPLICA_GROUP_STATUS_DRAINING,
+    GroupStatus.UNHEALTHY: common_pb2.REPLICA_GROUP_STATUS_UNHEALTHY,
+}
+
+
+def event_to_pb(e: CollectiveEvent) -> telemetry_pb2.CollectiveEvent:
+    return telemetry_pb2.CollectiveEvent(
+        replica_group_id=e.replica_group_id, gpu_id=e.gpu_id, op_type=e.op_type, bytes=e.bytes,
+        duration_ms=e.duration_ms, group_size=e.group_size, timestamp_ms=e.timestamp_ms, timed_out=e.timed_out)
+
+
+def report_request(events: Iterable[CollectiveEvent], dropped: int = 0) -> telemetry_pb2.ReportRequest:
+    return telemetry_pb2.ReportRequest(events=[event_to_pb(e) for e in events], dropped=dropped)
+
+
+def event_from_pb(pb: telemetry_pb2.CollectiveEvent) -> CollectiveEvent:
+    return CollectiveEvent(pb.replica_group_id, pb.gpu_id, pb.op_type, pb.bytes, pb.duration_ms, pb.group_size,
+                           pb.timestamp_ms, pb.timed_out)
+
+
+def window_to_pb(w: WindowSummary) -> telemetry_pb2.CollectiveWindow:
+    return telemetry_pb2.CollectiveWindow(
+        replica_group_id=w.replica_group_id, gpu_id=w.gpu_id, op_type=w.op_type, window_start_ms=w.window_start_ms,
+        window_end_ms=w.window_end_ms, count=w.count, bytes=w.bytes, p50_ms=w.p50_ms, p95_ms=w.p95_ms,
+        p99_ms=w.p99_ms, timeouts=w.timeouts)
+
+
+def alert_to_pb(a: Alert) -> telemetry_pb2.Alert:
+    return telemetry_pb2.Alert(
+        kind=ALERT_KINDS[a.kind], replica_group_id=a.replica_group_id, gpu_id=a.gpu_id, op_type=a.op_type,
+        new_status=GROUP_STATUSES[a.new_status], message=a.message, timestamp_ms=a.timestamp_ms,
+        observed_p99_ms=a.observed_p99_ms, baseline_p99_ms=a.baseline_p99_ms)

@@ -1,0 +1,117 @@
+"""What an alert changes outside telemetry: the health store (Redis) and the shard registry.
+
+Runs on its own thread (:class:`EffectWorker`), so a slow Redis or database never holds up
+ingest. Per alert:
+
+- health store (``shardhealth:<group>``): COLLECTIVE_TIMEOUT and STAGE_LINK_FAILURE mark every
+  rank of the group ``unhealthy`` (the router stops routing there at once); SLOW_RANK marks the
+  named rank ``degraded`` (and ``healthy`` again on recovery). Ranks are written with a heartbeat
+  so a group telemetry saw before its first worker heartbeat still gets its mark.
+- registry (``replica_groups.status``): timeouts move the group to ``draining`` (the router
+  drains and evicts it; the worker, which tears it down, then moves it to ``dead``); SLOW_RANK
+  moves ``healthy`` -> ``degraded`` and back. A move the lifecycle forbids (the worker already
+  marked the group dead) or a group the registry does not hold is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+
+from services.common.health import HealthStore, rank_field
+from services.common.health.base import DEGRADED, HEALTHY, UNHEALTHY
+from services.common.registry import IllegalTransition, NotFound, RegistryError, ShardRegistry
+from services.telemetry.rules import Alert, AlertKind, GroupStatus, gpu_coords
+
+log = logging.getLogger(__name__)
+
+_REGISTRY_STATUS = {GroupStatus.UNHEALTHY: "draining", GroupStatus.DRAINING: "draining",
+                    GroupStatus.DEGRADED: "degraded", GroupStatus.HEALTHY: "healthy"}
+
+
+def registry_group_id(replica_group_id: str) -> uuid.UUID:
+    """Registry ids are UUIDs; a group name maps to the same UUID5 the worker registers it under
+    (``services.worker.serving._as_uuid``; kept in step by tests/telemetry)."""
+    try:
+        return uuid.UUID(replica_group_id)
+    except ValueError:
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"shardline:{replica_group_id}")
+
+
+def _rank_field_of(gpu_id: str) -> str | None:
+    coords = gpu_coords(gpu_id)
+    return rank_field(coords[1], coords[0]) if coords else None
+
+
+class GroupStatusEffects:
+    """Applies alerts to the health store and the registry (either may be None)."""
+
+    def __init__(self, health: HealthStore | None = None, registry: ShardRegistry | None = None) -> None:
+        self.health = health
+        self.registry = registry
+
+    def apply(self, alert: Alert) -> None:
+        if self.health is not None:
+            self._apply_health(alert)
+        if self.registry is not None:
+            self._apply_registry(alert)
+
+    def _apply_health(self, alert: Alert) -> None:
+        group = alert.replica_group_id
+        if alert.kind in (AlertKind.COLLECTIVE_TIMEOUT, AlertKind.STAGE_LINK_FAILURE):
+            fields = {f for f in map(_rank_field_of, (*alert.group_gpu_ids, alert.gpu_id)) if f}
+            fields.update(self.health.group_health(group))
+            if fields:
+                self.health.heartbeat(group, dict.fromkeys(sorted(fields), UNHEALTHY))
+            else:
+                self.health.mark_group(group, UNHEALTHY)
+            return
+        field = _rank_field_of(alert.gpu_id)
+        if field is None:
+            return
+        current = self.health.group_health(group)
+        if current.get(field, HEALTHY) == UNHEALTHY:
+            return  # a timed-out group stays unhealthy
+        self.health.heartbeat(group, {field: DEGRADED if alert.new_status is GroupStatus.DEGRADED else HEALTHY})
+
+    def _apply_registry(self, alert: Alert) -> None:
+        target = _REGISTRY_STATUS[alert.new_status]
+        gid = registry_group_id(alert.replica_group_id)
+        try:
+            current = self.registry.get_group(gid).status
+            if current == target:
+                return
+            self.registry.set_status(gid, target, reason=alert.message[:500])
+        except IllegalTransition as exc:
+            log.info("registry: %s stays %s (%s)", alert.replica_group_id, exc.from_status, exc)
+        except NotFound:
+            log.info("registry: replica group %s (%s) is not registered; alert not recorded there",
+                     alert.replica_group_id, gid)
+
+
+class EffectWorker:
+    """A thread that applies alerts in order; errors are logged, never raised into ingest."""
+
+    def __init__(self, effects: GroupStatusEffects) -> None:
+        self.effects = effects
+        self._queue: queue.SimpleQueue[Alert | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="telemetry-effects", daemon=True)
+        self._thread.start()
+
+    def submit(self, alert: Alert) -> None:
+        self._queue.put(alert)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (alert := self._queue.get()) is not None:
+            try:
+                self.effects.apply(alert)
+            except (RegistryError, OSError, ConnectionError) as exc:
+                log.warning("could not apply %s alert for %s: %s", alert.kind.value, alert.replica_group_id, exc)
+            except Exception as exc:  # redis errors and the like: keep the thread alive
+                log.exception("applying %s alert for %s failed: %s", alert.kind.value, alert.replica_group_id, exc)

@@ -1,0 +1,100 @@
+"""Real `shardline serve telemetry` / `serve worker` processes for the telemetry tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.healthcheck import check
+from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
+from tests.stack import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Service:
+    proc: subprocess.Popen
+    address: str
+    log: Path
+    metrics_port: int | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a test may have stopped it
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_service(name: str, log: Path, *flags: str, env: dict | None = None, metrics: bool = True,
+                  timeout_s: float = 120.0, port: int | None = None) -> Service:
+    port = port or free_port()
+    metrics_port = free_port() if metrics else None
+    argv = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *flags]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    service = Service(proc, f"127.0.0.1:{port}", log, metrics_port)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if check(service.address, timeout_s=1) == "SERVING":
+                return service
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    service.stop()
+    pytest.fail(f"{name} not SERVING within {timeout_s} s:\n{log.read_text()}")
+
+
+def telemetry_stub(address: str) -> tuple[grpc.Channel, telemetry_pb2_grpc.TelemetryServiceStub]:
+    channel = grpc.insecure_channel(address)
+    return channel, telemetry_pb2_grpc.TelemetryServiceStub(channel)
+
+
+def query_counts(stub, replica_group_id: str) -> dict[tuple[str, str], int]:
+    """``{(gpu_id, op_type): count}`` over the current windows."""
+    response = stub.Query(telemetry_pb2.QueryRequest(replica_group_id=replica_group_id), timeout=5)
+    return {(w.gpu_id, w.op_type): w.count for w in response.windows}
+
+
+def scrape(url: str) -> dict[str, list]:
+    """Samples by name: ``{sample_name: [(labels, value), ...]}``."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

@@ -1,0 +1,208 @@
+"""Alert rules on synthetic telemetry, and their effects on real Redis and a real registry."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+
+from services.common.collective_events import CollectiveEvent
+from services.common.health import make_health_store
+from services.common.registry import ShardRegistry
+from services.telemetry.effects import GroupStatusEffects, registry_group_id
+from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
+from services.telemetry.rules import AlertKind, GroupStatus, RuleConfig
+from services.telemetry.windows import WindowConfig
+
+ORIGIN = 1_700_000_000_000
+RANKS = [(pp, tp) for pp in range(2) for tp in range(2)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = ORIGIN
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def make_pipeline(clock: Clock, effects=None, **rules) -> TelemetryPipeline:
+    config = PipelineConfig(windows=WindowConfig(window_s=1.0, retain_windows=4),
+                            rules=RuleConfig(min_events=10, min_excess_ms=1.0, **rules), close_grace_s=0.2)
+    return TelemetryPipeline(config, effects=effects, clock_ms=clock)
+
+
+def window_of_traffic(group: str, window: int, slow_ms: dict[tuple[int, int], float], rng: random.Random,
+                      n: int = 40) -> list[CollectiveEvent]:
+    events = []
+    for pp, tp in RANKS:
+        for i in range(n):
+            base = slow_ms.get((pp, tp), 0.0)
+            events.append(CollectiveEvent(group, f"{group}:pp{pp}-tp{tp}", "all_reduce", 4096,
+                                          base + rng.uniform(0.1, 0.3), 2, ORIGIN + window * 1000 + i * 20, False))
+    return events
+
+
+def run_windows(pipeline: TelemetryPipeline, clock: Clock, group: str, slow: dict, first: int, last: int,
+                rng: random.Random) -> list:
+    alerts = []
+    for window in range(first, last):
+        pipeline.ingest(window_of_traffic(group, window, slow, rng))
+        clock.now = ORIGIN + (window + 1) * 1000 + 300  # the window has ended, grace passed
+        alerts += pipeline.tick()
+    return alerts
+
+
+def test_a_straggler_is_named_after_sustained_windows_and_recovers():
+    clock, rng = Clock(), random.Random(0)
+    pipeline = make_pipeline(clock)
+    assert run_windows(pipeline, clock, "rg", {}, 0, 4, rng) == []  # healthy: baseline learned
+    # pp0-tp1 arrives 40 ms late at every all-reduce: its TP peer pp0-tp0 waits those 40 ms
+    alerts = run_windows(pipeline, clock, "rg", {(0, 0): 40.0}, 4, 7, rng)
+    assert len(alerts) == 1, alerts
+    (alert,) = alerts
+    assert (alert.kind, alert.gpu_id, alert.new_status) == (AlertKind.SLOW_RANK, "rg:pp0-tp1", GroupStatus.DEGRADED)
+    assert alert.observed_p99_ms > 40 and alert.baseline_p99_ms < 0.5
+    assert "3 consecutive 1 s windows" in alert.message
+    assert run_windows(pipeline, clock, "rg", {(0, 0): 40.0}, 7, 9, rng) == []  # no repeat while degraded
+    recovered = run_windows(pipeline, clock, "rg", {}, 9, 12, rng)
+    assert [(a.gpu_id, a.new_status) for a in recovered] == [("rg:pp0-tp1", GroupStatus.HEALTHY)]
+
+
+def test_not_sustained_long_enough_raises_nothing():
+    clock, rng = Clock(), random.Random(1)
+    pipeline = make_pipeline(clock, sustain_windows=3)
+    run_windows(pipeline, clock, "rg", {}, 0, 3, rng)
+    assert run_windows(pipeline, clock, "rg", {(0, 0): 40.0}, 3, 5, rng) == []
+    assert run_windows(pipeline, clock, "rg", {}, 5, 6, rng) == []
+    assert run_windows(pipeline, clock, "rg", {(0, 0): 40.0}, 6, 8, rng) == []
+
+
+def test_a_slow_link_on_a_whole_stage_names_its_worst_rank_against_the_learned_baseline():
+    clock, rng = Clock(), random.Random(2)
+    pipeline = make_pipeline(clock)
+    run_windows(pipeline, clock, "rg", {}, 0, 3, rng)
+    # every rank of stage 1 is slow (a degraded link); stage 0 stays at the baseline
+    alerts = run_windows(pipeline, clock, "rg", {(1, 0): 20.0, (1, 1): 25.0}, 3, 6, rng)
+    assert [(a.kind, a.gpu_id) for a in alerts] == [(AlertKind.SLOW_RANK, "rg:pp1-tp1")]
+
+
+def test_noise_below_the_excess_floor_is_ignored():
+    clock, rng = Clock(), random.Random(3)
+    pipeline = make_pipeline(clock)
+    # 0.8 ms is more than 3x the ~0.2 ms baseline but less than min_excess_ms=1 above it
+    assert run_windows(pipeline, clock, "rg", {(0, 0): 0.8}, 0, 8, rng) == []
+
+
+def test_timeouts_alert_once_per_group_and_kind():
+    clock = Clock()
+    pipeline = make_pipeline(clock)
+    ok = [CollectiveEvent("rg", f"rg:pp{pp}-tp{tp}", "all_reduce", 8, 0.2, 2, ORIGIN + 10, False) for pp, tp in RANKS]
+    pipeline.ingest(ok)
+    hung = CollectiveEvent("rg", "rg:pp0-tp0", "all_reduce", 8, 2000.0, 2, ORIGIN + 2500, True)
+    sub = pipeline.subscribe("rg")
+    pipeline.ingest([hung, hung])
+    first = sub.get(1.0)
+    assert first.kind is AlertKind.COLLECTIVE_TIMEOUT and first.new_status is GroupStatus.UNHEALTHY
+    assert first.gpu_id == "rg:pp0-tp0" and "timed out on rg:pp0-tp0 after 2.00 s" in first.message
+    assert set(first.group_gpu_ids) == {f"rg:pp{pp}-tp{tp}" for pp, tp in RANKS}
+    # the other ranks' last events ended before the hung all-reduce began
+    assert "not heard from since it began: rg:pp0-tp1, rg:pp1-tp0, rg:pp1-tp1" in first.message
+    link = CollectiveEvent("rg", "rg:pp1-tp0", "recv", 8, 2000.0, 2, ORIGIN + 2600, True)
+    pipeline.ingest([link])
+    second = sub.get(1.0)
+    assert second.kind is AlertKind.STAGE_LINK_FAILURE and second.new_status is GroupStatus.DRAINING
+    assert sub.get(0.2) is None
+    # a late subscriber gets the retained alerts
+    assert [a.kind for a in _drain(pipeline.subscribe("rg"))] == [AlertKind.COLLECTIVE_TIMEOUT,
+                                                                  AlertKind.STAGE_LINK_FAILURE]
+    assert list(_drain(pipeline.subscribe("other-group"))) == []
+
+
+def _drain(sub):
+    while (alert := sub.get(0.1)) is not None:
+        yield alert
+
+
+@pytest.fixture
+def registry(tmp_path):
+    reg = ShardRegistry(f"sqlite:///{tmp_path / 'registry.db'}", migrate_schema=True)
+    yield reg
+    reg.close()
+
+
+def register_group(registry: ShardRegistry, name: str) -> uuid.UUID:
+    gid = registry_group_id(name)
+    registry.create_replica_group("tiny", 2, 2, "float32", 1 << 20, name=name, replica_group_id=gid)
+    registry.set_status(gid, "healthy")
+    return gid
+
+
+def wait_for(predicate, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_registry_ids_match_the_workers(registry):
+    from services.worker.serving import _as_uuid
+
+    assert registry_group_id("rg-abc") == _as_uuid("rg-abc")
+    gid = uuid.uuid4()
+    assert registry_group_id(str(gid)) == gid
+
+
+def test_timeout_marks_every_rank_unhealthy_in_redis_and_drains_the_registry(redis_url, registry):
+    group = f"rg-{uuid.uuid4().hex[:8]}"
+    health = make_health_store(redis_url)
+    health.heartbeat(group, {"pp0_tp0": "healthy", "pp0_tp1": "healthy"})  # the worker's heartbeat so far
+    gid = register_group(registry, group)
+    clock = Clock()
+    pipeline = make_pipeline(clock, effects=GroupStatusEffects(health=health, registry=registry))
+    try:
+        pipeline.ingest([CollectiveEvent(group, f"{group}:pp{pp}-tp{tp}", "all_reduce", 8, 0.2, 2, ORIGIN, False)
+                         for pp, tp in RANKS])
+        pipeline.ingest([CollectiveEvent(group, f"{group}:pp0-tp1", "all_reduce", 8, 2000.0, 2, ORIGIN + 2100, True)])
+        expected = {f"pp{pp}_tp{tp}": "unhealthy" for pp, tp in RANKS}
+        assert wait_for(lambda: health.group_health(group) == expected), health.group_health(group)
+        assert wait_for(lambda: registry.get_group(gid).status == "draining")
+        assert "timed out" in registry.get_group(gid).status_reason
+    finally:
+        pipeline.close()
+        health.remove_group(group)
+
+
+def test_slow_rank_degrades_its_rank_and_the_group_then_recovers(redis_url, registry):
+    group = f"rg-{uuid.uuid4().hex[:8]}"
+    health = make_health_store(redis_url)
+    health.heartbeat(group, {f"pp{pp}_tp{tp}": "healthy" for pp, tp in RANKS})
+    gid = register_group(registry, group)
+    clock, rng = Clock(), random.Random(4)
+    pipeline = make_pipeline(clock, effects=GroupStatusEffects(health=health, registry=registry))
+    try:
+        run_windows(pipeline, clock, group, {}, 0, 3, rng)
+        run_windows(pipeline, clock, group, {(1, 1): 30.0}, 3, 6, rng)  # pp1-tp0 is the straggler
+        assert wait_for(lambda: registry.get_group(gid).status == "degraded")
+        assert wait_for(lambda: health.group_health(group).get("pp1_tp0") == "degraded")
+        assert health.group_health(group)["pp1_tp1"] == "healthy"
+        run_windows(pipeline, clock, group, {}, 6, 9, rng)
+        assert wait_for(lambda: registry.get_group(gid).status == "healthy")
+        assert wait_for(lambda: health.group_health(group).get("pp1_tp0") == "healthy")
+    finally:
+        pipeline.close()
+        health.remove_group(group)
+
+
+def test_alerts_for_unregistered_groups_are_skipped(registry):
+    pipeline = make_pipeline(Clock(), effects=GroupStatusEffects(registry=registry))
+    try:
+        pipeline.ingest([CollectiveEvent("nowhere", "nowhere:pp0-tp0", "send", 8, 2000.0, 2, ORIGIN, True)])
+        assert [a.kind for a in pipeline.alerts()] == [AlertKind.STAGE_LINK_FAILURE]
+    finally:
+        pipeline.close()  # the effect worker logged and moved on
