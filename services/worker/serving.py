@@ -120,7 +120,11 @@ class ServingGroup:
             util = stats["kv_bytes_used"] / max(1, stats["kv_bytes_capacity"])
             try:
                 if self.health is not None:
-                    self.health.heartbeat(self.replica_group_id, self._rank_statuses("healthy"))
+                    # keep what others judged (telemetry marks a slow rank degraded): a heartbeat
+                    # refreshes liveness, it does not overrule a diagnosis
+                    current = self.health.group_health(self.replica_group_id)
+                    statuses = {f: current.get(f, "healthy") for f in self._rank_statuses("healthy")}
+                    self.health.heartbeat(self.replica_group_id, statuses)
                     self.health.set_kv_utilization(self.replica_group_id, util)
                 if self.registry is not None:
                     plan = self.spec.rank.plan()
