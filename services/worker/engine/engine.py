@@ -215,8 +215,13 @@ class LLMEngine:
             raise
 
     def shutdown(self) -> None:
+        """Collect the micro-batches still in flight (their senders wait for us), then tell every
+        rank to stop."""
         if not self.stopped and self.failure is None:
             self.stopped = True
+            while self._in_flight:
+                result = self.coordinator.recv_object(src=self.groups.last_stage_leader)
+                self._apply_result(self._in_flight.popleft(), result)
             self.coordinator.broadcast_object(StepPlan(-1, "stop"))
 
     def step(self) -> bool:

@@ -1,0 +1,126 @@
+"""The models the router serves: tokenizer, context length, vocabulary, chat template.
+
+The router tokenizes every prompt itself (admission needs the token count before any worker
+sees the request) and detokenizes the streamed ids, so it reads the same ``tokenizer.json``,
+``tokenizer_config.json`` and ``config.json`` as the workers. No torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from services.common.errors import InvalidArgument, NotFound
+from services.router.chat import ChatMessage, render_chat
+
+
+class ModelDirError(ValueError):
+    """A model directory the router cannot serve (missing or malformed files)."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model: the name clients pass, its tokenizer and its limits."""
+
+    name: str
+    model_dir: Path
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; the post-processor adds BOS when the model wants it."""
+        if self.tokenizer is None:
+            raise InvalidArgument(f"model {self.name!r} has no tokenizer.json: send token ids instead of text")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (a partial UTF-8 sequence shows as U+FFFD)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise InvalidArgument(f"model {self.name!r} has no chat template (tokenizer_config.json "
+                                  f"chat_template): use /v1/completions")
+        return render_chat(self.chat_template, messages, bos_token=self.bos_token or "",
+                           eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt)
+
+
+def _special(value: object) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_served_model(model_dir: str | Path, *, name: str | None = None,
+                      max_model_len: int | None = None) -> ServedModel:
+    """Read a Hugging Face model directory. ``name`` defaults to the directory's name (what a
+    worker reports when started without --served-model-name)."""
+    root = Path(model_dir).expanduser().resolve()
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise ModelDirError(f"{config_path} not found: --model must be a Hugging Face model directory")
+    try:
+        config = json.loads(config_path.read_text())
+        tok_config = json.loads((root / "tokenizer_config.json").read_text()) \
+            if (root / "tokenizer_config.json").is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise ModelDirError(f"bad JSON in {root}: {exc}") from exc
+    context = int(config.get("max_position_embeddings", 2048))
+    if max_model_len is not None:
+        if max_model_len < 1:
+            raise ModelDirError(f"max_model_len must be >= 1, got {max_model_len}")
+        context = min(context, max_model_len)
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+    tokenizer_path = root / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None
+    return ServedModel(
+        name=name or root.name, model_dir=root, tokenizer=tokenizer, max_model_len=context,
+        vocab_size=int(config.get("vocab_size", 0)), eos_token_ids=eos_ids,
+        chat_template=tok_config.get("chat_template") if isinstance(tok_config.get("chat_template"), str) else None,
+        bos_token=_special(tok_config.get("bos_token")), eos_token=_special(tok_config.get("eos_token")))
+
+
+class ModelCatalog:
+    """Served models by name. An empty name means the only model (an error when there are several)."""
+
+    def __init__(self, models: list[ServedModel] | None = None) -> None:
+        self._models: dict[str, ServedModel] = {}
+        for model in models or []:
+            if model.name in self._models:
+                raise ModelDirError(f"two models are served as {model.name!r}: give each --served-model-name")
+            self._models[model.name] = model
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def get(self, name: str) -> ServedModel:
+        if not name:
+            if len(self._models) == 1:
+                return next(iter(self._models.values()))
+            if not self._models:
+                raise NotFound("the router serves no model: start it with --model DIR")
+            raise InvalidArgument(f"model is required: this router serves {', '.join(self.names)}")
+        model = self._models.get(name)
+        if model is None:
+            served = ", ".join(self.names) or "none"
+            raise NotFound(f"The model `{name}` does not exist (served: {served})")
+        return model
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._models
+
+    def __iter__(self):
+        return iter(self._models[n] for n in self.names)

@@ -1,0 +1,307 @@
+"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn, in a thread of the router process).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
+Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``,
+``GET /health`` (200 while a replica group takes requests, else 503) and ``GET /metrics``
+(Prometheus, the process's default registry). Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}`` with 400/401/404/429/503.
+
+Each generation runs on its own thread (admission may wait in the queue; the worker stream
+blocks) and hands its events to the event loop. A client that disconnects ends the response;
+the generation is then cancelled, which cancels the worker call and releases the reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from services.common.errors import InvalidArgument, NotFound, ShardlineError
+from services.router import openai_format as oa
+from services.router.admission import RequestCancelled
+from services.router.auth import ApiKeyCheck
+from services.router.service import Generation, RouterCore
+from services.router.types import Finished, TokenOut
+
+log = logging.getLogger(__name__)
+_END = object()
+
+
+class GenerationPump:
+    """Runs a Generation on a thread of its own and queues its events for the event loop:
+    first ``STARTED`` (admitted and placed) or the admission error, then the events, then the
+    end marker or the error that ended the stream."""
+
+    STARTED = object()
+
+    def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop) -> None:
+        self.generation = generation
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        threading.Thread(target=self._run, name=f"gen-{generation.request_id}", daemon=True).start()
+
+    def _put(self, item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            self.generation.start()
+            self._put(self.STARTED)
+            for event in self.generation:
+                self._put(event)
+            self._put(_END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
+            self._put(exc)
+
+    async def started(self) -> None:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+
+    async def events(self) -> AsyncIterator[TokenOut | Finished]:
+        while (item := await self.queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class CancellingStreamingResponse(StreamingResponse):
+    """A streaming response that calls ``on_close`` however it ends (done, error, disconnect)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = oa.error_body(exc)
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
+    app = FastAPI(title="shardline router", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ShardlineError)
+    async def _domain_error(_request: Request, exc: ShardlineError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(InvalidArgument(str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(NotFound(f"no route {_request.method} {_request.url.path}"))
+        status, body = 400, {"error": {"message": str(exc.detail), "type": "invalid_request_error",
+                                       "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code or status)
+
+    def authorize(request: Request) -> None:
+        auth.check(request.headers.get("authorization"))
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise oa.BadRequest(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise oa.BadRequest("the body must be a JSON object")
+        return body
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        groups = core.groups()
+        healthy = sum(1 for g in groups if g.status.routable)
+        body = {"status": "ok" if healthy else "unavailable", "replica_groups": len(groups),
+                "healthy_replica_groups": healthy}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "shardline",
+                 "max_model_len": m.max_model_len} for m in core.catalog]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        body = await json_body(request)
+        model = core.catalog.get(_model_name(body))
+        parsed = oa.parse_completion(body, model)
+        return await _serve(request, parsed, "cmpl", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        body = await json_body(request)
+        model = core.catalog.get(_model_name(body))
+        limit = max((g.token_limit for g in core.groups(model.name)), default=0)
+        parsed = oa.parse_chat(body, model, token_limit=limit)
+        return await _serve(request, parsed, "chatcmpl", chat=True)
+
+    async def _serve(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
+        generation = core.generate(parsed.request, token_texts=parsed.want_logprobs)
+        pump = GenerationPump(generation, asyncio.get_running_loop())
+        # admission errors become plain HTTP errors; a client gone while queued is let go
+        await _unless_disconnected(request, pump.started(), generation)
+        head = oa.ResponseHeader(f"{prefix}-{generation.request_id}", generation.prepared.model.name,
+                                 generation.replica_group_id)
+        headers = {"x-shardline-replica-group-id": generation.replica_group_id}
+        if parsed.stream:
+            stream = _chat_stream(pump, head, parsed) if chat else _completion_stream(pump, head, parsed)
+            return CancellingStreamingResponse(stream, generation.cancel, media_type="text/event-stream",
+                                               headers={**headers, "cache-control": "no-cache"})
+        tokens: list[TokenOut] = []
+
+        async def collect() -> Finished:
+            async for event in pump.events():
+                if isinstance(event, Finished):
+                    return event
+                tokens.append(event)
+            raise AssertionError("a stream always ends with Finished or an error")
+
+        finished = await _unless_disconnected(request, collect(), generation)
+        build = oa.chat_response if chat else oa.completion_response
+        return JSONResponse(build(head, tokens, finished, parsed.want_logprobs), headers=headers)
+
+    return app
+
+
+async def _unless_disconnected(request: Request, work: Any, generation: Generation) -> Any:
+    """Await ``work``; if the client disconnects first, cancel the generation (the worker call
+    and the reservation go with it) and raise RequestCancelled."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        generation.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        generation.cancel()
+        task.cancel()
+        raise RequestCancelled(f"request {generation.request_id}: the client disconnected")
+    exc = task.exception()
+    if exc is not None:
+        generation.cancel()
+        raise exc
+    return task.result()
+
+
+def _model_name(body: dict[str, Any]) -> str:
+    model = body.get("model", "")
+    if model is not None and not isinstance(model, str):
+        raise oa.BadRequest(f"model must be a string, got {model!r}", "model")
+    return model or ""
+
+
+async def _completion_stream(pump: GenerationPump, head: oa.ResponseHeader,
+                             parsed: oa.ParsedRequest) -> AsyncIterator[str]:
+    offset = 0
+    try:
+        async for event in pump.events():
+            if isinstance(event, Finished):
+                yield _sse(oa.completion_chunk(head, "", finish_reason=event.reason.openai))
+                if parsed.include_usage:
+                    yield _sse(oa.usage_chunk(head, "text_completion", event))
+                break
+            if not event.text and not parsed.want_logprobs:
+                continue  # inside a multi-byte character: its text comes with a later token
+            logprobs = oa.completion_logprobs([event], offset) if parsed.want_logprobs else None
+            offset += len(event.text)
+            yield _sse(oa.completion_chunk(head, event.text, logprobs=logprobs))
+    except ShardlineError as exc:
+        yield _sse(oa.error_body(exc)[1])
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_stream(pump: GenerationPump, head: oa.ResponseHeader,
+                       parsed: oa.ParsedRequest) -> AsyncIterator[str]:
+    yield _sse(oa.chat_chunk(head, {"role": "assistant", "content": ""}))
+    try:
+        async for event in pump.events():
+            if isinstance(event, Finished):
+                yield _sse(oa.chat_chunk(head, {}, finish_reason=event.reason.openai))
+                if parsed.include_usage:
+                    yield _sse(oa.usage_chunk(head, "chat.completion.chunk", event))
+                break
+            if not event.text and not parsed.want_logprobs:
+                continue
+            logprobs = oa.chat_logprobs([event]) if parsed.want_logprobs else None
+            yield _sse(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs))
+    except ShardlineError as exc:
+        yield _sse(oa.error_body(exc)[1])
+    yield "data: [DONE]\n\n"
+
+
+class HttpServer:
+    """uvicorn on a daemon thread; ``stop()`` asks it to exit and waits."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self._thread = threading.Thread(target=self.server.run, name="http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the requested one, or the one picked for port 0)."""
+        servers = getattr(self.server, "servers", None) or []
+        for server in servers:
+            for sock in server.sockets:
+                return sock.getsockname()[1]
+        return self.server.config.port
+
+    def start(self, timeout_s: float = 10.0) -> HttpServer:
+        self._thread.start()
+        waited = 0.0
+        while not self.server.started and waited < timeout_s:
+            if not self._thread.is_alive():
+                raise OSError(f"the HTTP server could not start on {self.host}:{self.server.config.port}")
+            threading.Event().wait(0.02)
+            waited += 0.02
+        if not self.server.started:
+            raise OSError(f"the HTTP server did not start on {self.host}:{self.server.config.port} "
+                          f"within {timeout_s:g} s")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=5)

@@ -1,0 +1,70 @@
+"""The router's Prometheus metrics, on prometheus_client's default registry.
+
+``GET /metrics`` on the HTTP port exposes that registry as a whole, so other modules that run
+in the router process (collective telemetry, for one) add their metrics just by defining them.
+The metric objects live at module level: a registry accepts each name once per process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.errors import ShardlineError
+from services.router.types import Finished
+
+REQUESTS = Counter("shardline_router_requests", "Requests that ended, by model and outcome "
+                   "(a finish reason, or the error that ended them)", ["model", "outcome"])
+RUNNING = Gauge("shardline_requests_running", "Requests streaming through the router, by replica group",
+                ["replica_group_id"])
+QUEUE_DEPTH = Gauge("shardline_router_queue_depth", "Requests waiting in the admission queue for KV headroom")
+KV_USAGE = Gauge("shardline_kv_cache_usage_ratio", "KV cache utilization of each replica group as last reported "
+                 "(kv_bytes_used / kv_bytes_capacity, per GPU of the fullest stage)", ["replica_group_id"])
+KV_RESERVED = Gauge("shardline_router_kv_reserved_bytes", "KV bytes the router has reserved on each replica group",
+                    ["replica_group_id"])
+PROMPT_TOKENS = Counter("shardline_router_prompt_tokens", "Prompt tokens of finished requests", ["model"])
+GENERATED_TOKENS = Counter("shardline_router_generation_tokens", "Tokens streamed to clients", ["model"])
+TTFT = Histogram("shardline_router_time_to_first_token_seconds", "From arrival at the router to the first token",
+                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+def outcome_of(exc: BaseException) -> str:
+    """``InvalidArgument`` -> ``invalid_argument``; other exceptions -> ``internal``."""
+    if not isinstance(exc, ShardlineError):
+        return "internal"
+    name = type(exc).__mro__[0].__name__
+    for cls in type(exc).__mro__:
+        if cls.__module__ == "services.common.errors" and cls is not ShardlineError:
+            name = cls.__name__
+            break
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+class RouterMetrics:
+    """Updates the module's metrics from the request path and the pollers."""
+
+    def bind_queue_depth(self, depth: Callable[[], int]) -> None:
+        QUEUE_DEPTH.set_function(depth)
+
+    def request_started(self, replica_group_id: str) -> None:
+        RUNNING.labels(replica_group_id).inc()
+
+    def request_ended(self, replica_group_id: str) -> None:
+        RUNNING.labels(replica_group_id).dec()
+
+    def request_finished(self, model: str, finished: Finished) -> None:
+        REQUESTS.labels(model, finished.reason.value).inc()
+        PROMPT_TOKENS.labels(model).inc(finished.prompt_tokens)
+        GENERATED_TOKENS.labels(model).inc(finished.completion_tokens)
+        if finished.timings.time_to_first_token_ns:
+            TTFT.observe(finished.timings.time_to_first_token_ns / 1e9)
+
+    def request_failed(self, model: str, exc: BaseException) -> None:
+        REQUESTS.labels(model, outcome_of(exc)).inc()
+
+    def group_reported(self, replica_group_id: str, used: int, capacity: int, reserved: int) -> None:
+        if not replica_group_id:
+            return
+        KV_USAGE.labels(replica_group_id).set(used / capacity if capacity else 0.0)
+        KV_RESERVED.labels(replica_group_id).set(reserved)

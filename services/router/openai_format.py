@@ -1,0 +1,284 @@
+"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions.
+
+Pure functions from JSON bodies to the router's :class:`GenerationRequest` and from stream
+events back to OpenAI's objects (``text_completion``, ``chat.completion``, their streaming
+chunks, ``usage``, ``logprobs``) and error bodies. No web framework here (``http_api.py``).
+
+Extensions vLLM users expect are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``. Every
+response also carries ``replica_group_id``, the group that served it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ShardlineError,
+    Unauthenticated,
+    Unavailable,
+)
+from services.router.admission import RequestCancelled
+from services.router.catalog import ServedModel
+from services.router.chat import parse_messages
+from services.router.types import DEFAULT_MAX_TOKENS, Finished, GenerationRequest, SamplingSpec, TokenOut
+
+# A chat request without max_tokens may use the rest of the context, up to this many tokens:
+# the router reserves KV for max_tokens up front, so "the whole context" would reserve it all.
+DEFAULT_CHAT_MAX_TOKENS = 1024
+
+
+class BadRequest(InvalidArgument):
+    """A malformed field; ``param`` names it in the error body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# (HTTP status, OpenAI error type) per domain error, most specific first.
+HTTP_ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (InvalidArgument, 400, "invalid_request_error"),
+    (FailedPrecondition, 400, "invalid_request_error"),
+    (Unauthenticated, 401, "authentication_error"),
+    (NotFound, 404, "not_found_error"),
+    (ResourceExhausted, 429, "rate_limit_error"),
+    (Unavailable, 503, "service_unavailable_error"),
+    (RequestCancelled, 499, "request_cancelled"),
+)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids",
+                   "logprobs", "ignore_eos", "prompt", "messages", "model")
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    for cls, status, kind in HTTP_ERRORS:
+        if isinstance(exc, cls):
+            return status, kind
+    return 500, "server_error"
+
+
+def error_code(exc: BaseException, status: int) -> str | None:
+    message = str(exc)
+    if status == 400 and ("maximum context length" in message or "needs KV cache" in message):
+        return "context_length_exceeded"
+    return {400: "invalid_value", 401: "invalid_api_key", 404: "model_not_found",
+            429: "queue_full" if "full" in message else "queue_timeout", 503: "no_healthy_replica"}.get(status)
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """OpenAI's ``{"error": {"message", "type", "param", "code"}}`` and its HTTP status."""
+    status, kind = error_status(exc)
+    param = getattr(exc, "param", None)
+    if param is None and isinstance(exc, InvalidArgument):
+        first = str(exc).split(" ", 1)[0]
+        param = first if first in SAMPLING_FIELDS else None
+    message = str(exc) if isinstance(exc, ShardlineError) else f"internal error: {type(exc).__name__}: {exc}"
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": error_code(exc, status)}}
+
+
+# ---- requests ---------------------------------------------------------------------------
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
+    if not isinstance(value, kinds):
+        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadRequest(f"n must be 1 (one choice per request), got {n!r}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise BadRequest(f"{name} is not supported (only 0), got {body.get(name)!r}", name)
+    if body.get("logit_bias"):
+        raise BadRequest("logit_bias is not supported", "logit_bias")
+    if body.get("echo"):
+        raise BadRequest("echo is not supported", "echo")
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest(f"best_of must be 1, got {body.get('best_of')!r}", "best_of")
+
+
+def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int) -> SamplingSpec:
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    return SamplingSpec(
+        temperature=_get(body, "temperature", (int, float), 1.0),
+        top_p=_get(body, "top_p", (int, float), 1.0),
+        top_k=max(0, _get(body, "top_k", (int,), 0)),  # vLLM spells "off" as -1
+        seed=_get(body, "seed", (int,), None),
+        max_tokens=max_tokens,
+        stop=_stop(body),
+        stop_token_ids=tuple(stop_ids),
+        logprobs=logprobs,
+        ignore_eos=_get(body, "ignore_eos", (bool,), False),
+    ).validate()
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool
+    want_logprobs: bool  # chat: logprobs=true; completions: logprobs given
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get(body, "stream", (bool,), False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
+    """/v1/completions: ``prompt`` as a string, token ids, or a one-element list of either."""
+    _reject_unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+        text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+        ids = tuple(prompt)
+    elif isinstance(prompt, list):
+        raise BadRequest("prompt: only one prompt per request (a string or a list of token ids)", "prompt")
+    else:
+        raise BadRequest(f"prompt must be a string or a list of token ids, got {prompt!r}", "prompt")
+    logprobs = _get(body, "logprobs", (int,), None)
+    max_tokens = _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs or 0)
+    stream, include_usage = _stream_flags(body)
+    request = GenerationRequest(model=model.name, prompt_text=text, prompt_ids=ids, sampling=sampling)
+    return ParsedRequest(request, stream, include_usage, logprobs is not None)
+
+
+def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int) -> ParsedRequest:
+    """/v1/chat/completions: render the messages with the model's chat template, as
+    transformers' ``apply_chat_template(add_generation_prompt=True)`` does, then tokenize without
+    adding special tokens (the template spells them). ``token_limit`` is the most tokens any group
+    could hold, which bounds the default max_tokens."""
+    _reject_unsupported(body)
+    try:
+        messages = parse_messages(body.get("messages"))
+    except InvalidArgument as exc:
+        raise BadRequest(str(exc), "messages") from None
+    prompt = model.render_chat(messages)
+    ids = model.encode(prompt, add_special_tokens=False)
+    if not ids:
+        raise BadRequest("messages must not render to an empty prompt", "messages")
+    max_tokens = _get(body, "max_completion_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,), None)
+    if max_tokens is None:
+        room = min(model.max_model_len, token_limit or model.max_model_len) - len(ids)
+        max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, room))
+    want_logprobs = _get(body, "logprobs", (bool,), False)
+    top = _get(body, "top_logprobs", (int,), 0)
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0)
+    stream, include_usage = _stream_flags(body)
+    request = GenerationRequest(model=model.name, prompt_ids=tuple(ids), sampling=sampling)
+    return ParsedRequest(request, stream, include_usage, want_logprobs)
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+def usage(finished: Finished) -> dict[str, int]:
+    return {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens,
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+
+
+def completion_logprobs(tokens: list[TokenOut], offset0: int = 0) -> dict[str, Any]:
+    """The completions API's logprobs: parallel lists per token."""
+    offsets, at = [], offset0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.text)
+    return {"tokens": [t.token_text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.text: a.logprob for a in t.top_logprobs} for t in tokens],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[TokenOut]) -> dict[str, Any]:
+    """The chat API's logprobs: one entry per token, with its bytes and alternatives."""
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t.token_text, t.logprob),
+                         "top_logprobs": [entry(a.text, a.logprob) for a in t.top_logprobs]} for t in tokens]}
+
+
+@dataclass
+class ResponseHeader:
+    """The fields every object of one response shares."""
+
+    id: str
+    model: str
+    replica_group_id: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = self.created or int(time.time())
+
+    def base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "replica_group_id": self.replica_group_id}
+
+
+def completion_response(head: ResponseHeader, tokens: list[TokenOut], finished: Finished,
+                        want_logprobs: bool) -> dict[str, Any]:
+    return {**head.base("text_completion"), "choices": [{
+        "index": 0, "text": finished.text, "finish_reason": finished.reason.openai,
+        "logprobs": completion_logprobs(tokens) if want_logprobs else None}], "usage": usage(finished)}
+
+
+def chat_response(head: ResponseHeader, tokens: list[TokenOut], finished: Finished,
+                  want_logprobs: bool) -> dict[str, Any]:
+    return {**head.base("chat.completion"), "choices": [{
+        "index": 0, "message": {"role": "assistant", "content": finished.text},
+        "finish_reason": finished.reason.openai,
+        "logprobs": chat_logprobs(tokens) if want_logprobs else None}], "usage": usage(finished)}
+
+
+def completion_chunk(head: ResponseHeader, text: str, *, finish_reason: str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**head.base("text_completion"),
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(head: ResponseHeader, delta: dict[str, Any], *, finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**head.base("chat.completion.chunk"),
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(head: ResponseHeader, obj: str, finished: Finished) -> dict[str, Any]:
+    return {**head.base(obj), "choices": [], "usage": usage(finished)}

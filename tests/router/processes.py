@@ -1,0 +1,60 @@
+"""Real service processes for the router tests: start, wait for SERVING, stop (only ours)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.healthcheck import check
+from tests.stack import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without SHARDLINE_* settings, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}, **extra}
+
+
+def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env=env or clean_env(), start_new_session=True)
+
+
+def start_service(name: str, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    return spawn(["serve", name, "--port", str(port), *flags], log), f"127.0.0.1:{port}"
+
+
+def wait_serving(proc: subprocess.Popen, address: str, log: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{address} exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if check(address, timeout_s=1) == "SERVING":
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    stop(proc)
+    pytest.fail(f"{address} not SERVING within {timeout_s} s:\n{log.read_text()}")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL of the process group if it does not exit (its ranks go with it)."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()

@@ -1,0 +1,105 @@
+"""OpenAI request parsing, error bodies and the chat template (same ids as transformers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
+from services.router import openai_format as oa
+from services.router.catalog import ModelCatalog, load_served_model
+from services.router.chat import ChatMessage, parse_messages
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? ünïcödé"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": [{"type": "text", "text": "And 3+3?"}]}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_served_model(tiny_model_dir)
+
+
+def test_chat_prompt_ids_equal_transformers_apply_chat_template(tiny, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    hf_messages = [{**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]}
+                   for m in MESSAGES]
+    expected = reference.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    parsed = oa.parse_chat({"messages": MESSAGES, "max_tokens": 8}, tiny, token_limit=640)
+    assert list(parsed.request.prompt_ids) == list(expected)
+    text = tiny.render_chat(parse_messages(MESSAGES))
+    assert text == reference.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<s>assistant\n")
+
+
+def test_chat_default_max_tokens_fits_the_largest_group(tiny):
+    parsed = oa.parse_chat({"messages": [{"role": "user", "content": "hi"}]}, tiny, token_limit=640)
+    assert parsed.request.sampling.max_tokens == 640 - len(parsed.request.prompt_ids)
+    parsed = oa.parse_chat({"messages": [{"role": "user", "content": "hi"}]}, tiny, token_limit=100_000)
+    assert parsed.request.sampling.max_tokens == oa.DEFAULT_CHAT_MAX_TOKENS
+
+
+def test_completion_prompt_forms(tiny):
+    assert oa.parse_completion({"prompt": "hi"}, tiny).request.prompt_text == "hi"
+    assert oa.parse_completion({"prompt": ["hi"]}, tiny).request.prompt_text == "hi"
+    assert oa.parse_completion({"prompt": [5, 6, 7]}, tiny).request.prompt_ids == (5, 6, 7)
+    assert oa.parse_completion({"prompt": [[5, 6]]}, tiny).request.prompt_ids == (5, 6)
+    parsed = oa.parse_completion({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True},
+                                  "max_tokens": 7, "temperature": 0, "stop": "x", "seed": 3}, tiny)
+    assert (parsed.stream, parsed.include_usage) == (True, True)
+    s = parsed.request.sampling
+    assert (s.max_tokens, s.temperature, s.stop, s.seed) == (7, 0, ("x",), 3)
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"prompt": ""}, "prompt", "prompt must not be empty"),
+    ({"prompt": []}, "prompt", "prompt must not be empty"),
+    ({"prompt": ["a", "b"]}, "prompt", "prompt: only one prompt per request"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+    ({"prompt": "a", "max_tokens": -3}, "max_tokens", "max_tokens must be an integer >= 1, got -3"),
+    ({"prompt": "a", "temperature": -0.5}, "temperature", "temperature must be a finite number >= 0, got -0.5"),
+    ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be in (0, 1], got 0"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
+    ({"prompt": "a", "n": 2}, "n", "n must be 1 (one choice per request), got 2"),
+    ({"prompt": "a", "stop": 3}, "stop", "stop must be a string or a list of strings, got 3"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature must be int or float, got 'hot'"),
+])
+def test_bad_fields_give_400_with_the_param(tiny, body, param, message):
+    with pytest.raises(InvalidArgument) as caught:
+        oa.parse_completion(body, tiny)
+    status, error = oa.error_body(caught.value)
+    assert status == 400 and error["error"]["param"] == param and error["error"]["message"].startswith(message)
+    assert error["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("exc", "status", "code"), [
+    (InvalidArgument("This model's maximum context length is 2048 tokens. However, ..."), 400,
+     "context_length_exceeded"),
+    (Unauthenticated("incorrect API key provided"), 401, "invalid_api_key"),
+    (NotFound("The model `x` does not exist"), 404, "model_not_found"),
+    (ResourceExhausted("the admission queue for model 'm' is full"), 429, "queue_full"),
+    (ResourceExhausted("no replica group had KV headroom ... within the queue deadline"), 429, "queue_timeout"),
+    (Unavailable("no healthy replica group"), 503, "no_healthy_replica"),
+])
+def test_error_bodies_follow_openai(exc, status, code):
+    got_status, body = oa.error_body(exc)
+    assert got_status == status
+    assert body == {"error": {"message": str(exc), "type": body["error"]["type"], "param": None, "code": code}}
+
+
+def test_catalog_names_and_unknown_models(tiny_model_dir):
+    catalog = ModelCatalog([load_served_model(tiny_model_dir, name="tiny")])
+    assert catalog.get("").name == "tiny" and catalog.get("tiny").max_model_len == 2048
+    with pytest.raises(NotFound, match=r"The model `llama` does not exist \(served: tiny\)"):
+        catalog.get("llama")
+    with pytest.raises(NotFound, match="serves no model"):
+        ModelCatalog([]).get("")
+
+
+def test_messages_are_validated():
+    with pytest.raises(InvalidArgument, match="messages must be a non-empty list"):
+        parse_messages([])
+    with pytest.raises(InvalidArgument, match=r"messages\[0\].role must be one of"):
+        parse_messages([{"role": "robot", "content": "x"}])
+    assert parse_messages([{"role": "user", "content": None}]) == [ChatMessage("user", "")]

@@ -1,0 +1,119 @@
+"""Routing by KV headroom: estimates, the pick, reservations, their release (pure, exact)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet, WorkerStats
+from services.router.routing import Router, fits_group, kv_estimate, pick
+
+BPT = 2048  # KV bytes per token of the tiny model at TP2 (per rank)
+
+
+def view(gid: str, *, used_tokens: int = 0, capacity_tokens: int = 640, bpt: int = BPT,
+         status: GroupStatus = GroupStatus.HEALTHY, max_model_len: int = 2048, model: str = "m") -> ReplicaGroupView:
+    return ReplicaGroupView(address=f"{gid}:1", replica_group_id=gid, model=model, kv_bytes_used=used_tokens * bpt,
+                            kv_bytes_capacity=capacity_tokens * bpt, kv_bytes_per_token=bpt,
+                            max_model_len=max_model_len, status=status)
+
+
+def replica_set(*views: ReplicaGroupView) -> ReplicaSet:
+    replicas = ReplicaSet()
+    for v in views:
+        replicas._views[v.address] = v
+    return replicas
+
+
+def test_estimate_is_prompt_plus_completion_times_bytes_per_token():
+    assert kv_estimate(100, 28, 40_960) == 128 * 40_960
+    # the seed's 70B shape at TP4/PP2: 2,048 tokens cost 80 MiB per GPU
+    assert kv_estimate(1024, 1024, 40_960) == 83_886_080
+
+
+def test_pick_takes_the_lowest_utilization_among_groups_with_headroom():
+    a, b, c = view("a", used_tokens=320), view("b", used_tokens=100), view("c", used_tokens=600)
+    assert pick([a, b, c], 10, 10) is b
+    # b is least utilized but lacks headroom for 600 tokens; a has 320 free, c 40: none fits
+    assert pick([a, b, c], 300, 300) is None
+    # 500 tokens: only b (540 free) has room
+    assert pick([a, b, c], 250, 250) is b
+    assert pick([a, c], 100, 100) is a  # a: 320 free, c: 40 free
+
+
+def test_groups_with_different_plans_compare_by_their_own_bytes_per_token():
+    # same bytes in use; the TP4 group pays a quarter per token, so its estimate is smaller
+    small = view("tp1", used_tokens=0, capacity_tokens=100, bpt=4 * BPT)
+    big = view("tp4", used_tokens=0, capacity_tokens=400, bpt=BPT)
+    assert small.kv_bytes_capacity == big.kv_bytes_capacity
+    assert pick([small, big], 60, 60) is big  # 120 tokens do not fit the 100-token group
+    assert pick([small, big], 10, 10) is small  # a tie on utilization (0) goes to the lower id
+    small.kv_bytes_used = 10 * 4 * BPT  # 10 % used on the small group: the big one wins
+    assert pick([small, big], 10, 10) is big
+
+
+def test_ties_go_to_the_lower_group_id():
+    assert pick([view("rg-b"), view("rg-a")], 5, 5).replica_group_id == "rg-a"
+
+
+@pytest.mark.parametrize("status", [GroupStatus.UNHEALTHY, GroupStatus.DRAINING, GroupStatus.DEAD,
+                                    GroupStatus.PROVISIONING])
+def test_groups_that_are_not_routable_get_nothing(status):
+    sick, busy = view("a", status=status), view("b", used_tokens=500)
+    assert pick([sick, busy], 10, 10) is busy
+    assert pick([sick], 10, 10) is None
+
+
+def test_degraded_groups_still_take_requests():
+    assert pick([view("a", status=GroupStatus.DEGRADED)], 10, 10).replica_group_id == "a"
+
+
+def test_fits_group_checks_the_whole_budget_and_the_context():
+    g = view("a", capacity_tokens=640, max_model_len=641)
+    assert fits_group(g, 600, 40) and not fits_group(g, 600, 41)
+    assert not fits_group(view("b", capacity_tokens=10_000, max_model_len=512), 500, 13)
+    assert not fits_group(ReplicaGroupView(address="x"), 1, 1)  # not reported yet
+
+
+def test_reservations_count_until_released_and_steer_the_next_pick():
+    a, b = view("a"), view("b")
+    router = Router(replica_set(a, b))
+    first = router.try_reserve("m", 100, 200, "r1")
+    assert first.group is a and first.kv_bytes == 300 * BPT
+    assert (a.kv_bytes_reserved, a.committed_bytes, a.headroom_bytes) == (300 * BPT, 300 * BPT, 340 * BPT)
+    assert a.utilization == pytest.approx(300 / 640)
+    second = router.try_reserve("m", 10, 10, "r2")
+    assert second.group is b  # a is now the busier one
+    third = router.try_reserve("m", 300, 300, "r3")
+    assert third.group is b  # a has 340 tokens free, b 620
+    assert router.try_reserve("m", 200, 200, "r4") is None  # a: 340 tokens free, b: 640 - 620 = 20
+    router.release(first)
+    assert a.kv_bytes_reserved == 0 and first.released
+    router.release(first)  # idempotent
+    assert a.kv_bytes_reserved == 0
+    assert router.try_reserve("m", 200, 200, "r4").group is a
+    assert router.try_reserve("other-model", 1, 1) is None
+
+
+def test_worker_reports_replace_the_materialized_part_of_a_reservation():
+    a = view("a")
+    replicas = replica_set(a)
+    router = Router(replicas)
+    r = router.try_reserve("m", 100, 100)
+    # queued in the worker, nothing generated: the whole estimate is outstanding
+    assert a.committed_bytes == 200 * BPT
+    # the worker reports its prompt's blocks (7 blocks of 16 = 112 tokens) before the first token
+    stats = WorkerStats("a", "m", 2, 1, "float32", kv_bytes_used=112 * BPT, kv_bytes_capacity=640 * BPT,
+                        kv_bytes_per_token=BPT, max_model_len=641)
+    a.apply_stats(stats, now=1.0, wall_ms=1)
+    assert r.materialized_bytes == 0 and a.committed_bytes == (112 + 200) * BPT  # counted twice: safe side
+    # after 20 tokens, the next report covers prompt + 20 tokens of ours
+    r.generated = 20
+    a.apply_stats(stats, now=1.25, wall_ms=2)
+    assert r.materialized_bytes == 120 * BPT
+    assert a.outstanding_bytes == 80 * BPT and a.committed_bytes == (112 + 80) * BPT
+    # never more than the estimate, whatever the count says
+    r.generated = 500
+    a.apply_stats(stats, now=1.5, wall_ms=3)
+    assert r.materialized_bytes == r.kv_bytes and a.outstanding_bytes == 0
+    router.release(r)
+    assert a.committed_bytes == 112 * BPT
