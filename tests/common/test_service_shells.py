@@ -1,6 +1,6 @@
 """Service shells: each of the five services starts with `shardline serve <name>`, answers the
-gRPC health check SERVING within 10 s, lists itself by reflection, answers UNIMPLEMENTED (naming
-the issue that builds it) for RPCs not built yet, and exits 0 on SIGTERM. Plus the pieces the
+gRPC health check SERVING within 10 s, lists itself by reflection, answers a built RPC sanely
+(or UNIMPLEMENTED, naming the issue that builds it, for one not built yet), and exits 0 on SIGTERM. Plus the pieces the
 shells are built from: config precedence, the error-to-status table, graceful stop."""
 
 from __future__ import annotations
@@ -59,12 +59,10 @@ SHELLS = [
     Shell("worker", "shardline.v1.WorkerService", None, 4, needs_model=True, call_built=lambda ch: (
         lambda stats: stats.blocks_total > 0 and stats.block_size == 16)(
         worker_pb2_grpc.WorkerServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5))),
-    Shell("router", "shardline.v1.RouterService",
-          # A server-streaming RPC: the status arrives when the stream is read.
-          lambda ch: list(router_pb2_grpc.RouterServiceStub(ch).Generate(
-              router_pb2.RouterGenerateRequest(text="hello"), timeout=5)), 7),
-    Shell("telemetry", "shardline.v1.TelemetryService",
-          lambda ch: telemetry_pb2_grpc.TelemetryServiceStub(ch).Query(telemetry_pb2.QueryRequest(), timeout=5), 8),
+    Shell("router", "shardline.v1.RouterService", None, 7, call_built=lambda ch: _router_without_model(ch)),
+    Shell("telemetry", "shardline.v1.TelemetryService", None, 8, call_built=lambda ch: isinstance(
+        telemetry_pb2_grpc.TelemetryServiceStub(ch).Query(telemetry_pb2.QueryRequest(), timeout=5),
+        telemetry_pb2.QueryResponse)),
 ]
 
 
@@ -74,6 +72,16 @@ def _rejects_empty_plan(channel: grpc.Channel) -> bool:
         planner_pb2_grpc.PlannerServiceStub(channel).Plan(planner_pb2.PlanRequest(), timeout=5)
     except grpc.RpcError as exc:
         return exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "model_preset" in exc.details()
+    return False
+
+
+def _router_without_model(channel: grpc.Channel) -> bool:
+    """A router started without a model answers Generate with NOT_FOUND saying how to give it one."""
+    try:
+        list(router_pb2_grpc.RouterServiceStub(channel).Generate(router_pb2.RouterGenerateRequest(text="hello"),
+                                                                 timeout=5))
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.NOT_FOUND and "--model" in exc.details()
     return False
 
 
@@ -131,6 +139,8 @@ def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigte
                 env.update(SHARDLINE_HOST="127.0.0.1", SHARDLINE_PORT=str(port))
             else:
                 command += ["--port", str(port)]
+            if shell.name == "router":
+                command += ["--http-port", "-1"]  # no HTTP front door: port 8000 may be taken
             if shell.needs_model:
                 command += ["--model", str(tiny_model_dir), "--kv-cache-gb", "0.05"]
             with log.open("wb") as out:
