@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -198,8 +200,14 @@ def serve(args: argparse.Namespace) -> int:
 
     binding = ServiceBinding(full_name=worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
                              servicer=servicer, add_to_server=worker_pb2_grpc.add_WorkerServiceServicer_to_server)
-    return serve_service(args, service=SERVICE, bindings=lambda: [binding], start_serving=False,
+    code = serve_service(args, service=SERVICE, bindings=lambda: [binding], start_serving=False,
                          on_started=on_started, on_stopping=on_stopping)
+    # The group is stopped and its followers joined. A process group whose peer died still holds
+    # gloo work that its destructor would wait on forever at interpreter exit: leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _watch(servicer: WorkerServicer, server: GrpcServer) -> None:

@@ -51,7 +51,12 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, results: Any, rank_fn: Callable[..., Any],
-               args: tuple[Any, ...]) -> None:
+               args: tuple[Any, ...], ignore_signals: bool = False) -> None:
+    if ignore_signals:
+        # a serving driver's followers stop when the driver says so (or when it is gone: their
+        # next collective times out), not when a signal meant for the whole process group lands
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads_per_rank(world_size))
@@ -139,7 +144,8 @@ class Followers:
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_rank_main, args=(rank, world_size, self.port, self.results, rank_fn, args),
+        self.procs = [ctx.Process(target=_rank_main,
+                                  args=(rank, world_size, self.port, self.results, rank_fn, args, True),
                                   name=f"shardline-rank{rank}", daemon=True)
                       for rank in range(1, world_size)]
         for proc in self.procs:
