@@ -146,6 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_layout_arguments(parser)
     add_engine_arguments(parser)
+    parser.add_argument("--advertise-address", default=None,
+                        help="HOST:PORT others dial to reach this worker, recorded in the registry "
+                             "(env SHARDLINE_ADVERTISE_ADDRESS; default: the bind address)")
     parser.add_argument("--registry-url", default=None,
                         help="shard registry URL (env SHARDLINE_REGISTRY_URL; default: none)")
     parser.add_argument("--redis-url", default=None,
@@ -185,7 +188,8 @@ def serve(args: argparse.Namespace) -> int:
     def on_started(server: GrpcServer) -> None:
         options = ServingOptions(registry_url=resolve("registry_url", args.registry_url, "") or None,
                                  health_url=resolve("redis_url", args.redis_url, "") or None,
-                                 endpoint=server.address, model_name=args.served_model_name or "",
+                                 endpoint=resolve("advertise_address", args.advertise_address, "") or server.address,
+                                 model_name=args.served_model_name or "",
                                  telemetry=telemetry)
         setup_observability(args, SERVICE)
         servicer.group = ServingGroup(spec, options)
