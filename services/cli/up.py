@@ -18,6 +18,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -120,12 +121,19 @@ def prepare_registry(url: str | None) -> str:
     return resolved
 
 
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def serve_argv(name: str, port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *flags]
 
 
-def worker_flags(args: argparse.Namespace, model_dir: Path, index: int, registry: str) -> list[str]:
-    flags = ["--model", str(model_dir), "--tp", str(args.tp), "--pp", str(args.pp),
+def worker_flags(args: argparse.Namespace, model_dir: Path, index: int, registry: str,
+                 telemetry: str) -> list[str]:
+    flags = ["--model", str(model_dir), "--tp", str(args.tp), "--pp", str(args.pp), "--telemetry", telemetry,
              "--replica-group-id", f"rg-{index}-{uuid.uuid4().hex[:6]}", "--registry-url", registry]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
@@ -138,8 +146,11 @@ def worker_flags(args: argparse.Namespace, model_dir: Path, index: int, registry
     return flags
 
 
-def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[ManagedProcess]) -> list[str]:
-    flags = ["--http-port", str(args.http_port), "--model", str(model_dir)]
+def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[ManagedProcess],
+                 telemetry_metrics_url: str) -> list[str]:
+    # the router's /metrics re-exports telemetry's collective histograms: one scrape target
+    flags = ["--http-port", str(args.http_port), "--model", str(model_dir),
+             "--telemetry-metrics-url", telemetry_metrics_url]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
     for worker in workers:
@@ -178,15 +189,20 @@ def run(args: argparse.Namespace) -> int:
         logs = args.log_dir
         print(f"shardline up: model {model_dir}, {args.replicas} replica group(s) of TP{args.tp} x PP{args.pp}; "
               f"logs in {logs}/", flush=True)
-        background = [supervisor.start(name, serve_argv(name, ports[name]), ports[name], log_path=logs / f"{name}.log")
+        metrics_port = free_port()
+        extra = {"telemetry": ["--metrics-port", str(metrics_port)]}
+        background = [supervisor.start(name, serve_argv(name, ports[name], *extra.get(name, [])), ports[name],
+                                       log_path=logs / f"{name}.log")
                       for name in BACKGROUND]
+        telemetry = f"127.0.0.1:{ports['telemetry']}"
         workers = [supervisor.start(f"worker-{i}", serve_argv("worker", ports[f"worker-{i}"],
-                                                              *worker_flags(args, model_dir, i, registry)),
+                                                              *worker_flags(args, model_dir, i, registry, telemetry)),
                                     ports[f"worker-{i}"], log_path=logs / f"worker-{i}.log")
                    for i in range(args.replicas)]
         _wait_all(supervisor, background + workers, args.startup_timeout)
         # the router comes last: it polls every group once before it reports SERVING
-        router = supervisor.start("router", serve_argv("router", args.port, *router_flags(args, model_dir, workers)),
+        router = supervisor.start("router", serve_argv("router", args.port, *router_flags(
+                                      args, model_dir, workers, f"http://127.0.0.1:{metrics_port}/metrics")),
                                   args.port, log_path=logs / "router.log")
         _wait_all(supervisor, [router], args.startup_timeout)
         print(f"shardline is up: router gRPC 127.0.0.1:{args.port}, "

@@ -175,6 +175,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--http-port", type=int, default=None,
                        help=f"OpenAI-compatible HTTP port, 0 for any, -1 for none "
                             f"(env SHARDLINE_HTTP_PORT; default {DEFAULT_HTTP_PORT})")
+    group.add_argument("--telemetry-metrics-url", action="append", default=None, metavar="URL",
+                       help="a service's /metrics to re-export on this router's /metrics (repeatable; env "
+                            "SHARDLINE_TELEMETRY_METRICS_URL): the local stack's one scrape target")
     group.add_argument("--api-key", default=None,
                        help="require 'authorization: Bearer KEY' on gRPC and HTTP (env SHARDLINE_API_KEY)")
     group.add_argument("--max-queue", type=int, default=None,
@@ -290,6 +293,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"shardline serve router: {exc}", file=sys.stderr, flush=True)
         return 2
     configure_logging(config.log_level)
+    upstreams = list(args.telemetry_metrics_url or [])
+    upstreams += [u for u in resolve("telemetry_metrics_url", None, "").split(",") if u.strip()]
+    if upstreams:
+        from services.telemetry.federation import register_upstreams
+
+        register_upstreams(upstreams)
     workers = list(args.worker or [])
     workers += [w.strip() for w in resolve("workers", None, "").split(",") if w.strip()]
     registry_url = resolve("registry_url", args.registry_url, "")
