@@ -151,3 +151,24 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+@contextlib.contextmanager
+def fresh_database(postgres_url: str, prefix: str = "test") -> Iterator[str]:
+    """A new, empty database on the server of ``postgres_url`` (dropped afterwards): tests that
+    migrate or fill a registry get one each, so they never see each other's rows."""
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    base = make_url(postgres_url)
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = base.set(drivername="postgresql", database="postgres").render_as_string(hide_password=False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -7,12 +7,10 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
 from services.cli import main as cli_main
@@ -34,6 +32,7 @@ from services.common.registry import (
     to_registry_dtype,
 )
 from services.common.registry.models import Base
+from tests.stack import fresh_database
 
 GIB = 1 << 30
 SEED_COLUMNS = {
@@ -65,16 +64,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'registry.db'}"
         return
-    base = make_url(request.getfixturevalue("postgres_url"))
-    name = f"registry_{uuid.uuid4().hex[:12]}"
-    admin = base.set(drivername="postgresql", database="postgres").render_as_string(hide_password=False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield base.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database(request.getfixturevalue("postgres_url"), "registry") as url:
+        yield url
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
@@ -38,7 +37,7 @@ from tests.loader.conftest import copy_checkpoint
 from tests.loader.helpers import hf_rank, score_from_staged_rank, state_dict_diffs
 from tests.loader.test_loading import TOKEN_IDS
 from tests.loader.test_rejections import edit_manifest
-from tests.stack import free_port
+from tests.stack import free_port, fresh_database
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,16 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def pg_registry_url(postgres_url: str) -> Iterator[str]:
     """A fresh PostgreSQL database for this module's registry."""
-    base = make_url(postgres_url)
-    name = f"loader_{uuid.uuid4().hex[:12]}"
-    admin = base.set(drivername="postgresql", database="postgres").render_as_string(hide_password=False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield base.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database(postgres_url, "loader") as url:
+        yield url
 
 
 class Loader:
