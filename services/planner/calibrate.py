@@ -1,7 +1,8 @@
 """Measure the machine we run on and write a topology the planner accepts.
 
-`shardline plan calibrate --out topology.yaml [--world-size 2]` launches ``world_size`` local
-ranks (torch.multiprocessing spawn; gloo on CPU, NCCL when CUDA is present) and measures:
+`shardline plan calibrate --out topology.yaml [--world-size 2] [--ranks-per-node N]` launches
+local ranks (torch.multiprocessing spawn; gloo on CPU, NCCL when CUDA is present) and measures
+(see ``calibrate_ranks`` for how each figure is taken):
 
 * all-reduce time for small (latency-bound) and large (bandwidth-bound) messages, fitted to the
   ring model by weighted least squares (weights 1/t², i.e. relative error, so the microsecond
@@ -9,16 +10,27 @@ ranks (torch.multiprocessing spawn; gloo on CPU, NCCL when CUDA is present) and 
 
       t(S) = a + b·S,   a = 2(n−1)·α,   b = 2(n−1)/(n·B)   →   α = a / 2(n−1),  B = 2(n−1) / (n·b)
 
-* send/recv one-way time (half a ping-pong) fitted to ``t(S) = α + S/B``;
-* memory read bandwidth: every rank sums a large tensor at once, as the engine's ranks read
-  their weights at once (bytes / seconds, the slowest rank's figure);
-* matmul throughput (2·n³ / seconds) for float32 and bfloat16, every rank at once.
+  and a decode all-reduce *between weight reads*, every rank streaming weights in lock step as
+  tensor parallelism does. On a host with fewer cores than ranks that costs more than an
+  isolated all-reduce (the rank without a core holds everyone up), so the topology's α is the
+  larger of the two (the isolated fit stays in the ``calibration`` block);
 
-On a CPU host each rank stands in for a "GPU": ``gpus_per_node`` is the number of usable cores
-(each rank gets ``cores // world_size`` threads while measuring), ``gpu_memory_bytes`` is host
-memory divided among them, the NVLink domain is the whole host, and since there is no second node
-the inter-node link repeats the loopback figures. The raw samples and fits are kept in the file
-under ``calibration`` (the planner ignores that block).
+* send/recv one-way time (half a ping-pong) fitted to ``t(S) = α + S/B``, and the small
+  broadcast the engine sends every step (``control_latency_s``);
+* weight-streaming bandwidth of one rank alone (``hbm_bandwidth_bytes_per_s``) and of every rank
+  at once (``node_memory_bandwidth_bytes_per_s``: their ratio is the host's contention);
+* matmul throughput (2·n³ / seconds) for float32 and bfloat16;
+* the serving engine's fixed costs, from its mean decode step on tiny random models of two depths
+  (``layer_overhead_s`` = the slope per layer, ``step_overhead_s`` = the rest).
+
+Calibrate at the world size you will run: each rank gets ``cores // world_size`` threads, as the
+engine's ranks do, so 3 ranks on 2 cores measure an oversubscribed host. World size 1 is allowed
+(one rank with every core; the links are then measured between two processes). On a CPU host
+each rank stands in for a "GPU": ``gpus_per_node`` is ``--ranks-per-node`` (default: usable
+cores, at least the world size), ``gpu_memory_bytes`` is host memory divided among them, the
+NVLink domain is the whole host, and since there is no second node the inter-node link repeats
+the loopback figures. The raw samples and fits are kept in the file under ``calibration`` (the
+planner ignores that block).
 """
 
 from __future__ import annotations
@@ -26,17 +38,22 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from services.planner.calibrate_ranks import RankArgs, rank_main, stream_bytes_for_host, summarize_ranks
 from services.planner.topology import GIB, Topology
 
-ALL_REDUCE_ELEMENTS = (1, 64, 1024, 4096, 65536, 262144, 1048576)  # float32: 4 B … 4 MiB
+# The random models whose decode steps give the engine's fixed costs: two depths separate the
+# per-layer from the per-step cost. Each layer streams a few MiB of weights (more than a core's
+# private caches, as a real layer does: dispatch costs about twice as much with cold caches as
+# with warm ones), small enough in all to stay in a server's last-level cache; the calibration
+# subtracts their reads at the bandwidth that working set gets.
+OVERHEAD_MODEL_LAYERS = (2, 10)
+OVERHEAD_MODEL_SHAPE = {"hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 1024, "vocab": 512}
 CPU_USD_PER_CORE_HOUR = 0.04  # roughly one cloud vCPU-hour
 GPU_USD_PER_HOUR = 2.80
 
@@ -103,115 +120,6 @@ def p2p_alpha_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float
 
 
 # --------------------------------------------------------------------------------------------
-# the ranks
-
-
-def _timed(fn, *, min_iters: int, min_seconds: float, sync) -> float:  # noqa: ANN001
-    """Median seconds per call over ≥ min_iters calls and ≥ min_seconds."""
-    fn()
-    sync()
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < min_iters or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - t0)
-        if len(samples) >= 200:
-            break
-    return statistics.median(samples)
-
-
-def _fixed(fn, iters: int, sync) -> float:  # noqa: ANN001
-    """Median seconds per call over exactly ``iters`` calls after one warm-up.
-
-    Collectives must run the same number of times on every rank, so unlike :func:`_timed` the
-    loop length never depends on the clock.
-    """
-    fn()
-    sync()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def _rank_main(rank: int, world_size: int, port: int, backend: str, threads: int, out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    use_cuda = backend == "nccl"
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-
-    def sync() -> None:
-        if use_cuda:
-            torch.cuda.synchronize(device)
-
-    try:
-        all_reduce: list[tuple[int, float]] = []
-        for numel in ALL_REDUCE_ELEMENTS:
-            x = torch.ones(numel, dtype=torch.float32, device=device)
-            dist.barrier()
-            iters = 20 if numel <= 4096 else 5
-            t = _fixed(lambda x=x: dist.all_reduce(x), iters, sync)
-            all_reduce.append((numel * 4, t))
-
-        send_recv: list[tuple[int, float]] = []
-        for numel in ALL_REDUCE_ELEMENTS:
-            x = torch.ones(numel, dtype=torch.float32, device=device)
-            dist.barrier()
-            if rank == 0:
-                def ping(x=x) -> None:
-                    dist.send(x, dst=1)
-                    dist.recv(x, src=1)
-            elif rank == 1:
-                def ping(x=x) -> None:
-                    dist.recv(x, src=0)
-                    dist.send(x, dst=0)
-            else:
-                def ping() -> None:
-                    return None
-            iters = 20 if numel <= 4096 else 5
-            send_recv.append((numel * 4, _fixed(ping, iters, sync) / 2))
-
-        # Memory read: every rank sums its own 128 MiB tensor at the same time.
-        big = torch.ones(32 * 1024 * 1024, dtype=torch.float32, device=device)
-        dist.barrier()
-        t = _timed(lambda: big.sum(), min_iters=5, min_seconds=0.2, sync=sync)
-        mem_bw = big.numel() * 4 / t
-        del big
-
-        matmul: dict[str, float] = {}
-        for name, dtype, n in (("float32", torch.float32, 512), ("bfloat16", torch.bfloat16, 512)):
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
-            dist.barrier()
-            t = _timed(lambda a=a, b=b: torch.mm(a, b), min_iters=3, min_seconds=0.2, sync=sync)
-            matmul[name] = 2 * n**3 / t
-
-        mine = {"rank": rank, "memory_read_bytes_per_s": mem_bw, "matmul_flops": matmul}
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps({
-                "all_reduce": all_reduce,
-                "send_recv": send_recv,
-                "ranks": gathered,
-            }))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------------------------
 # driver
 
 
@@ -226,16 +134,23 @@ class CalibrationResult:
 
     def summary(self) -> str:
         t, c = self.topology, self.calibration
-        return (
-            f"wrote {self.path} ({t.name}, {c['backend']}, {c['world_size']} ranks, {c['elapsed_s']:.1f} s)\n"
-            f"  all-reduce  α {t.intra_node_latency_s * 1e6:.1f} µs/hop, B {t.intra_node_bandwidth_bytes_per_s / 1e9:.2f} GB/s\n"
-            f"  send/recv   α {c['send_recv_fit']['latency_s'] * 1e6:.1f} µs, "
-            f"B {c['send_recv_fit']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s\n"
-            f"  memory read {t.hbm_bandwidth_bytes_per_s / 1e9:.2f} GB/s per rank\n"
+        p2p = c["send_recv_fit"]
+        world = c["world_size"]
+        lines = [
+            f"wrote {self.path} ({t.name}, {c['backend']}, {world} ranks, {c['elapsed_s']:.1f} s)",
+            f"  all-reduce  α {t.intra_node_latency_s * 1e6:.1f} µs/hop, B {t.intra_node_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
+            f"  send/recv   α {p2p['latency_s'] * 1e6:.1f} µs, B {p2p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s"
+            if p2p else "  send/recv   no fit (noise swamped the size dependence)",
+            f"  weight read {t.hbm_bandwidth_bytes_per_s / 1e9:.2f} GB/s per rank alone"
+            + (f", {t.node_memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s per node (contention "
+               f"{t.contention(world):.2f} with {world} busy)" if t.node_memory_bandwidth_bytes_per_s else ""),
+            f"  engine      {t.step_overhead_s * 1e3:.2f} ms per step + {t.layer_overhead_s * 1e6:.0f} µs per layer, "
+            f"control broadcast {t.control_latency_s * 1e6:.0f} µs",
             f"  matmul      {t.peak_dense_flops_fp32 / 1e9:.1f} GFLOP/s float32, "
-            f"{t.peak_dense_flops / 1e9:.1f} GFLOP/s bfloat16 per rank\n"
-            f"  {t.gpus_per_node} ranks per node × {t.gpu_memory_bytes / GIB:.2f} GiB"
-        )
+            f"{t.peak_dense_flops / 1e9:.1f} GFLOP/s bfloat16 per rank",
+            f"  {t.gpus_per_node} ranks per node × {t.gpu_memory_bytes / GIB:.2f} GiB",
+        ]
+        return "\n".join(lines)
 
 
 def _free_port() -> int:
@@ -268,49 +183,58 @@ def calibrate(
     import torch
     import torch.multiprocessing as mp
 
-    if world_size < 2:
-        raise CalibrationError(f"world_size must be ≥ 2 to measure collectives, got {world_size}")
+    if world_size < 1:
+        raise CalibrationError(f"world_size must be ≥ 1, got {world_size}")
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
-    if backend == "nccl" and (not cuda or torch.cuda.device_count() < world_size):
+    link_world = max(2, world_size)
+    if backend == "nccl" and (not cuda or torch.cuda.device_count() < link_world):
         have = torch.cuda.device_count() if cuda else 0
-        raise CalibrationError(f"nccl with world_size {world_size} needs {world_size} CUDA devices, found {have}")
+        raise CalibrationError(f"nccl with {link_world} ranks needs {link_world} CUDA devices, found {have}")
     cores = _usable_cores()
     threads = max(1, cores // world_size)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardline-calibrate-") as tmp:
         result_path = Path(tmp) / "result.json"
-        mp.start_processes(
-            _rank_main,
-            args=(world_size, _free_port(), backend, threads, str(result_path)),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
+        args = RankArgs(world_size=world_size, link_world=link_world, port=_free_port(), backend=backend,
+                        threads=threads, overhead_models=_write_overhead_models(Path(tmp)),
+                        overhead_layer_bytes=_overhead_layer_bytes(), out_path=str(result_path),
+                        stream_bytes=stream_bytes_for_host())
+        mp.start_processes(rank_main, args=(args,), nprocs=link_world, join=True, start_method="spawn")
         if not result_path.exists():
             raise CalibrationError("rank 0 finished without writing its measurements")
         raw = json.loads(result_path.read_text())
     elapsed = time.perf_counter() - started
 
+    figures = summarize_ranks(raw["ranks"], world_size)
     all_reduce = [(float(s), float(t)) for s, t in raw["all_reduce"]]
     send_recv = [(float(s), float(t)) for s, t in raw["send_recv"]]
-    alpha, bandwidth = ring_alpha_bandwidth(all_reduce, world_size)
-    p2p_alpha, p2p_bandwidth = p2p_alpha_bandwidth(send_recv)
-    ranks = raw["ranks"]
-    mem_bw = min(r["memory_read_bytes_per_s"] for r in ranks)
-    flops32 = min(r["matmul_flops"]["float32"] for r in ranks)
-    flops16 = min(r["matmul_flops"]["bfloat16"] for r in ranks)
+    alpha, bandwidth = ring_alpha_bandwidth(all_reduce, link_world)
+    isolated_alpha = alpha
+    if "all_reduce_between_reads_s" in figures:
+        # What tensor parallelism pays: an all-reduce between weight reads, every rank busy.
+        n, size = link_world, figures["all_reduce_between_reads_bytes"]
+        between = figures["all_reduce_between_reads_s"] - 2 * (n - 1) / n * size / bandwidth
+        alpha = max(alpha, between / (2 * (n - 1)))
+    try:  # for the record only (the topology's links come from the all-reduce fit)
+        p2p_fit: dict[str, float] | None = dict(zip(("latency_s", "bandwidth_bytes_per_s"),
+                                                    p2p_alpha_bandwidth(send_recv), strict=True))
+    except CalibrationError:
+        p2p_fit = None  # a shared host's noise swamped the size dependence
+    flops = figures["matmul_flops_alone"]
 
     if backend == "nccl":
         per_node = ranks_per_node or torch.cuda.device_count()
         memory = int(torch.cuda.get_device_properties(0).total_memory)
         reserve = min(3 * GIB, memory // 4)
         device, price = "gpu", GPU_USD_PER_HOUR if usd_per_hour is None else usd_per_hour
+        node_bandwidth = None  # every GPU streams its own HBM
     else:
         per_node = ranks_per_node or max(cores, world_size)
         memory = _host_memory_bytes() // per_node
         reserve = min(1 * GIB, memory // 4)  # a torch process, not a CUDA context
         device, price = "cpu", CPU_USD_PER_CORE_HOUR if usd_per_hour is None else usd_per_hour
+        node_bandwidth = figures["node_gemv_bytes_per_s"]
 
     topology = Topology(
         name=name or f"{socket.gethostname()}-calibrated",
@@ -321,30 +245,64 @@ def calibrate(
         intra_node_latency_s=alpha,
         inter_node_bandwidth_bytes_per_s=bandwidth,
         inter_node_latency_s=alpha,
-        hbm_bandwidth_bytes_per_s=mem_bw,
-        peak_dense_flops=flops16,
-        peak_dense_flops_fp32=flops32,
+        hbm_bandwidth_bytes_per_s=figures["gemv_bytes_per_s_alone"],
+        peak_dense_flops=flops["bfloat16"],
+        peak_dense_flops_fp32=flops["float32"],
         usd_per_gpu_hour=price,
         reserve_bytes=reserve,
         device=device,
+        step_overhead_s=figures["step_overhead_s"],
+        layer_overhead_s=figures["layer_overhead_s"],
+        control_latency_s=raw["control_broadcast_s"] if world_size > 1 else 0.0,
+        node_memory_bandwidth_bytes_per_s=node_bandwidth,
     )
     calibration = {
         "backend": backend,
         "world_size": world_size,
+        "link_ranks": link_world,
         "threads_per_rank": threads,
+        "usable_cores": cores,
+        "stream_bytes": args.stream_bytes,
         "torch": str(torch.__version__),
         "host": socket.gethostname(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "elapsed_s": round(elapsed, 3),
         "all_reduce_samples": [[int(s), t] for s, t in all_reduce],
-        "all_reduce_fit": {"latency_per_hop_s": alpha, "bandwidth_bytes_per_s": bandwidth},
+        "all_reduce_fit": {"latency_per_hop_s": isolated_alpha, "bandwidth_bytes_per_s": bandwidth},
+        "latency_per_hop_between_reads_s": alpha,
         "send_recv_samples": [[int(s), t] for s, t in send_recv],
-        "send_recv_fit": {"latency_s": p2p_alpha, "bandwidth_bytes_per_s": p2p_bandwidth},
-        "ranks": ranks,
+        "send_recv_fit": p2p_fit,
+        "control_broadcast_s": raw["control_broadcast_s"],
+        "figures": {k: v for k, v in figures.items() if k != "engine_decode_step_s_alone"}
+        | {"engine_decode_step_s_alone": {str(k): v for k, v in figures["engine_decode_step_s_alone"].items()}},
+        "ranks": [r for r in raw["ranks"] if r["rank"] < world_size],
     }
     path = Path(out)
     topology.save(path, calibration=calibration)
     return CalibrationResult(topology=topology, calibration=calibration, path=path)
+
+
+def _overhead_layer_bytes() -> int:
+    """Float32 weight bytes of one decoder layer of the overhead models."""
+    from services.planner.specs import ModelSpec
+
+    shape = OVERHEAD_MODEL_SHAPE
+    spec = ModelSpec("overhead", num_layers=1, hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
+                     num_key_value_heads=shape["kv_heads"], intermediate_size=shape["intermediate"],
+                     vocab_size=shape["vocab"])
+    return spec.params_per_layer * 4
+
+
+def _write_overhead_models(directory: Path) -> dict[int, str]:
+    """The random models (OVERHEAD_MODEL_LAYERS deep) the overhead measurement decodes."""
+    from services.worker.models.tiny import TinyModelSpec, write_tiny_model
+
+    models: dict[int, str] = {}
+    for layers in OVERHEAD_MODEL_LAYERS:
+        path = directory / f"overhead-{layers}-layers"
+        write_tiny_model(TinyModelSpec(layers=layers, **OVERHEAD_MODEL_SHAPE), path)  # type: ignore[arg-type]
+        models[layers] = str(path)
+    return models
 
 
 __all__ = [

@@ -24,12 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.common.errors import InvalidArgument
 from services.planner.cost_model import Candidate, CostEstimate, CostModel, Workload
 from services.planner.specs import ModelSpec
 from services.planner.topology import Topology
 
 
-class CapacityError(ValueError):
+class CapacityError(InvalidArgument):
     """The demand cannot be met by this layout as asked (e.g. a TPOT target it can never reach)."""
 
 

@@ -110,12 +110,23 @@ def pp_boundary_links(topology: Topology, tp: int, pp: int) -> list[Link]:
     return links
 
 
+def result_return_link(topology: Topology, tp: int, pp: int) -> Link | None:
+    """The link sampled tokens take from the last stage's leader (rank (pp−1)·tp) back to the
+    driver (rank 0); None when pp = 1 (the driver samples itself)."""
+    if pp <= 1:
+        return None
+    leader = (pp - 1) * tp
+    same_node = leader // topology.gpus_per_node == 0
+    return intra_node_link(topology) if same_node else inter_node_link(topology)
+
+
 __all__ = [
     "Link",
     "LinkError",
     "inter_node_link",
     "intra_node_link",
     "pp_boundary_links",
+    "result_return_link",
     "ring_all_gather_s",
     "ring_all_reduce_s",
     "send_recv_s",

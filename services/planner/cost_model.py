@@ -20,15 +20,27 @@ every stage at once). kv_tokens_per_gpu = ⌊kv_cap / that⌋; max_concurrent_se
 ⌊kv_tokens_per_gpu / avg_context⌋. For Llama-3-70B fp16 at TP4/PP2: 2·40·2·128·2 = 40,960 B,
 20 GiB / 40,960 B = 524,288 tokens, / 2,048 = 256 sequences.
 
-Decode time of one micro-batch of b sequences on stage s (a roofline plus the collectives):
+Decode time of one micro-batch of b sequences on stage s (a roofline, the collectives, and the
+serving stack's fixed costs):
 
-    t_mem     = (weights_s + b·ctx·kv_bytes_per_token_s) / hbm_bandwidth
-    t_flops   = (2·b·matmul_params_s + 4·b·ctx·heads_r·hd·L_s) / peak_flops
+    read_s    = L_s·layer + [s = last] (lm_head shard + final norm)   what a decode step streams:
+                the embedding table is not read (one row per token is gathered), the lm_head is
+    t_mem     = (read_s + b·ctx·kv_bytes_per_token_s) / (hbm_bandwidth / κ)
+    t_flops   = (2·b·matmul_params_s + 4·b·ctx·heads_r·hd·L_s) / (peak_flops / κ)
     t_comm    = 2·L_s · all_reduce(b·hidden·act_bytes)      two row-parallel outputs per layer
               + [s = 0]    all_reduce(b·hidden·act_bytes)   vocab-parallel embedding
               + [s = last] all_gather(b·⌈vocab/t⌉·t·act_bytes)   logits before sampling
-    t_s(b)    = max(t_mem, t_flops) + t_comm
+              + [s = last, p > 1] 2·send(result)            sampled tokens back to the driver
+                                                            (a size, then the payload)
+    t_sw      = κ · L_s · layer_overhead
+              + [s = 0] (κ · step_overhead + [world > 1] 2·control_latency)   the driver schedules,
+                                                            broadcasts the step (size + payload)
+    t_s(b)    = max(t_mem, t_flops) + t_comm + t_sw
     send(b)   = α + b·hidden·act_bytes / B                  hidden state to the next stage
+
+κ = topology.contention(tp · m) is 1 on GPUs; on a CPU host the tp · m ranks busy at once share
+its memory bandwidth and cores (see topology.py). The overheads are 0 in the GPU presets and
+measured by `shardline plan calibrate` on a host.
 
 With c concurrent sequences the scheduler keeps m = min(c, pp) micro-batches of b = ⌈c/m⌉ in
 flight. One decode iteration runs them through the pipeline GPipe-style, so
@@ -53,9 +65,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.errors import InvalidArgument
 from services.planner.comm import (
     Link,
     pp_boundary_links,
+    result_return_link,
     ring_all_gather_s,
     ring_all_reduce_s,
     send_recv_s,
@@ -65,11 +79,16 @@ from services.planner.specs import DType, ModelSpec, canonical_dtype, ceil_div, 
 from services.planner.topology import GIB, Topology
 
 
-class LayoutError(ValueError):
+# A sampled token on its way back to the driver: a pickled StepResult entry (seq id, token id,
+# logprob) is a few dozen bytes per sequence; only the link's latency matters at this size.
+RESULT_BYTES_PER_SEQUENCE = 64
+
+
+class LayoutError(InvalidArgument):
     """A (tp, pp) layout cannot shard this model at all (not a memory question)."""
 
 
-class WorkloadError(ValueError):
+class WorkloadError(InvalidArgument):
     """A workload figure (KV cap, context, concurrency, decode rate) is out of range."""
 
 
@@ -152,6 +171,7 @@ class StageShape:
     weight_bytes: int
     kv_bytes_per_token: int
     matmul_params: int  # parameters multiplied per token (linears + lm_head)
+    read_bytes: int  # weight bytes one decode step streams (all but the embedding table)
 
 
 @dataclass(frozen=True)
@@ -172,7 +192,7 @@ class CostEstimate:
     tp_link: str
     all_reduce_decode_s: float  # one all-reduce of one token's hidden vector
     send_recv_decode_s: float  # one stage handoff of one token (0 when pp = 1)
-    weight_read_s: float  # fullest stage: weights / HBM bandwidth
+    weight_read_s: float  # the stage that streams most: its decode read bytes / HBM bandwidth
     tpot_batch1_s: float
     concurrency: int
     micro_batches: int
@@ -229,46 +249,59 @@ class CostModel:
         shapes: list[StageShape] = []
         counts = stage_layer_counts(m.num_layers, candidate.pp)
         for s, layers in enumerate(counts):
-            weight = layers * layer_bytes
+            weight = read = layers * layer_bytes
             matmul = layers * linear
             if s == 0:
                 weight += vocab_shard * d.activation_bytes
             if s == candidate.pp - 1:
+                lm_head = vocab_shard * d.activation_bytes
                 weight += hidden * d.activation_bytes
+                read += hidden * d.activation_bytes + lm_head
                 shares_embedding = m.tie_word_embeddings and candidate.pp == 1
                 if not shares_embedding:
-                    weight += vocab_shard * d.activation_bytes
+                    weight += lm_head
                 matmul += vocab_shard
             kv_per_token = 2 * layers * kvw_r * d.activation_bytes
-            shapes.append(StageShape(s, layers, weight, kv_per_token, matmul))
+            shapes.append(StageShape(s, layers, weight, kv_per_token, matmul, read))
         return tuple(shapes)
 
     # ---- time ----------------------------------------------------------------------------
 
-    def _stage_times(self, candidate: Candidate, shapes: tuple[StageShape, ...], batch: int) -> list[float]:
+    def _stage_times(self, candidate: Candidate, shapes: tuple[StageShape, ...], batch: int,
+                     micro_batches: int = 1) -> list[float]:
         """t_s(b) + send_s(b) for every stage (the send is to the next stage; none after the last)."""
         m, topo, d = self.model, self.topology, get_dtype(candidate.dtype)
-        t = candidate.tp
+        t, p = candidate.tp, candidate.pp
         heads_r = m.num_attention_heads // t
         ctx = self.workload.avg_context
-        peak = topo.peak_flops(d.compute)
+        # One TP group per micro-batch in flight works at a time; on a shared host they contend.
+        kappa = topo.contention(t * micro_batches)
+        bandwidth = topo.hbm_bandwidth_bytes_per_s / kappa
+        peak = topo.peak_flops(d.compute) / kappa
         hidden_msg = batch * m.hidden_size * d.activation_bytes
         logits_msg = batch * ceil_div(m.vocab_size, t) * t * d.activation_bytes
-        tps = tp_links(topo, t, candidate.pp)
-        boundaries = pp_boundary_links(topo, t, candidate.pp)
+        tps = tp_links(topo, t, p)
+        boundaries = pp_boundary_links(topo, t, p)
+        result_link = result_return_link(topo, t, p)
         times: list[float] = []
         for shape in shapes:
             link = tps[shape.stage]
-            mem = (shape.weight_bytes + batch * ctx * shape.kv_bytes_per_token) / topo.hbm_bandwidth_bytes_per_s
+            mem = (shape.read_bytes + batch * ctx * shape.kv_bytes_per_token) / bandwidth
             flops = 2 * batch * shape.matmul_params + 4 * batch * ctx * heads_r * m.head_dim * shape.layers  # type: ignore[operator]
             comm = 2 * shape.layers * ring_all_reduce_s(hidden_msg, t, link)
+            software = kappa * shape.layers * topo.layer_overhead_s
             if shape.stage == 0:
                 comm += ring_all_reduce_s(hidden_msg, t, link)
-            if shape.stage == candidate.pp - 1:
+                software += kappa * topo.step_overhead_s
+                if candidate.gpus > 1:
+                    software += 2 * topo.control_latency_s
+            if shape.stage == p - 1:
                 comm += ring_all_gather_s(logits_msg, t, link)
+                if result_link is not None:
+                    comm += 2 * send_recv_s(batch * RESULT_BYTES_PER_SEQUENCE, result_link)
             else:
                 comm += send_recv_s(hidden_msg, boundaries[shape.stage])
-            times.append(max(mem, flops / peak) + comm)
+            times.append(max(mem, flops / peak) + comm + software)
         return times
 
     def tpot_s(self, candidate: Candidate, concurrency: int, shapes: tuple[StageShape, ...] | None = None) -> float:
@@ -277,7 +310,7 @@ class CostModel:
             raise WorkloadError(f"concurrency must be ≥ 1, got {concurrency}")
         shapes = shapes or self.stage_shapes(candidate)
         micro = min(concurrency, candidate.pp)
-        times = self._stage_times(candidate, shapes, ceil_div(concurrency, micro))
+        times = self._stage_times(candidate, shapes, ceil_div(concurrency, micro), micro)
         return sum(times) + (micro - 1) * max(times)
 
     # ---- everything ----------------------------------------------------------------------
@@ -339,7 +372,7 @@ class CostModel:
             tp_link=link.name if t > 1 else "none",
             all_reduce_decode_s=ring_all_reduce_s(hidden_msg, t, link),
             send_recv_decode_s=handoff,
-            weight_read_s=weight / topo.hbm_bandwidth_bytes_per_s,
+            weight_read_s=max(s.read_bytes for s in shapes) / topo.hbm_bandwidth_bytes_per_s,
             tpot_batch1_s=tpot1,
             concurrency=concurrency,
             micro_batches=micro,

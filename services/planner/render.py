@@ -18,7 +18,7 @@ import yaml
 
 from services.planner.capacity import AutoscalingPolicy, CapacityPlan
 from services.planner.cost_model import Candidate, CostEstimate, Workload
-from services.planner.search import Assessment, PlanRequest, PlanResult
+from services.planner.search import Assessment, PlanRequest, PlanResult, explanation_order
 from services.planner.specs import DTYPES, ModelSpec, get_dtype
 from services.planner.topology import GIB, Topology
 
@@ -227,6 +227,19 @@ def shard_plan_dict(
     }
 
 
+def shard_plan_yaml(request: PlanRequest, chosen: Assessment, *, manifest_uri: str | None = None,
+                    min_replicas: int | None = None, max_replicas: int | None = None) -> str:
+    """The chosen plan as the seed's shard-plan.yaml. Without a demand to size for, autoscaling
+    spans one replica up to a node's worth (as `shardline plan --format yaml` writes it)."""
+    est = chosen.estimate
+    assert est is not None, "a chosen plan has an estimate"
+    low = min_replicas or 1
+    policy = AutoscalingPolicy(min_replicas=low, max_replicas=max(low, max_replicas or est.replicas_per_node or 1))
+    data = shard_plan_dict(request.model, request.topology, chosen.candidate, est, request.workload, policy,
+                           manifest_uri=manifest_uri)
+    return to_yaml(data)
+
+
 def to_yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
@@ -291,18 +304,7 @@ def _format_table(rows: list[list[str]]) -> list[str]:
 
 
 def _order(result: PlanResult) -> list[Assessment]:
-    obj = result.request.objective
-
-    def key(a: Assessment) -> tuple:
-        if a.chosen:
-            return (0, 0.0)
-        if a.feasible:
-            assert a.estimate is not None
-            metric = a.estimate.tpot_batch1_s if obj == "latency" else a.estimate.usd_per_million_tokens or 0.0
-            return (1, metric)
-        return (2, float(a.shortfall_bytes if a.shortfall_bytes is not None else math.inf))
-
-    return sorted(result.assessments, key=key)
+    return explanation_order(result.assessments, result.request.objective)
 
 
 def plan_table(result: PlanResult) -> str:
@@ -377,6 +379,7 @@ __all__ = [
     "plan_dict",
     "plan_table",
     "shard_plan_dict",
+    "shard_plan_yaml",
     "to_json",
     "to_yaml",
 ]

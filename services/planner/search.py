@@ -22,9 +22,11 @@ rejected (with the shortfall in bytes for memory).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.planner.cost_model import Candidate, CostEstimate, CostModel, LayoutError, Workload, check_layout
 from services.planner.specs import DTYPES, ModelSpec, canonical_dtype
 from services.planner.topology import GIB, Topology
@@ -33,12 +35,16 @@ Objective = Literal["cost", "latency", "balanced"]
 OBJECTIVES: tuple[str, ...] = ("balanced", "cost", "latency")
 
 
-class PlannerError(ValueError):
-    """Base class of planner failures that a caller should show to a user."""
+class PlannerError(InvalidArgument):
+    """Base class of planner failures that a caller should show to a user (a ValueError;
+    INVALID_ARGUMENT over gRPC unless a subclass says otherwise)."""
 
 
-class NoFeasiblePlanError(PlannerError):
-    """No candidate fits; carries the closest one and how far it is from fitting."""
+class NoFeasiblePlanError(FailedPrecondition, PlannerError):
+    """No candidate fits; carries the closest one and how far it is from fitting.
+
+    FAILED_PRECONDITION over gRPC (FailedPrecondition comes first in the MRO): the request is
+    well formed, the hardware cannot hold the model as asked."""
 
     def __init__(self, message: str, *, closest: Assessment | None, assessments: list[Assessment]) -> None:
         super().__init__(message)
@@ -314,7 +320,11 @@ def _closest_message(request: PlanRequest, assessments: list[Assessment]) -> tup
 
 
 def search(request: PlanRequest) -> PlanResult:
-    """Judge every candidate and choose one; raise :class:`NoFeasiblePlanError` if none fits."""
+    """Judge every candidate and choose one; raise :class:`NoFeasiblePlanError` if none fits, or
+    :class:`LayoutError` if a fixed ``tp``/``pp`` cannot shard the model at all."""
+    if request.tp is not None or request.pp is not None:
+        # A fixed degree that cannot shard the model is a bad argument, not a hardware shortfall.
+        check_layout(request.model, Candidate(request.tp or 1, request.pp or 1, request.dtypes[0]))
     cm = CostModel(request.model, request.topology, request.workload)
     candidates = enumerate_candidates(request)
     assessments = [assess(request, c, cm) for c in candidates]
@@ -324,6 +334,34 @@ def search(request: PlanRequest) -> PlanResult:
         raise NoFeasiblePlanError(message, closest=closest, assessments=assessments)
     chosen = choose(request, feasible)
     return PlanResult(request=request, chosen=chosen, assessments=assessments)
+
+
+def explain(request: PlanRequest) -> tuple[Assessment | None, list[Assessment]]:
+    """Every candidate judged, in :func:`explanation_order`, with the objective's choice, or None
+    when nothing fits. Unlike :func:`search` this never raises for an infeasible request: the
+    rejections, each with its reason and shortfall, are the explanation."""
+    try:
+        result = search(request)
+    except NoFeasiblePlanError as exc:
+        return None, explanation_order(exc.assessments, request.objective)
+    return result.chosen, explanation_order(result.assessments, request.objective)
+
+
+def explanation_order(assessments: list[Assessment], objective: str) -> list[Assessment]:
+    """The chosen plan, then the feasible ones by the objective's metric (TPOT for latency, $/M
+    tokens otherwise), then the rejected ones, closest to fitting first."""
+
+    def key(a: Assessment) -> tuple[int, float]:
+        if a.chosen:
+            return (0, 0.0)
+        if a.feasible:
+            assert a.estimate is not None
+            if objective == "latency":
+                return (1, a.estimate.tpot_batch1_s)
+            return (1, a.estimate.usd_per_million_tokens or 0.0)
+        return (2, float(a.shortfall_bytes) if a.shortfall_bytes is not None else math.inf)
+
+    return sorted(assessments, key=key)
 
 
 __all__ = [
@@ -336,5 +374,7 @@ __all__ = [
     "assess",
     "choose",
     "enumerate_candidates",
+    "explain",
+    "explanation_order",
     "search",
 ]

@@ -25,9 +25,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import InvalidArgument, NotFound
 
-class SpecError(ValueError):
-    """A model shape or dtype is unknown or inconsistent."""
+
+class SpecError(InvalidArgument):
+    """A model shape or dtype is unknown or inconsistent (a ValueError; INVALID_ARGUMENT over gRPC)."""
+
+
+class UnknownModelError(NotFound, SpecError):
+    """No preset, config.json or model directory by that name (NOT_FOUND over gRPC)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +302,7 @@ def load_model_spec(model: str) -> ModelSpec:
     path = Path(model)
     if path.exists():
         return ModelSpec.from_config_file(path)
-    raise SpecError(
+    raise UnknownModelError(
         f"unknown model {model!r}: expected a preset ({', '.join(PRESETS)}), a config.json or a "
         "model directory"
     )
@@ -313,6 +319,7 @@ __all__ = [
     "ModelSpec",
     "PRESETS",
     "SpecError",
+    "UnknownModelError",
     "canonical_dtype",
     "ceil_div",
     "get_dtype",

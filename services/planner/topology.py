@@ -14,6 +14,20 @@ names and units, so a topology file reads as what it is::
 latency, the B and α of the ring all-reduce model); ``inter_node_*`` the network between nodes
 (InfiniBand, or TCP). ``reserve_bytes`` is held back on every GPU for the CUDA context,
 activations, NCCL buffers and allocator slack before weights and KV cache are placed.
+
+The last four fields are costs of the serving stack and of a shared host, which only
+`shardline plan calibrate` measures (the GPU presets leave them at 0 / unset, where they are small
+next to the roofline):
+
+* ``step_overhead_s``: the driver's fixed software cost per decode step (schedule, build the step,
+  sample, stream the token), at batch 1;
+* ``layer_overhead_s``: the fixed cost of one decoder layer on one rank beyond its weight reads
+  (op dispatch on a CPU, kernel launches on a GPU);
+* ``control_latency_s``: one small broadcast from the driver to every rank (the step plan);
+* ``node_memory_bandwidth_bytes_per_s``: the bandwidth a node's ranks share. On a CPU host every
+  rank streams weights from the same DRAM and runs on the same cores, so with k ranks busy at once
+  each runs ``contention(k) = max(1, k · hbm_bandwidth / node_memory_bandwidth)`` times slower
+  than alone (3 single-thread ranks on 2 cores: about 1.5). Unset: every GPU has its own HBM.
 """
 
 from __future__ import annotations
@@ -25,12 +39,14 @@ from typing import Any
 
 import yaml
 
+from services.common.errors import InvalidArgument
+
 GIB = 1024**3
 MIB = 1024**2
 
 
-class TopologyError(ValueError):
-    """A topology is unknown, malformed, or physically inconsistent."""
+class TopologyError(InvalidArgument):
+    """A topology is unknown, malformed, or physically inconsistent (a ValueError)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,10 @@ class Topology:
     usd_per_gpu_hour: float
     reserve_bytes: int = 3 * GIB
     device: str = "gpu"  # "gpu", or "cpu" for a calibrated CPU host whose "GPUs" are ranks
+    step_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    control_latency_s: float = 0.0
+    node_memory_bandwidth_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         positive_ints = ("gpus_per_node", "gpu_memory_bytes", "nvlink_domain_size")
@@ -66,7 +86,8 @@ class Topology:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise TopologyError(f"topology {self.name!r}: {name} must be a positive number, got {value!r}")
-        for name in ("intra_node_latency_s", "inter_node_latency_s", "usd_per_gpu_hour"):
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "usd_per_gpu_hour", "step_overhead_s",
+                     "layer_overhead_s", "control_latency_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise TopologyError(f"topology {self.name!r}: {name} must be ≥ 0, got {value!r}")
@@ -85,12 +106,30 @@ class Topology:
                 f"topology {self.name!r}: nvlink_domain_size {self.nvlink_domain_size} exceeds "
                 f"gpus_per_node {self.gpus_per_node}"
             )
+        node_bw = self.node_memory_bandwidth_bytes_per_s
+        if node_bw is not None and (not isinstance(node_bw, (int, float)) or not math.isfinite(node_bw) or node_bw <= 0):
+            raise TopologyError(
+                f"topology {self.name!r}: node_memory_bandwidth_bytes_per_s must be a positive number or unset, "
+                f"got {node_bw!r}"
+            )
         if self.device not in ("gpu", "cpu"):
             raise TopologyError(f"topology {self.name!r}: device must be 'gpu' or 'cpu', got {self.device!r}")
 
     def peak_flops(self, compute: str) -> float:
         """Peak dense FLOP/s for a dtype's compute path ("16bit" or "fp32")."""
         return self.peak_dense_flops_fp32 if compute == "fp32" else self.peak_dense_flops
+
+    def contention(self, active_ranks: int) -> float:
+        """How many times slower each rank runs when ``active_ranks`` of one node work at once.
+
+        ``max(1, k · hbm_bandwidth / node_memory_bandwidth)`` with k = min(active, gpus_per_node):
+        the ranks of a CPU host share its DRAM bandwidth and cores, so past the host's capacity
+        they split it. Always 1 for GPUs (no ``node_memory_bandwidth``): each streams its own HBM.
+        """
+        if self.node_memory_bandwidth_bytes_per_s is None or active_ranks <= 1:
+            return 1.0
+        k = min(active_ranks, self.gpus_per_node)
+        return max(1.0, k * self.hbm_bandwidth_bytes_per_s / self.node_memory_bandwidth_bytes_per_s)
 
     def with_overrides(self, **overrides: Any) -> Topology:
         """A copy with the given fields replaced (``None`` values are ignored)."""

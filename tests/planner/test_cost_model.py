@@ -17,7 +17,7 @@ from services.planner.cost_model import (
     stage_layer_counts,
 )
 from services.planner.specs import PRESETS, ModelSpec
-from services.planner.topology import GIB, PRESETS as TOPOLOGIES
+from services.planner.topology import GIB, PRESETS as TOPOLOGIES, Topology
 
 LLAMA70 = PRESETS["llama3-70b"]
 A100 = TOPOLOGIES["a100-80g-8x"]
@@ -130,10 +130,15 @@ def test_cross_node_tp_is_slower() -> None:
 
 def test_time_model_at_batch_one() -> None:
     e = estimate(4, 2)
-    stage_read = e.stages[1].weight_bytes / A100.hbm_bandwidth_bytes_per_s
+    # A decode step streams every weight but the embedding table (one row per token is gathered):
+    # stage 0 holds the table but does not read it; the last stage reads its lm_head shard.
+    vocab_shard_bytes = 128256 // 4 * 8192 * 2
+    assert e.stages[0].read_bytes == e.stages[0].weight_bytes - vocab_shard_bytes
+    assert e.stages[1].read_bytes == e.stages[1].weight_bytes
+    stage_read = e.stages[1].read_bytes / A100.hbm_bandwidth_bytes_per_s
     assert e.weight_read_s == pytest.approx(stage_read)
     # A token visits both stages in turn: TPOT(1) ≥ the two stages' weight reads plus 160 all-reduces.
-    floor = (e.stages[0].weight_bytes + e.stages[1].weight_bytes) / A100.hbm_bandwidth_bytes_per_s
+    floor = (e.stages[0].read_bytes + e.stages[1].read_bytes) / A100.hbm_bandwidth_bytes_per_s
     assert e.tpot_batch1_s > floor + 160 * e.all_reduce_decode_s
     assert e.tpot_batch1_s < 1.1 * (floor + 162 * e.all_reduce_decode_s)
     assert e.micro_batches == 2 and e.bubble_fraction == pytest.approx(1 / 3)
@@ -220,3 +225,59 @@ def test_tpot_grows_with_concurrency(layout: tuple[int, int], concurrency: int) 
     cm = CostModel(LLAMA70, A100)
     cand = Candidate(*layout, "float16")
     assert cm.tpot_s(cand, concurrency + 1) >= cm.tpot_s(cand, concurrency) > 0
+
+
+# ---- a calibrated CPU host: contention and the serving stack's fixed costs ---------------------
+
+SMOLLM2 = PRESETS["smollm2-135m"]
+CPU_HOST = Topology(
+    name="host", gpus_per_node=3, gpu_memory_bytes=8 * GIB, nvlink_domain_size=3,
+    intra_node_bandwidth_bytes_per_s=1e9, intra_node_latency_s=100e-6, inter_node_bandwidth_bytes_per_s=1e9,
+    inter_node_latency_s=100e-6, hbm_bandwidth_bytes_per_s=10e9, peak_dense_flops=1e12,
+    peak_dense_flops_fp32=1e12, usd_per_gpu_hour=0.04, reserve_bytes=GIB, device="cpu",
+    step_overhead_s=1e-3, layer_overhead_s=200e-6, control_latency_s=300e-6,
+    node_memory_bandwidth_bytes_per_s=20e9,
+)
+
+
+def test_contention_splits_a_shared_host() -> None:
+    # Alone a rank streams 10 GB/s; the node streams 20 GB/s in all: two ranks fit, three share.
+    assert [CPU_HOST.contention(k) for k in (1, 2, 3)] == [1.0, 1.0, 1.5]
+    assert CPU_HOST.contention(9) == 1.5  # never more ranks than the node has
+    assert A100.contention(8) == 1.0  # GPUs: each streams its own HBM
+
+
+def test_cpu_host_decode_step_adds_up() -> None:
+    """TPOT(1) on a CPU host, term by term (flops are negligible at these rates)."""
+    workload = Workload(kv_cap_bytes=GIB // 4, avg_context=32)
+    cm = CostModel(SMOLLM2, CPU_HOST, workload)
+    hidden = 576 * 4
+    layer = 576 * (576 + 2 * 192 + 576) * 4 + 3 * 576 * 1536 * 4 + 2 * 576 * 4  # q,k,v,o + mlp + norms
+    kv = 2 * 192 * 4  # per layer per token
+    lm_head = 49152 * 576 * 4
+
+    tp1 = cm.stage_shapes(Candidate(1, 1, "float32"))[0]
+    # The tied embedding is the lm_head: streamed once; the step does not read the table as an embedding.
+    assert tp1.read_bytes == 30 * layer + 576 * 4 + lm_head == tp1.weight_bytes
+    expected = (tp1.read_bytes + 32 * 30 * kv) / 10e9 + 30 * 200e-6 + 1e-3
+    assert cm.tpot_s(Candidate(1, 1, "float32"), 1) == pytest.approx(expected)
+
+    # TP3: three ranks busy at once (contention 1.5), 61 all-reduces and the logits' all-gather,
+    # the step plan broadcast (size + payload).
+    tp3 = cm.stage_shapes(Candidate(3, 1, "float32"))[0]
+    link = Link("nvlink", 1e9, 100e-6)
+    comm = 61 * ring_all_reduce_s(hidden, 3, link) + (2 / 3 * 49152 * 4 / 1e9 + 2 * 100e-6)
+    expected = ((tp3.read_bytes + 32 * 30 * kv // 3) / (10e9 / 1.5) + comm + 1.5 * (30 * 200e-6 + 1e-3)
+                + 2 * 300e-6)
+    assert cm.tpot_s(Candidate(3, 1, "float32"), 1) == pytest.approx(expected)
+
+    # PP2: one stage works at a time (no contention); stage 0 holds the embedding table but does
+    # not stream it; the hidden state goes over once and the sampled token comes back (size +
+    # payload) to the driver.
+    s0, s1 = cm.stage_shapes(Candidate(1, 2, "float32"))
+    assert s0.read_bytes == 15 * layer and s0.weight_bytes == 15 * layer + lm_head
+    assert s1.read_bytes == s1.weight_bytes == 15 * layer + 576 * 4 + lm_head
+    hop = 100e-6
+    expected = ((s0.read_bytes + s1.read_bytes + 32 * 30 * kv) / 10e9 + 30 * 200e-6 + 1e-3 + 2 * 300e-6
+                + (hop + hidden / 1e9) + 2 * (hop + 64 / 1e9))
+    assert cm.tpot_s(Candidate(1, 2, "float32"), 1) == pytest.approx(expected)

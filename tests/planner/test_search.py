@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.planner import render
-from services.planner.cost_model import Workload
+from services.planner.cost_model import LayoutError, Workload
 from services.planner.search import (
     NoFeasiblePlanError,
     PlannerError,
@@ -71,42 +71,46 @@ def test_every_candidate_is_explained() -> None:
     assert tp2.shortfall_bytes == tp2.estimate.weight_bytes_per_gpu + 3 * GIB + 20 * GIB - 80 * GIB
 
 
-# The realistic input where the three objectives disagree: Llama-3-8B on 8×A100 for short chats
-# (512-token contexts), fp16 or int8 allowed.
-SHORT_CHAT = dict(model=PRESETS["llama3-8b"], topology=A100, dtypes=parse_dtypes("fp16,int8"),
+# The realistic input where the three objectives disagree: Llama-3-8B on 8×H100 for short chats
+# (512-token contexts) in fp16.
+H100 = TOPOLOGIES["h100-80g-8x"]
+SHORT_CHAT = dict(model=PRESETS["llama3-8b"], topology=H100, dtypes=parse_dtypes("fp16"),
                   workload=Workload(avg_context=512))
 
 
 def test_objectives_pick_different_plans() -> None:
     picks = {obj: search(PlanRequest(**SHORT_CHAT, objective=obj)) for obj in ("balanced", "cost", "latency")}
-    assert picks["latency"].chosen.candidate.label == "TP8/PP1 int8"
-    assert picks["balanced"].chosen.candidate.label == "TP4/PP1 int8"
-    assert picks["cost"].chosen.candidate.label == "TP1/PP1 int8"
+    assert picks["latency"].chosen.candidate.label == "TP8/PP1 float16"
+    assert picks["balanced"].chosen.candidate.label == "TP4/PP1 float16"
+    assert picks["cost"].chosen.candidate.label == "TP2/PP1 float16"
 
     lat, bal, cost = (picks[o].chosen.estimate for o in ("latency", "balanced", "cost"))
     # balanced: within 10 % of the best TPOT, and cheaper than the latency pick
     assert lat.tpot_batch1_s < bal.tpot_batch1_s <= 1.10 * lat.tpot_batch1_s
     assert bal.usd_per_million_tokens < lat.usd_per_million_tokens
-    # cost: cheapest of all, but outside the latency band
-    assert cost.usd_per_million_tokens < bal.usd_per_million_tokens
+    # cost: cheapest of all (TP4 ties within 2 % and the tie goes to the smaller TP group), but
+    # outside the latency band
+    assert cost.usd_per_million_tokens <= bal.usd_per_million_tokens
     assert cost.tpot_batch1_s > 1.10 * lat.tpot_batch1_s
 
 
 def test_table_explains_the_choice_and_every_loser() -> None:
     result = search(PlanRequest(**SHORT_CHAT, objective="balanced"))
     table = render.plan_table(result)
-    assert "Chosen: TP4/PP1 int8 — cheapest ($0.044/M output tokens) within 10% of the best TPOT (1.48 ms" in table
-    assert "  TP8/PP1 int8: dearer: $0.052/M output tokens vs $0.044 (+18.4%); 2.4% faster, but the band allows 10%" in table
-    assert "  TP1/PP1 int8: outside the latency band: TPOT 4.49 ms > 1.10 × best 1.48 ms, though 13.8% cheaper" in table
+    assert "Chosen: TP4/PP1 float16 — cheapest ($0.032/M output tokens) within 10% of the best TPOT (1.48 ms" in table
+    assert ("  TP8/PP1 float16: dearer: $0.039/M output tokens vs $0.032 (+19.8%); 2.5% faster, but the band "
+            "allows 10%") in table
+    assert ("  TP1/PP1 float16: outside the latency band: TPOT 4.50 ms > 1.10 × best 1.48 ms, and 16.7% dearer "
+            "($0.038/M output tokens)") in table
     explained = [line for line in table.splitlines() if line.startswith("  TP")]
     assert len(explained) == len(result.assessments) - 1  # one line per candidate that lost
 
     cost_table = render.plan_table(search(PlanRequest(**SHORT_CHAT, objective="cost")))
-    assert "Chosen: TP1/PP1 int8 — lowest $/M output tokens ($0.038)" in cost_table
-    assert "  TP4/PP1 int8: dearer: $0.044/M output tokens vs $0.038 (+16.0%)" in cost_table
+    assert "Chosen: TP2/PP1 float16 — lowest $/M output tokens ($0.032); 1 other plan(s) cost within 2%" in cost_table
+    assert "  TP1/PP1 float16: dearer: $0.038/M output tokens vs $0.032 (+17.7%)" in cost_table
     latency_table = render.plan_table(search(PlanRequest(**SHORT_CHAT, objective="latency")))
-    assert "Chosen: TP8/PP1 int8 — lowest TPOT at batch 1 (1.48 ms)" in latency_table
-    assert "  TP4/PP1 int8: slower: TPOT 1.52 ms vs 1.48 ms (+2.5%)" in latency_table
+    assert "Chosen: TP8/PP1 float16 — lowest TPOT at batch 1 (1.48 ms)" in latency_table
+    assert "  TP4/PP1 float16: slower: TPOT 1.52 ms vs 1.48 ms (+2.6%)" in latency_table
 
 
 def test_cost_ties_go_to_the_smaller_tp_group() -> None:
@@ -139,8 +143,12 @@ def test_fixed_layout_is_evaluated_alone() -> None:
     result = search(PlanRequest(LLAMA70, A100, tp=4, pp=2))
     assert [a.candidate.label for a in result.assessments] == ["TP4/PP2 float16"]
     assert result.chosen.estimate.max_concurrent_sequences == 256
-    with pytest.raises(NoFeasiblePlanError, match="tp 3 does not divide the 64 attention heads"):
+    # A fixed degree that cannot shard the model is a bad argument (INVALID_ARGUMENT over gRPC),
+    # not a hardware shortfall.
+    with pytest.raises(LayoutError, match="tp 3 does not divide the 64 attention heads"):
         search(PlanRequest(LLAMA70, A100, tp=3, pp=1))
+    with pytest.raises(LayoutError, match="pp 81 exceeds the model's 80 layers"):
+        search(PlanRequest(LLAMA70, A100, pp=81))
 
 
 def test_cross_node_tp_only_when_allowed() -> None:
