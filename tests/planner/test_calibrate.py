@@ -22,7 +22,7 @@ from services.planner.specs import PRESETS
 from services.planner.topology import GIB, Topology, load_topology
 
 SIZES = [4, 256, 4096, 65536, 1 << 20, 4 << 20, 16 << 20]
-BENCH_ROUNDS = 1  # calibrate + measure each layout once in the suite (bench.planner runs 3 and takes medians)
+BENCH_ROUNDS = 3  # calibrate + measure each layout this often; the medians are compared
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
