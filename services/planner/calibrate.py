@@ -25,7 +25,7 @@ local ranks (torch.multiprocessing spawn; gloo on CPU, NCCL when CUDA is present
 
 Calibrate at the world size you will run: each rank gets ``cores // world_size`` threads, as the
 engine's ranks do, so 3 ranks on 2 cores measure an oversubscribed host. World size 1 is allowed
-(one rank with every core; the links are then measured between two processes). On a CPU host
+(one rank with every core; the links are then measured first, between two processes). On a CPU host
 each rank stands in for a "GPU": ``gpus_per_node`` is ``--ranks-per-node`` (default: usable
 cores, at least the world size), ``gpu_memory_bytes`` is host memory divided among them, the
 NVLink domain is the whole host, and since there is no second node the inter-node link repeats
@@ -40,7 +40,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +181,6 @@ def calibrate(
 ) -> CalibrationResult:
     """Measure this machine with ``world_size`` local ranks and write a topology YAML to ``out``."""
     import torch
-    import torch.multiprocessing as mp
 
     if world_size < 1:
         raise CalibrationError(f"world_size must be ≥ 1, got {world_size}")
@@ -195,15 +194,17 @@ def calibrate(
     threads = max(1, cores // world_size)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardline-calibrate-") as tmp:
-        result_path = Path(tmp) / "result.json"
         args = RankArgs(world_size=world_size, link_world=link_world, port=_free_port(), backend=backend,
                         threads=threads, overhead_models=_write_overhead_models(Path(tmp)),
-                        overhead_layer_bytes=_overhead_layer_bytes(), out_path=str(result_path),
+                        overhead_layer_bytes=_overhead_layer_bytes(), out_path=str(Path(tmp) / "result.json"),
                         stream_bytes=stream_bytes_for_host())
-        mp.start_processes(rank_main, args=(args,), nprocs=link_world, join=True, start_method="spawn")
-        if not result_path.exists():
-            raise CalibrationError("rank 0 finished without writing its measurements")
-        raw = json.loads(result_path.read_text())
+        if world_size == 1:
+            # Links need two processes; the one rank must then measure with no other about (a
+            # waiting peer's wake-ups stall a multi-threaded rank's parallel regions).
+            raw = _run_ranks(replace(args, measure_compute=False)) | {"ranks": []}
+            raw["ranks"] = _run_ranks(replace(args, link_world=1, port=_free_port(), measure_links=False))["ranks"]
+        else:
+            raw = _run_ranks(args)
     elapsed = time.perf_counter() - started
 
     figures = summarize_ranks(raw["ranks"], world_size)
@@ -280,6 +281,19 @@ def calibrate(
     path = Path(out)
     topology.save(path, calibration=calibration)
     return CalibrationResult(topology=topology, calibration=calibration, path=path)
+
+
+def _run_ranks(args: RankArgs) -> dict[str, Any]:
+    """Spawn ``args.link_world`` calibration ranks and return rank 0's measurements."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(rank_main, args=(args,), nprocs=args.link_world, join=True, start_method="spawn")
+    path = Path(args.out_path)
+    if not path.exists():
+        raise CalibrationError("rank 0 finished without writing its measurements")
+    raw: dict[str, Any] = json.loads(path.read_text())
+    path.unlink()
+    return raw
 
 
 def _overhead_layer_bytes() -> int:

@@ -2,7 +2,8 @@
 
 Three phases, separated by barriers:
 
-1. **links** (every rank): all-reduce over message sizes, a send/recv ping-pong between ranks 0
+1. **links** (every rank; for world size 1, two processes in a run of their own first, so that
+   no second process is about while the one rank measures): all-reduce over message sizes, a send/recv ping-pong between ranks 0
    and 1, and a small broadcast from rank 0 (the engine's per-step plan broadcast). Small messages
    are timed in batches of a decode step's worth of calls: within a batch the *mean* counts (a
    step is a sum of dozens of collectives, so it pays their tail, and on an oversubscribed host
@@ -11,10 +12,11 @@ Three phases, separated by barriers:
    same way: the median over decode steps.
 2. **alone** (rank 0 works, the others wait in a barrier, which sleeps): weight-streaming
    bandwidth (a GEMV per 2 MiB matrix over twice the last-level cache, as a decode step streams
-   weights that do not fit in it, one projection at a time), a plain sum over the same bytes (for the record), matmul FLOP/s, and the serving
-   stack's fixed costs: the median decode step of the real engine on small random models of two
-   depths; the slope per layer less that layer's weight reads (at the bandwidth the models'
-   cache-sized working set gets) is the per-layer cost, the intercept the per-step cost.
+   weights that do not fit in it, one projection at a time), a plain sum over the same bytes
+   (for the record), matmul FLOP/s, and the serving stack's fixed costs: the median decode step
+   of the real engine on small random models of two depths; the slope per layer less that
+   layer's weight reads (at the bandwidth the models' cache-sized working set gets) is the
+   per-layer cost, the intercept the per-step cost.
 3. **together** (every rank at once, when world_size > 1): weight streaming, alternately free
    running (what a rank gets when all are busy: the host's contention) and in lock step with a
    decode all-reduce after every matrix (what a tensor-parallel all-reduce costs between weight
@@ -43,7 +45,7 @@ LARGE_MESSAGE_ITERS = 8
 CONTROL_MESSAGE_BYTES = 1024  # a pickled step plan for a handful of sequences
 GEMV_SHAPE = (512, 1024)  # 2 MiB per float32 matrix: one projection of a small model's layer
 COLLECTIVE_ELEMENTS = 1024  # a decode all-reduce: one token's hidden vector (4 KiB in float32)
-MIN_STREAM_BYTES = 256 << 20
+MIN_STREAM_BYTES = 256 << 20  # the weight-streaming set when the last-level cache size is unknown
 OVERHEAD_PROMPT_TOKENS = 16
 OVERHEAD_DECODE_TOKENS = 32
 COLLECTIVE_TIMEOUT_S = 600.0  # the "alone" phase keeps the other ranks waiting in a barrier
@@ -62,6 +64,8 @@ class RankArgs:
     overhead_layer_bytes: int  # weight bytes one of their layers streams
     out_path: str
     stream_bytes: int  # weights streamed per pass, across the ranks streaming at once
+    measure_links: bool = True  # phase 1
+    measure_compute: bool = True  # phases 2 and 3
 
 
 def last_level_cache_bytes() -> int:
@@ -275,25 +279,10 @@ def rank_main(rank: int, args: RankArgs) -> None:
             torch.cuda.synchronize(device)
 
     try:
-        links = _measure_links(rank, device, sync)
+        links = _measure_links(rank, device, sync) if args.measure_links else {}
         mine: dict[str, Any] = {"rank": rank}
-        dist.barrier()
-        if rank == 0:
-            mine["alone"] = {
-                "gemv_bytes_per_s": gemv_bandwidth(device, sync, args.stream_bytes),
-                "memory_read_bytes_per_s": sum_bandwidth(device, sync, args.stream_bytes),
-                "matmul_flops": matmul_flops(device, sync),
-                "decode_step_s": engine_decode_steps_s(args.overhead_models),
-                # What the deepest overhead model's weights stream at: subtracted from its layers.
-                "overhead_stream_bytes_per_s": gemv_bandwidth(
-                    device, sync, max(args.overhead_models) * args.overhead_layer_bytes, seconds=0.3),
-                "overhead_layer_bytes": args.overhead_layer_bytes,
-            }
-        dist.barrier()
-        if args.world_size > 1:  # link_world == world_size: every rank takes part
-            # The ranks share the last-level cache: together they stream the same total.
-            mine["together"] = together(device, sync, args.stream_bytes // args.world_size)
-        dist.barrier()
+        if args.measure_compute:
+            _measure_compute(rank, args, device, sync, mine)
         gathered: list[Any] = [None] * args.link_world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
@@ -301,6 +290,28 @@ def rank_main(rank: int, args: RankArgs) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _measure_compute(rank: int, args: RankArgs, device: Any, sync: Callable[[], None], mine: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        mine["alone"] = {
+            "gemv_bytes_per_s": gemv_bandwidth(device, sync, args.stream_bytes),
+            "memory_read_bytes_per_s": sum_bandwidth(device, sync, args.stream_bytes),
+            "matmul_flops": matmul_flops(device, sync),
+            "decode_step_s": engine_decode_steps_s(args.overhead_models),
+            # What the deepest overhead model's weights stream at: subtracted from its layers.
+            "overhead_stream_bytes_per_s": gemv_bandwidth(
+                device, sync, max(args.overhead_models) * args.overhead_layer_bytes, seconds=0.3),
+            "overhead_layer_bytes": args.overhead_layer_bytes,
+        }
+    dist.barrier()
+    if args.world_size > 1:  # link_world == world_size: every rank takes part
+        # The ranks share the last-level cache: together they stream the same total.
+        mine["together"] = together(device, sync, args.stream_bytes // args.world_size)
+    dist.barrier()
 
 
 def _measure_links(rank: int, device: Any, sync: Callable[[], None]) -> dict[str, Any]:

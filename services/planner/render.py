@@ -325,8 +325,16 @@ def plan_table(result: PlanResult) -> str:
         f"workload  KV cap {_gib(w.kv_cap_bytes)}/GPU, avg context {w.avg_context:,} tokens, "
         + (f"concurrency {w.concurrency}" if w.concurrency else "concurrency = what the KV cap holds")
         + (f", {w.seq_tokens_per_s:g} tok/s per sequence (given)" if w.seq_tokens_per_s else ""),
-        "",
     ]
+    if t.step_overhead_s or t.layer_overhead_s or t.node_memory_bandwidth_bytes_per_s:
+        lines.append(
+            f"serving   {t.step_overhead_s * 1e3:.2f} ms per step + {t.layer_overhead_s * 1e6:.0f} µs per layer, "
+            f"step broadcast {t.control_latency_s * 1e6:.0f} µs"
+            + (f"; ranks share {t.node_memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s per node (contention "
+               f"{t.contention(t.gpus_per_node):.2f} with all {t.gpus_per_node} busy)"
+               if t.node_memory_bandwidth_bytes_per_s else "")
+        )
+    lines.append("")
     ordered = _order(result)
     lines += _format_table([_row(a) for a in ordered])
     lines.append("")

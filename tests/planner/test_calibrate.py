@@ -130,6 +130,8 @@ def test_predicted_decode_step_within_25_percent_of_the_engine() -> None:
     from tests.model_fixtures import converted_smollm2
 
     results = compare(converted_smollm2("float32"), rounds=BENCH_ROUNDS, decode_tokens=24, requests=1)
+    if any(r.disturbed for r in results):  # compare() redid such rounds up to 3 times
+        pytest.skip("other programs kept using the CPUs through every retry of a round:\n" + table(results))
     assert [(r.tp, r.pp) for r in results] == [(1, 1), (3, 1), (1, 2)]
     for r in results:
         assert r.predicted_s > 0 and r.measured_s > 0
