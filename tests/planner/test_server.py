@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import psycopg
 import pytest
+
+from tests.stack import fresh_database
 import yaml
 from sqlalchemy.engine import make_url
 
@@ -196,16 +197,8 @@ def test_plan_of_a_config_json_on_a_spelled_out_topology(stub: planner_pb2_grpc.
 @pytest.fixture
 def pg_registry_url(postgres_url: str) -> Iterator[str]:
     """A fresh, empty PostgreSQL database: the planner migrates it on first use."""
-    base = make_url(postgres_url)
-    name = f"planner_{uuid.uuid4().hex[:12]}"
-    admin = base.set(drivername="postgresql", database="postgres").render_as_string(hide_password=False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield base.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database(postgres_url, "planner") as url:
+        yield url
 
 
 def test_record_plan_creates_a_provisioning_group_in_postgres(pg_registry_url: str) -> None:
@@ -287,4 +280,3 @@ def test_record_plan_to_the_embedded_default(monkeypatch: pytest.MonkeyPatch, tm
     with ShardRegistry(f"sqlite:///{tmp_path / 'state' / 'registry.db'}") as registry:
         group = registry.get_group(response.replica_group_id)
     assert (group.model_name, group.dtype, group.status) == ("smollm2-135m", "fp32", "provisioning")
-
