@@ -91,18 +91,29 @@ def hf_measure(model_dir, dtype: str, prompts, max_tokens: int, *, sequential_n:
     return {"tpot_s": tpot, "sequential_tok_per_s": seq_tok_s, "batched_tok_per_s": batched_tok_s}
 
 
-def matmul_floor(model, batch: int, dtype: torch.dtype, reps: int) -> float:
-    """A bare loop over the decode step's matmuls (the kernel floor) at ``batch`` rows."""
+def matmul_floor(model, batch: int, dtype: torch.dtype, reps: int, context: int = 0) -> float:
+    """A bare loop over the decode step's matmuls (the kernel floor) at ``batch`` rows: the four
+    weight matmuls of every layer, the attention matmuls (q·kᵀ and p·v over ``context`` cached
+    tokens per row, grouped-query shapes, already contiguous: no gather, no softmax) and lm_head."""
     layers = list(model.model.layers.values())
     hidden = model.config.hidden_size
     x = torch.randn(batch, hidden, dtype=dtype)
     mid = torch.randn(batch, layers[0].mlp.down_proj.in_local, dtype=dtype)
     attn = torch.randn(batch, layers[0].self_attn.o_proj.in_local, dtype=dtype)
     lm_head = model.lm_head.weight
+    a = layers[0].self_attn
+    kv, group, d = a.kv_heads, a.heads // a.kv_heads, a.head_dim
+    q = torch.randn(batch, kv, group, d, dtype=dtype)
+    keys_t = torch.randn(batch, kv, d, max(context, 1), dtype=dtype)
+    probs = torch.randn(batch, kv, group, max(context, 1), dtype=dtype)
+    values = torch.randn(batch, kv, max(context, 1), d, dtype=dtype)
 
     def loop() -> None:
         for layer in layers:
             F.linear(x, layer.self_attn.qkv_proj.weight)
+            if context:
+                torch.matmul(q, keys_t)
+                torch.matmul(probs, values)
             F.linear(attn, layer.self_attn.o_proj.weight)
             F.linear(x, layer.mlp.gate_up_proj.weight)
             F.linear(mid, layer.mlp.down_proj.weight)
@@ -150,26 +161,48 @@ def layout_rank(rank: int, world: int, spec: EngineSpec, prompts, max_tokens: in
     return result
 
 
-def bench_dtype(model_dir, tokenizer, dtype: str, *, quick: bool) -> dict:
+def median_run(engine, prompts, max_tokens: int, runs: int) -> dict:
+    """Per-key median over ``runs`` runs: one disturbed run does not decide the figure."""
+    results = [run_engine(engine, prompts, max_tokens) for _ in range(runs)]
+    return {key: statistics.median(r[key] for r in results) for key in results[0]}
+
+
+def bench_dtype(model_dir, tokenizer, dtype: str, *, quick: bool, compile: bool = True) -> dict:
     n_req, max_tokens = (4, 16) if quick else (16, 64)
+    runs = 1 if quick else 3
     prompts = make_prompts(tokenizer, n_req)
     spec = spec_for(model_dir, dtype)
     runner, layout = start_rank(spec, 0)
     engine = build_engine(spec, runner, layout)
     run_engine(engine, prompts[:2], 4)  # warm-up
-    ours_bs1 = run_engine(engine, prompts[:1], max_tokens)
-    ours_batch = run_engine(engine, prompts, max_tokens)
+    eager_bs1 = median_run(engine, prompts[:1], max_tokens, runs)
+    eager_batch = median_run(engine, prompts, max_tokens, runs)
+    ours_bs1, ours_batch = eager_bs1, eager_batch
+    compile_s = None
+    if compile:  # what `--compile` does at start-up, timed
+        t0 = time.perf_counter()
+        runner.rt.model.compile_segments(warm_up=True)
+        compile_s = time.perf_counter() - t0
+        run_engine(engine, prompts[:2], 4)
+        ours_bs1 = median_run(engine, prompts[:1], max_tokens, runs)
+        ours_batch = median_run(engine, prompts, max_tokens, runs)
     tdtype = runner.rt.plan.torch_dtype
     reps = 5 if quick else 20
-    floor1 = matmul_floor(runner.rt.model, 1, tdtype, reps)
-    floor_b = matmul_floor(runner.rt.model, n_req, tdtype, reps)
+    # mean context over the measured decode steps: prompt + half the completion
+    ctx1 = round(len(prompts[0]) + max_tokens / 2)
+    ctx_b = round(statistics.mean(map(len, prompts)) + max_tokens / 2)
+    floor1 = matmul_floor(runner.rt.model, 1, tdtype, reps, ctx1)
+    floor_b = matmul_floor(runner.rt.model, n_req, tdtype, reps, ctx_b)
     bw = read_bandwidth(tdtype)
     wbytes = weight_bytes(runner.rt.model)
     hf = hf_measure(model_dir, dtype, prompts, max_tokens, sequential_n=2 if quick else n_req)
     out = {
         "requests": n_req, "new_tokens": max_tokens,
         "ours": {"tpot_bs1_s": ours_bs1["tpot_s"], "decode_step_bs1_s": ours_bs1["decode_step_s"],
-                 "decode_step_batch_s": ours_batch["decode_step_s"], "batch_tok_per_s": ours_batch["tok_per_s"]},
+                 "decode_step_batch_s": ours_batch["decode_step_s"], "batch_tok_per_s": ours_batch["tok_per_s"],
+                 "compiled": compile, "compile_s": compile_s},
+        "eager": {"tpot_bs1_s": eager_bs1["tpot_s"], "decode_step_bs1_s": eager_bs1["decode_step_s"],
+                  "decode_step_batch_s": eager_batch["decode_step_s"], "batch_tok_per_s": eager_batch["tok_per_s"]},
         "hf": hf,
         "floor": {"matmul_bs1_s": floor1, "matmul_batch_s": floor_b, "weight_bytes": wbytes,
                   "read_bandwidth_bytes_per_s": bw, "roofline_s": wbytes / bw},
@@ -181,6 +214,8 @@ def bench_dtype(model_dir, tokenizer, dtype: str, *, quick: bool) -> dict:
     out[f"step_vs_floor_bs{n_req}"] = ours_batch["decode_step_s"] / floor_b
     out["step_vs_floor"] = max(out["step_vs_floor_bs1"], out[f"step_vs_floor_bs{n_req}"])
     out["step_vs_roofline_bs1"] = ours_bs1["decode_step_s"] / (wbytes / bw)
+    out["eager_step_vs_floor_bs1"] = eager_bs1["decode_step_s"] / floor1
+    out[f"eager_step_vs_floor_bs{n_req}"] = eager_batch["decode_step_s"] / floor_b
     return out
 
 
@@ -211,6 +246,22 @@ def markdown(payload: dict) -> str:
             f"{r['hf']['batched_tok_per_s']:.1f} | {r['throughput_vs_hf_sequential']:.2f} | "
             f"{r['throughput_vs_hf_batched']:.2f} | {r['step_vs_floor_bs1']:.2f} | {r[f'step_vs_floor_bs{n}']:.2f} | "
             f"{r['step_vs_roofline_bs1']:.2f} |")
+    lines += ["", "\"ours\" is the engine as `--compile` runs it (the decoder layers' dense segments compiled by "
+              "inductor at bucketed batch sizes, models/fused.py); the eager engine, same run:", "",
+              "| dtype | compile at start-up | eager step bs1 | compiled step bs1 | eager step batch | "
+              "compiled step batch | eager step/floor bs1 | eager step/floor batch |", "|---|---|---|---|---|---|---|---|"]
+    for dtype, r in payload["dtypes"].items():
+        n, e, o = r["requests"], r["eager"], r["ours"]
+        compiled = o.get("compiled")
+        lines.append(
+            f"| {dtype} | {o['compile_s']:.0f} s | " if compiled else f"| {dtype} | (not compiled) | ")
+        lines[-1] += (f"{e['decode_step_bs1_s'] * 1e3:.1f} ms | {o['decode_step_bs1_s'] * 1e3:.1f} ms | "
+                      f"{e['decode_step_batch_s'] * 1e3:.1f} ms | {o['decode_step_batch_s'] * 1e3:.1f} ms | "
+                      f"{r['eager_step_vs_floor_bs1']:.2f} | {r[f'eager_step_vs_floor_bs{n}']:.2f} |")
+    lines += ["", "Floor: a bare loop of the decode step's matmuls at the same batch (every layer's four weight "
+              "matmuls, the attention q·kᵀ and p·v over the mean context, lm_head), nothing else. Roofline: "
+              "weight bytes / measured read bandwidth. HF: `transformers` generate() on the same weights and "
+              "dtype, batch 1, one request at a time, and all requests padded into one batch."]
     if payload.get("layouts"):
         lines += ["", "| layout | TPOT bs1 | time in collectives (rank 0) |", "|---|---|---|"]
         for name, r in payload["layouts"].items():
@@ -224,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M from the wheel)")
     parser.add_argument("--no-layouts", action="store_true", help="skip the TP/PP comparison")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="measure the eager engine only (default: eager, then --compile)")
     args = parser.parse_args(argv)
     from tokenizers import Tokenizer
 
@@ -232,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = ["bfloat16"] if args.quick else args.dtypes.split(",")
     payload = {"machine": machine(), "quick": args.quick, "model": str(model_dir), "dtypes": {}}
     for dtype in dtypes:
-        payload["dtypes"][dtype] = bench_dtype(model_dir, tokenizer, dtype, quick=args.quick)
+        payload["dtypes"][dtype] = bench_dtype(model_dir, tokenizer, dtype, quick=args.quick,
+                                               compile=not args.no_compile)
         print(dtype, {k: round(v, 3) for k, v in payload["dtypes"][dtype].items() if isinstance(v, float)}, flush=True)
     main_dtype = payload["dtypes"].get("bfloat16") or next(iter(payload["dtypes"].values()))
     for key in ("tpot_vs_hf_bs1", "throughput_vs_hf_sequential", "throughput_vs_hf_batched", "step_vs_floor"):

@@ -137,8 +137,9 @@ class Sampler:
             return SampleResult([], [], [])
         logits = logits.float()
         device = logits.device
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-
+        # raw logprob of token t = logit_t − logsumexp(logits): one reduction per row instead of
+        # materialising log_softmax over the whole vocabulary every step
+        log_normalizer = torch.logsumexp(logits, dim=-1)
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(rows) if r.temperature != 0]
         if sampled_rows:
@@ -156,12 +157,12 @@ class Sampler:
             # q may (rarely) be 0: clamp so masked tokens (p = 0) stay at 0, never 0/0
             token_ids[index] = (probs / q.clamp_min_(1e-30)).argmax(dim=-1)
 
-        chosen = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+        chosen = logits.gather(-1, token_ids[:, None]).squeeze(-1) - log_normalizer
         top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
         k_max = min(max(r.top_logprobs for r in rows), vocab)
         if k_max > 0:
-            values, indices = raw_logprobs.topk(k_max, dim=-1)
-            values, indices = values.tolist(), indices.tolist()
+            values, indices = logits.topk(k_max, dim=-1)
+            values, indices = (values - log_normalizer[:, None]).tolist(), indices.tolist()
             for i, r in enumerate(rows):
                 k = min(r.top_logprobs, vocab)
                 top[i] = list(zip(indices[i][:k], values[i][:k], strict=True))

@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.models.attention import AttentionMetadata, attention_no_cache, paged_attention
+from services.worker.models.attention import (AttentionMetadata, attention_no_cache, paged_attention,
+                                                 write_cache)
 from services.worker.models.config import ModelConfig
-from services.worker.models.rotary import RotaryEmbedding, apply_rotary
+from services.worker.models.fused import EAGER, Segments, SegmentCompiler, rms_norm
+from services.worker.models.rotary import RotaryEmbedding
 from services.worker.parallel.coordinator import Coordinator
 from services.worker.parallel.layers import (
     MergedColumnParallelLinear,
@@ -41,9 +43,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = replicated_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, eps=self.eps).mul_(self.weight)
-        return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype).mul_(self.weight)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -60,22 +60,17 @@ class LlamaAttention(nn.Module):
         # set by the engine: (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
-        # rotate q and k in one pass over the fused projection's first heads + kv_heads heads
-        qk = apply_rotary(qkv[:, :self.heads + self.kv_heads], *rope)
-        q, k = qk[:, :self.heads], qk[:, self.heads:]
-        v = qkv[:, self.heads + self.kv_heads:]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotated q [tokens, heads, d], k and v [tokens, kv_heads, d] → [tokens, heads · d]:
+        store k/v in the paged cache, attend over each sequence's context."""
+        n = q.shape[0]
         if self.kv_cache is None or meta.slot_mapping is None:
             out = attention_no_cache(q, k, v, meta, self.scale)
         else:
             k_cache, v_cache = self.kv_cache
-            assert meta.slot_mapping is not None, "a KV cache needs slot_mapping"
-            k_cache.view(-1, self.kv_heads, self.head_dim)[meta.slot_mapping] = k
-            v_cache.view(-1, self.kv_heads, self.head_dim)[meta.slot_mapping] = v
+            write_cache(k_cache, v_cache, k, v, meta.slot_mapping)
             out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+        return out.reshape(n, self.heads * self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -88,11 +83,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, coordinator,
                                            dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None) -> None:
         super().__init__()
@@ -101,9 +91,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                segments: Segments) -> torch.Tensor:
+        attn, eps = self.self_attn, self.input_layernorm.eps
+        q, k, v = segments.attention_input(h, self.input_layernorm.weight, attn.qkv_proj.weight, *rope, eps,
+                                           attn.heads, attn.kv_heads)
+        # o_proj and down_proj end in the coordinator's all-reduce (TP > 1), between the segments
+        h, act = segments.mlp_input(h, attn.o_proj(attn.attend(q, k, v, meta)),
+                                    self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, eps)
+        return h + self.mlp.down_proj(act)
 
 
 class LlamaModel(nn.Module):
@@ -120,6 +116,7 @@ class LlamaModel(nn.Module):
             str(i): LlamaDecoderLayer(cfg, coordinator, dtype=dtype, device=device) for i in self.layer_range
         })
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
+        self.segments: Segments = EAGER
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, device=device)
 
@@ -133,7 +130,7 @@ class LlamaModel(nn.Module):
             h = hidden_states
         rope = self.rotary.tables(positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, meta)
+            h = layer(h, rope, meta, self.segments)
         return self.norm(h) if self.is_last else h
 
 
@@ -156,6 +153,17 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, coordinator,
                                               dtype=plan.torch_dtype, device=device)
+
+    def compile_segments(self, *, warm_up: bool = True) -> None:
+        """Run the layers' dense segments through ``torch.compile`` (see ``models/fused.py``);
+        ``warm_up`` compiles every token-count bucket now rather than at first use."""
+        compiler = SegmentCompiler()
+        if warm_up and self.model.layers:
+            layer = next(iter(self.model.layers.values()))
+            compiler.warm_up(layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight,
+                             heads=layer.self_attn.heads, kv_heads=layer.self_attn.kv_heads,
+                             eps=self.config.rms_norm_eps)
+        self.model.segments = compiler
 
     @property
     def is_first_stage(self) -> bool:
