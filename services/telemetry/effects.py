@@ -4,13 +4,15 @@ Runs on its own thread (:class:`EffectWorker`), so a slow Redis or database neve
 ingest. Per alert:
 
 - health store (``shardhealth:<group>``): COLLECTIVE_TIMEOUT and STAGE_LINK_FAILURE mark every
-  rank of the group ``unhealthy`` (the router stops routing there at once); SLOW_RANK marks the
-  named rank ``degraded`` (and ``healthy`` again on recovery). Ranks are written with a heartbeat
-  so a group telemetry saw before its first worker heartbeat still gets its mark.
+  rank of the group ``unhealthy`` (the router stops routing there at once); SLOW_RANK and
+  STAGE_LINK_FLAP mark the named rank ``degraded`` (and ``healthy`` again on recovery). Ranks
+  are written with a heartbeat so a group telemetry saw before its first worker heartbeat still
+  gets its mark.
 - registry (``replica_groups.status``): timeouts move the group to ``draining`` (the router
   drains and evicts it; the worker, which tears it down, then moves it to ``dead``); SLOW_RANK
-  moves ``healthy`` -> ``degraded`` and back. A move the lifecycle forbids (the worker already
-  marked the group dead) or a group the registry does not hold is logged and skipped.
+  and STAGE_LINK_FLAP move ``healthy`` -> ``degraded`` and back. A move the lifecycle forbids
+  (the worker already marked the group dead) or a group the registry does not hold is logged
+  and skipped.
 """
 
 from __future__ import annotations

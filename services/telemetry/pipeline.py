@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
@@ -104,15 +104,26 @@ class TelemetryPipeline:
 
     # -- ingest ----------------------------------------------------------------------------
     def ingest(self, events: Iterable[EventLike], *, dropped: int = 0) -> int:
-        """Add one batch; returns the events accepted. Timed-out events are judged here."""
+        """Add one batch; returns the events accepted. Timed-out events are judged here, in each
+        rank's order (the stage-link rule counts timeouts in a row)."""
+        if isinstance(events, Iterator):
+            events = list(events)  # read twice when there is something to judge
         timed_out = []
+        alerts = []
         with self.lock:
             self.dropped_total += dropped
             store = self.store
             before = store.accepted
             store.add_many(events, timed_out)
             accepted = store.accepted - before
-            alerts = [a for a in (self._judge_timeout(e) for e in timed_out) if a is not None]
+            if timed_out or self.rules.links_pending:
+                for e in events:
+                    if e.timed_out:
+                        alert = self._judge_timeout(e)
+                        if alert is not None:
+                            alerts.append(alert)
+                    else:
+                        self.rules.on_completed(e)
         for alert in alerts:
             self._publish(alert)
         return accepted
@@ -149,6 +160,7 @@ class TelemetryPipeline:
                     if alert is not None:
                         alerts.append(alert)
                 self._judged[group] = max(last, closable)
+            alerts += self.rules.on_tick(now)
             for group in store.forget_idle(now, self.config.forget_after_windows):
                 self._judged.pop(group, None)
         for alert in alerts:

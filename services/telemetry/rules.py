@@ -4,14 +4,20 @@
   -> COLLECTIVE_TIMEOUT; every rank ``unhealthy`` in the health store, the group drained.
 - NVLink degrading to PCIe (p99 spike without a hang): a rank's all-reduce p99 above k x the
   group's baseline for N windows -> SLOW_RANK naming the rank; the group ``degraded``.
-- InfiniBand flap at a pipeline boundary (send/recv timeout): a ``send``/``recv`` event with
-  ``timed_out`` -> STAGE_LINK_FAILURE; ranks ``unhealthy``, the group drained.
+- InfiniBand flap at a pipeline boundary (send/recv timeout; the seed: retry once, drain the
+  replica if it fails again). The coordinator owns the retry: a send/recv whose first wait runs
+  out is waited on once more, and each wait is its own event. So a ``send``/``recv`` event with
+  ``timed_out`` is a flap -> STAGE_LINK_FLAP naming the rank, the group ``degraded`` (it goes on
+  serving); if that rank's next event is another timed-out send/recv (the retry ran out too) ->
+  STAGE_LINK_FAILURE; ranks ``unhealthy``, the group drained. Any event of that rank that did not
+  time out (the retry completing, the next step's ops) ends the streak. A group whose flapped
+  ranks have had no stage-link timeout for ``sustain_windows`` windows gets STAGE_LINK_FLAP
+  alerts with ``healthy``. (A link that closes at once, a killed peer, is one timed-out event
+  with no retry: telemetry sees a flap, and the worker, whose group failed, drains it itself.)
 
-Timeouts: the coordinator applies the timeout and owns the one send/recv retry the seed asks
-for (it does not retry yet: on gloo a timed-out group is poisoned, so a retry needs a fresh
-group); an event reaching us with ``timed_out`` means the op finally failed, so one is enough.
-The group is poisoned from then on (a timed-out group is never reused), so each kind of timeout
-alert fires once per group.
+Any other ``timed_out`` event means the op finally failed, so one is enough. The group is
+poisoned from then on (a timed-out group is never reused), so each kind of failure alert fires
+once per group; a flap alerts once per rank until the group recovers.
 
 Slow ranks. Per window, per TP group (the ranks of one pipeline stage, read from the gpu_id's
 ``pp<s>-tp<r>``), each rank's all-reduce p99 is compared with the group's baseline
@@ -50,6 +56,7 @@ class AlertKind(enum.Enum):
     COLLECTIVE_TIMEOUT = "collective_timeout"
     SLOW_RANK = "slow_rank"
     STAGE_LINK_FAILURE = "stage_link_failure"
+    STAGE_LINK_FLAP = "stage_link_flap"
 
 
 class GroupStatus(enum.Enum):
@@ -128,11 +135,22 @@ class RuleEngine:
         self.window_s = window_s
         self._fired: set[tuple[str, AlertKind]] = set()
         self._slow: dict[str, _SlowState] = {}
+        # group -> gpu_id -> (its last stage-link timeout (ms), the op)
+        self._flapped: dict[str, dict[str, tuple[int, str]]] = {}
+        # (group, gpu_id) -> timed-out send/recv events in a row (until any event that did not time out)
+        self._link_streak: dict[tuple[str, str], int] = {}
 
     # -- timeouts ------------------------------------------------------------------------------
     def on_timeout(self, event, *, group_gpu_ids: Iterable[str], silent_gpu_ids: Iterable[str] = ()) -> Alert | None:
-        """An event with ``timed_out`` set; returns the alert the first time per group and kind."""
+        """An event with ``timed_out`` set; returns the alert the first time per group and kind
+        (a stage-link flap: the first time per rank until the group recovers). Call it, and
+        :meth:`on_completed`, in each rank's event order."""
         stage_link = event.op_type in STAGE_LINK_OPS
+        if stage_link:
+            key = (event.replica_group_id, event.gpu_id)
+            self._link_streak[key] = self._link_streak.get(key, 0) + 1
+            if self._link_streak[key] == 1:
+                return self._on_flap(event)
         kind = AlertKind.STAGE_LINK_FAILURE if stage_link else AlertKind.COLLECTIVE_TIMEOUT
         if (event.replica_group_id, kind) in self._fired:
             return None
@@ -140,9 +158,9 @@ class RuleEngine:
         silent = sorted(silent_gpu_ids)
         hint = f"; not heard from since it began: {', '.join(silent)}" if silent else ""
         if stage_link:
-            message = (f"{event.op_type} at a pipeline stage boundary timed out on {event.gpu_id} after "
-                       f"{event.duration_ms / 1e3:.2f} s (after the coordinator's retry): draining "
-                       f"replica group {event.replica_group_id}{hint}")
+            message = (f"{event.op_type} at a pipeline stage boundary timed out again on {event.gpu_id} after "
+                       f"the coordinator's retry ({event.duration_ms / 1e3:.2f} s): draining replica group "
+                       f"{event.replica_group_id}{hint}")
             status = GroupStatus.DRAINING
         else:
             message = (f"{event.op_type} timed out on {event.gpu_id} after {event.duration_ms / 1e3:.2f} s "
@@ -154,6 +172,53 @@ class RuleEngine:
 
     def has_failed(self, replica_group_id: str) -> bool:
         return any(group == replica_group_id for group, _ in self._fired)
+
+    @property
+    def links_pending(self) -> bool:
+        """Some rank's last event was a timed-out send/recv: its next event settles the retry."""
+        return bool(self._link_streak)
+
+    def on_completed(self, event) -> None:
+        """An event without ``timed_out``: its rank's stage-link streak (if any) is over."""
+        if self._link_streak:
+            self._link_streak.pop((event.replica_group_id, event.gpu_id), None)
+
+    def _on_flap(self, event) -> Alert | None:
+        group, gpu = event.replica_group_id, event.gpu_id
+        if self.has_failed(group):
+            return None
+        flapped = self._flapped.setdefault(group, {})
+        first = gpu not in flapped
+        flapped[gpu] = (max(flapped.get(gpu, (0, ""))[0], int(event.timestamp_ms)), event.op_type)
+        if not first:
+            return None
+        message = (f"{event.op_type} at a pipeline stage boundary timed out on {gpu} after "
+                   f"{event.duration_ms / 1e3:.2f} s; the coordinator retries it once (a second timeout in "
+                   f"a row drains the group): replica group {group} degraded")
+        return Alert(AlertKind.STAGE_LINK_FLAP, group, gpu, event.op_type, GroupStatus.DEGRADED, message,
+                     int(event.timestamp_ms))
+
+    def on_tick(self, now_ms: int) -> list[Alert]:
+        """A group's flapped ranks recover together once none of them has had a stage-link
+        timeout for ``sustain_windows`` windows (not while the group is failed, nor while a slow rank
+        keeps it degraded: the group's status is one value)."""
+        quiet_ms = self.config.sustain_windows * self.window_s * 1e3
+        alerts = []
+        for group, flapped in list(self._flapped.items()):
+            if self.has_failed(group):
+                del self._flapped[group]
+                continue
+            slow = self._slow.get(group)
+            if slow is not None and slow.degraded_gpu is not None:
+                continue
+            if now_ms - max(last_ms for last_ms, _ in flapped.values()) < quiet_ms:
+                continue
+            del self._flapped[group]
+            for gpu, (_, op) in sorted(flapped.items()):
+                alerts.append(Alert(AlertKind.STAGE_LINK_FLAP, group, gpu, op, GroupStatus.HEALTHY,
+                                    f"{gpu} recovered: no stage-link timeout for {quiet_ms / 1e3:g} s: replica "
+                                    f"group {group} healthy", now_ms))
+        return alerts
 
     # -- slow ranks ----------------------------------------------------------------------------
     def on_window_closed(self, replica_group_id: str, window_end_ms: int,

@@ -111,7 +111,7 @@ def test_timeouts_alert_once_per_group_and_kind():
     # the other ranks' last events ended before the hung all-reduce began
     assert "not heard from since it began: rg:pp0-tp1, rg:pp1-tp0, rg:pp1-tp1" in first.message
     link = CollectiveEvent("rg", "rg:pp1-tp0", "recv", 8, 2000.0, 2, ORIGIN + 2600, True)
-    pipeline.ingest([link])
+    pipeline.ingest([link, link])  # a send/recv timeout, then its retry's (no flap alert: the group has failed)
     second = sub.get(1.0)
     assert second.kind is AlertKind.STAGE_LINK_FAILURE and second.new_status is GroupStatus.DRAINING
     assert sub.get(0.2) is None
@@ -202,7 +202,98 @@ def test_slow_rank_degrades_its_rank_and_the_group_then_recovers(redis_url, regi
 def test_alerts_for_unregistered_groups_are_skipped(registry):
     pipeline = make_pipeline(Clock(), effects=GroupStatusEffects(registry=registry))
     try:
-        pipeline.ingest([CollectiveEvent("nowhere", "nowhere:pp0-tp0", "send", 8, 2000.0, 2, ORIGIN, True)])
-        assert [a.kind for a in pipeline.alerts()] == [AlertKind.STAGE_LINK_FAILURE]
+        pipeline.ingest([CollectiveEvent("nowhere", "nowhere:pp0-tp0", "send", 8, 2000.0, 2, ORIGIN, True)] * 2)
+        assert [a.kind for a in pipeline.alerts()] == [AlertKind.STAGE_LINK_FLAP, AlertKind.STAGE_LINK_FAILURE]
     finally:
         pipeline.close()  # the effect worker logged and moved on
+
+
+def link_event(group: str, gpu: str, at_ms: int, *, timed_out: bool, duration_ms: float = 1000.0,
+               op: str = "send") -> CollectiveEvent:
+    return CollectiveEvent(group, f"{group}:{gpu}", op, 4096, duration_ms, 2, at_ms, timed_out)
+
+
+def test_a_retried_stage_link_timeout_degrades_the_group_and_recovers_when_the_link_stays_quiet():
+    clock = Clock()
+    pipeline = make_pipeline(clock, sustain_windows=3)
+    sub = pipeline.subscribe("rg")
+    # the coordinator's first wait ran out, its retry completed
+    pipeline.ingest([link_event("rg", "pp0-tp0", ORIGIN + 1000, timed_out=True),
+                     link_event("rg", "pp0-tp0", ORIGIN + 1500, timed_out=False, duration_ms=500.0)])
+    flap = sub.get(1.0)
+    assert flap.kind is AlertKind.STAGE_LINK_FLAP and flap.new_status is GroupStatus.DEGRADED
+    assert flap.gpu_id == "rg:pp0-tp0" and flap.op_type == "send"
+    assert "send at a pipeline stage boundary timed out on rg:pp0-tp0 after 1.00 s; the coordinator retries " \
+           "it once" in flap.message and "replica group rg degraded" in flap.message
+    assert not pipeline.rules.has_failed("rg")
+    # another recovered flap of the same rank 2 s later, in two batches: no second alert (and no
+    # failure: the retry's event ended the first streak), but the quiet period restarts
+    clock.now = ORIGIN + 3000
+    pipeline.ingest([link_event("rg", "pp0-tp0", ORIGIN + 3000, timed_out=True)])
+    pipeline.ingest([link_event("rg", "pp0-tp0", ORIGIN + 3200, timed_out=False, duration_ms=200.0)])
+    assert pipeline.tick() == [] and sub.get(0.2) is None
+    clock.now = ORIGIN + 3000 + 2900  # 2.9 s of the 3 windows' quiet
+    assert pipeline.tick() == []
+    clock.now = ORIGIN + 3000 + 3000
+    (recovered,) = pipeline.tick()
+    assert recovered.kind is AlertKind.STAGE_LINK_FLAP and recovered.new_status is GroupStatus.HEALTHY
+    assert recovered.gpu_id == "rg:pp0-tp0" and "recovered: no stage-link timeout for 3 s" in recovered.message
+    assert sub.get(1.0) == recovered
+    # a later flap alerts again
+    pipeline.ingest([link_event("rg", "pp0-tp0", clock.now + 100, timed_out=True)])
+    assert sub.get(1.0).new_status is GroupStatus.DEGRADED
+
+
+def test_a_stage_link_timeout_after_its_retry_drains_the_group():
+    clock = Clock()
+    pipeline = make_pipeline(clock, sustain_windows=1)
+    sub = pipeline.subscribe("rg")
+    # pp1-tp0's recv times out; pp1-tp1's ops go on (they do not end pp1-tp0's streak) ...
+    pipeline.ingest([link_event("rg", "pp1-tp0", ORIGIN + 1000, timed_out=True, op="recv"),
+                     link_event("rg", "pp1-tp1", ORIGIN + 1000, timed_out=False, op="recv")])
+    flap = sub.get(1.0)
+    assert (flap.kind, flap.new_status, flap.gpu_id) == (AlertKind.STAGE_LINK_FLAP, GroupStatus.DEGRADED,
+                                                         "rg:pp1-tp0")
+    assert sub.get(0.2) is None and not pipeline.rules.has_failed("rg")
+    # ... and its retry, the rank's next event, times out too (in the next batch)
+    pipeline.ingest([link_event("rg", "pp1-tp0", ORIGIN + 2000, timed_out=True, op="recv")])
+    failure = sub.get(1.0)
+    assert (failure.kind, failure.new_status) == (AlertKind.STAGE_LINK_FAILURE, GroupStatus.DRAINING)
+    assert failure.message.startswith("recv at a pipeline stage boundary timed out again on rg:pp1-tp0 after the "
+                                      "coordinator's retry (1.00 s): draining replica group rg")
+    assert pipeline.rules.has_failed("rg")
+    clock.now = ORIGIN + 10_000
+    assert pipeline.tick() == []  # a failed group does not recover
+    pipeline.ingest([link_event("rg", "pp1-tp1", ORIGIN + 10_000, timed_out=True)] * 2)
+    assert sub.get(0.2) is None
+
+
+def test_two_stage_link_timeouts_with_other_ops_between_are_two_flaps_not_a_failure():
+    pipeline = make_pipeline(Clock())
+    sub = pipeline.subscribe("rg")
+    broadcast = CollectiveEvent("rg", "rg:pp0-tp0", "broadcast", 8, 0.1, 2, ORIGIN + 1500, False)
+    pipeline.ingest([link_event("rg", "pp0-tp0", ORIGIN + 1000, timed_out=True), broadcast,
+                     link_event("rg", "pp0-tp0", ORIGIN + 2000, timed_out=True)])
+    assert [(a.kind, a.new_status) for a in _drain(sub)] == [(AlertKind.STAGE_LINK_FLAP, GroupStatus.DEGRADED)]
+    assert not pipeline.rules.has_failed("rg")
+
+
+def test_a_link_flap_degrades_its_rank_and_the_group_then_recovers(redis_url, registry):
+    group = f"rg-{uuid.uuid4().hex[:8]}"
+    health = make_health_store(redis_url)
+    health.heartbeat(group, {f"pp{pp}_tp{tp}": "healthy" for pp, tp in RANKS})
+    gid = register_group(registry, group)
+    clock = Clock()
+    pipeline = make_pipeline(clock, effects=GroupStatusEffects(health=health, registry=registry), sustain_windows=2)
+    try:
+        pipeline.ingest([link_event(group, "pp1-tp1", ORIGIN + 500, timed_out=True, op="recv")])
+        assert wait_for(lambda: registry.get_group(gid).status == "degraded")
+        assert wait_for(lambda: health.group_health(group).get("pp1_tp1") == "degraded")
+        assert health.group_health(group)["pp0_tp0"] == "healthy"
+        clock.now = ORIGIN + 500 + 2000
+        assert [a.new_status for a in pipeline.tick()] == [GroupStatus.HEALTHY]
+        assert wait_for(lambda: registry.get_group(gid).status == "healthy")
+        assert wait_for(lambda: health.group_health(group).get("pp1_tp1") == "healthy")
+    finally:
+        pipeline.close()
+        health.remove_group(group)

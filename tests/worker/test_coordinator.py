@@ -101,8 +101,80 @@ def test_stopped_rank_times_out_instead_of_hanging(tiny_model_dir):
     assert "replica group rg-test is unhealthy" in proc.stderr
     assert "timed out after 1.5 s" in proc.stderr
     waits = _waits(proc.stderr)
-    assert waits and all(w <= 1.5 + 1.0 for w in waits), proc.stderr
+    # collectives give up after one timeout; stage-boundary send/recv after their one retry
+    assert waits and all(w <= 2 * 1.5 + 1.0 for w in waits), proc.stderr
     assert elapsed < 60
+
+
+def _link_rank(rank: int, world_size: int, faults: str, out_dir: str, timeout_s: float) -> None:
+    """Stage 0 (rank 0) sends four tensors to stage 1 (rank 1) through the coordinator, then both
+    meet at a barrier; ``faults`` delay or stall rank 1's receives."""
+    import torch
+    import torch.distributed as dist
+
+    from services.common.collective_events import RingBufferSink
+    from services.worker.parallel.coordinator import Coordinator, ShardGroupUnhealthy
+    from services.worker.parallel.faults import FaultInjector
+    from services.worker.parallel.groups import ParallelGroups
+
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    pp_group = dist.new_group([0, 1], backend="gloo")
+    control = dist.new_group([0, 1], backend="gloo")
+    groups = ParallelGroups(1, 2, rank, "gloo", None, pp_group, control)
+    sink = RingBufferSink()
+    coordinator = Coordinator(groups, replica_group_id="rg-link", timeout_s=timeout_s, sink=sink,
+                              faults=FaultInjector(rank, faults))
+    got, error = [], None
+    try:
+        for step in range(4):
+            if rank == 0:
+                coordinator.send(torch.full((8,), float(step)), dst_stage=1)
+            else:
+                got.append(coordinator.recv((8,), torch.float32, src_stage=0).tolist())
+        coordinator.barrier()
+    except ShardGroupUnhealthy as exc:
+        error = str(exc)
+        raise
+    finally:
+        events = [[e.op_type, round(e.duration_ms), e.timed_out] for e in sink.snapshot()]
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"events": events, "got": got, "error": error}))
+
+
+def _link_events(out_dir: Path, rank: int) -> dict:
+    return json.loads((out_dir / f"rank{rank}.json").read_text())
+
+
+def test_a_late_stage_boundary_recv_is_retried_once_and_the_group_goes_on(tmp_path):
+    # rank 1 posts its second receive 1.5 s late: rank 0's send waits past its 1 s timeout, the
+    # coordinator waits once more, the send completes within the retry and the group carries on
+    run_replica_group(2, _link_rank, "rank=1,op=recv,after=1,times=1,action=sleep:1.5", str(tmp_path), 1.0)
+    sender, receiver = _link_events(tmp_path, 0), _link_events(tmp_path, 1)
+    assert sender["error"] is None and receiver["error"] is None
+    assert receiver["got"] == [[float(step)] * 8 for step in range(4)]
+    sends = [e for e in sender["events"] if e[0] == "send"]
+    # the second send is two events: its first wait timed out, its retry completed
+    assert [timed_out for _, _, timed_out in sends] == [False, True, False, False, False]
+    assert sends[1][1] == 1000  # the first wait: exactly the timeout
+    assert 200 <= sends[2][1] <= 1000  # the retry: the rest of rank 1's 1.5 s delay
+    assert [e[0] for e in sender["events"]].count("barrier") == 1  # the group still works
+    assert not any(e[2] for e in receiver["events"])  # the late rank itself never waited long
+
+
+def test_a_stage_boundary_send_that_times_out_again_after_its_retry_fails_the_group(tmp_path):
+    # rank 1 stops for good at its second receive: rank 0's send times out, is retried, times out again
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaGroupFailed) as failed:
+        run_replica_group(2, _link_rank, "rank=1,op=recv,after=1,action=stop", str(tmp_path), 1.0,
+                          failure_grace_s=1.0)
+    assert time.monotonic() - t0 < 30
+    sender = _link_events(tmp_path, 0)
+    assert "replica group rg-link is unhealthy: send on rg-link:pp0-tp0 timed out after 1 s, and again " \
+           "after its retry" in sender["error"]
+    assert 2.0 <= _waits(sender["error"])[0] <= 3.0
+    assert [e[0] for e in sender["events"]] == ["send", "send", "send"]
+    assert [timed_out for _, _, timed_out in sender["events"]] == [False, True, True]  # the wait, the retry
+    assert [duration for _, duration, _ in sender["events"]][1:] == [1000, pytest.approx(1000, abs=100)]
+    assert "rank 0: ShardGroupUnhealthy" in str(failed.value)
 
 
 def test_replica_group_failed_lists_every_rank():

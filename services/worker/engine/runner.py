@@ -80,7 +80,8 @@ class StageRunner:
 def follower_loop(runner: StageRunner) -> None:
     """Every rank but the driver: receive a plan, run it, send the sample back; until "stop"."""
     c, g = runner.rt.coordinator, runner.rt.groups
-    wait_s = IDLE_HEARTBEAT_S + c.timeout_s + 1.0
+    # the driver may spend a stage-boundary send/recv's timeout and its one retry before the next plan
+    wait_s = IDLE_HEARTBEAT_S + 2 * c.timeout_s + 1.0
     while True:
         plan: StepPlan = c.broadcast_object(None, src=0, timeout_s=wait_s)
         if plan.kind == "stop":

@@ -6,12 +6,22 @@ dead peer never returns; gloo fails fast on a closed connection but only times o
 one). Every op records a :class:`CollectiveEvent`. After the first failure the coordinator refuses
 every later call: a group that timed out is poisoned and must be torn down, never reused.
 
+Stage-boundary send/recv get one retry (the seed's InfiniBand link flap: retry once, drain the
+replica if it fails again): when the first timeout runs out, the op is waited on for one more
+timeout period before the group is failed. A gloo work cannot be waited on again once its
+``wait(timeout)`` gave up (gloo closes the pair: "Application timeout caused pair closure"), so
+the retry is one wait of twice the timeout, split afterwards into the two attempts, each its own
+event: the first wait (``timed_out``, duration = the timeout), then the retry (its own duration,
+``timed_out`` only if it ran out too). Telemetry reads one timed-out send/recv as a link flap and
+two in a row as a failed link. A dead peer (closed connection) is not retried.
+
 Groups of one rank skip communication entirely (Megatron's convention), so TP=1 / PP=1 code paths
 make no collective calls and record no events.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from datetime import timedelta
@@ -25,6 +35,9 @@ from services.worker.parallel.faults import FaultInjector
 from services.worker.parallel.groups import ParallelGroups
 
 DEFAULT_TIMEOUT_S = 2.0
+STAGE_LINK_OPS = frozenset({"send", "recv"})  # retried once before the group is failed
+
+log = logging.getLogger(__name__)
 
 
 class ShardGroupUnhealthy(RuntimeError):
@@ -64,28 +77,48 @@ class Coordinator:
         if self.faults:
             self.faults.before(op)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        retries = op in STAGE_LINK_OPS
+        budget = timeout * (2 if retries else 1)  # the first wait, then the retry's
+        wall0 = time.time()
         t0 = time.perf_counter()
-        error: str | None = None
+        timed_out, failed = False, None
         try:
             works = start_work()
             for work in works if isinstance(works, list) else [works]:
-                if work.wait(timeout=timedelta(seconds=timeout)) is False:
-                    error = f"timed out after {timeout:g} s"
+                # gloo reads a timeout under 1 ms as none at all (the group default): never pass one
+                left = max(1e-3, budget - (time.perf_counter() - t0))
+                if work.wait(timeout=timedelta(seconds=left)) is False:
+                    timed_out = True
                     break
         except RuntimeError as exc:  # gloo: timeout or closed connection; nccl: abort
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             timed_out = "timeout" in text.lower() or "timed out" in text.lower()
-            error = (f"timed out after {timeout:g} s" if timed_out else "failed") + f" ({text})"
-        duration_ms = (time.perf_counter() - t0) * 1e3
-        if error is not None:
-            error += f" after waiting {duration_ms / 1e3:.2f} s"
+            failed = text
+        elapsed = time.perf_counter() - t0
+        broken = timed_out or failed is not None
+        if retries and elapsed > timeout:
+            # the first wait ran out: that attempt is a timed-out event of its own, the retry another
+            self._record(op, nbytes, group_size, timeout, wall0 + timeout, timed_out=True)
+            self._record(op, nbytes, group_size, elapsed - timeout, wall0 + elapsed, timed_out=broken)
+            if not broken:
+                log.warning("%s on %s timed out after %g s; its retry completed (%.2f s in all)",
+                            op, self.gpu_id, timeout, elapsed)
+        else:
+            self._record(op, nbytes, group_size, elapsed, wall0 + elapsed, timed_out=broken)
+        if broken:
+            what = f"timed out after {timeout:g} s" if timed_out else "failed"
+            if timed_out and retries:
+                what += ", and again after its retry"
+            detail = what + (f" ({failed})" if failed else "") + f" after waiting {elapsed:.2f} s"
+            self.failure = ShardGroupUnhealthy(self.replica_group_id, self.gpu_id, op, detail)
+            raise self.failure
+
+    def _record(self, op: str, nbytes: int, group_size: int, duration_s: float, end_s: float, *,
+                timed_out: bool) -> None:
         self.sink.record(CollectiveEvent(
             replica_group_id=self.replica_group_id, gpu_id=self.gpu_id, op_type=op, bytes=nbytes,
-            duration_ms=duration_ms, group_size=group_size, timestamp_ms=int(time.time() * 1e3),
-            timed_out=error is not None))
-        if error is not None:
-            self.failure = ShardGroupUnhealthy(self.replica_group_id, self.gpu_id, op, error)
-            raise self.failure
+            duration_ms=duration_s * 1e3, group_size=group_size, timestamp_ms=int(end_s * 1e3),
+            timed_out=timed_out))
 
     # -- tensor parallel ---------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,11 @@ by ``,``:
     rank=1,op=all_reduce,after=5,action=kill      # SIGKILL rank 1 at its 6th all-reduce
     rank=0,op=recv,action=stop                    # SIGSTOP itself (a hung peer)
     rank=2,op=all_reduce,action=sleep:0.05        # a slow rank: sleep before every all-reduce
+    rank=1,op=recv,after=3,times=1,action=sleep:1.5   # a link flap: one late recv (its peer's
+                                                      # send waits 1.5 s), then all is well
 
-``op=any`` matches every op. Only the coordinator consults this, so a fault can only strike
+``times`` caps how often a fault strikes (default: every match after ``after``). ``op=any``
+matches every op. Only the coordinator consults this, so a fault can only strike
 where a real failure would: at a collective.
 """
 
@@ -25,6 +28,7 @@ class Fault:
     op: str = "any"
     after: int = 0
     action: str = "kill"
+    times: int | None = None  # None: every match after ``after``
     seen: int = field(default=0, compare=False)
 
     def matches(self, rank: int, op: str) -> bool:
@@ -38,11 +42,13 @@ def parse_faults(spec: str | None) -> list[Fault]:
         if not part:
             continue
         fields = dict(item.split("=", 1) for item in part.split(","))
-        unknown = set(fields) - {"rank", "op", "after", "action"}
+        unknown = set(fields) - {"rank", "op", "after", "times", "action"}
         if unknown or "rank" not in fields:
-            raise ValueError(f"bad SHARDLINE_FAULTS entry {part!r}: needs rank=, allows op=, after=, action=")
+            raise ValueError(f"bad SHARDLINE_FAULTS entry {part!r}: needs rank=, allows op=, after=, times=, "
+                             f"action=")
+        times = int(fields["times"]) if "times" in fields else None
         faults.append(Fault(rank=int(fields["rank"]), op=fields.get("op", "any"),
-                            after=int(fields.get("after", 0)), action=fields.get("action", "kill")))
+                            after=int(fields.get("after", 0)), action=fields.get("action", "kill"), times=times))
     return faults
 
 
@@ -61,6 +67,8 @@ class FaultInjector:
                 continue
             fault.seen += 1
             if fault.seen <= fault.after:
+                continue
+            if fault.times is not None and fault.seen > fault.after + fault.times:
                 continue
             if fault.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
