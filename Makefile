@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run demo test setup proto system-deps clean
+.PHONY: run demo test setup proto kernels system-deps clean
 
-setup: $(STAMP) proto
+setup: $(STAMP) proto kernels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 # Generated protobuf/gRPC code (services/common/proto/shardline/), never edited by hand.
 proto: $(STAMP)
 	$(PY) -m services.common.protogen
+
+# The workers' fused CPU kernels (services/worker/kernels), built once into ~/.cache/torch_extensions.
+kernels: $(STAMP)
+	$(PY) -m services.worker.kernels
 
 # redis-server for the tests, docker-compose to validate docker-compose.yml (no engine needed).
 system-deps:

@@ -25,6 +25,7 @@ from services.worker.engine.group import EngineSpec, build_engine, start_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.runner import follower_loop
 from services.worker.engine.sequence import SamplingParams
+from services.worker.kernels import TorchOps
 from services.worker.parallel.launch import run_replica_group
 from services.worker.runtime import RankSpec
 
@@ -64,34 +65,36 @@ def run_engine(engine, prompts, max_tokens: int) -> dict:
             "tpot_s": statistics.median(tpots), "decode_step_s": statistics.median(full) if full else float("nan")}
 
 
-def hf_measure(model_dir, dtype: str, prompts, max_tokens: int, *, sequential_n: int) -> dict:
-    import transformers
+class HFReference:
+    """HF transformers' generate() on the same weights and dtype (the peer)."""
 
-    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    def __init__(self, model_dir, dtype: str) -> None:
+        import transformers
 
-    def gen(batch: list[list[int]], n: int) -> None:
+        self.model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+
+    def generate_s(self, batch: list[list[int]], n: int) -> float:
         width = max(map(len, batch))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                pad_token_id=0)
+        return time.perf_counter() - t0
 
-    one = prompts[0]
-    t_full = median_time(lambda: gen([one], max_tokens), reps=3)
-    t_first = median_time(lambda: gen([one], 1), reps=3)
-    tpot = (t_full - t_first) / (max_tokens - 1)
-    t0 = time.perf_counter()
-    for p in prompts[:sequential_n]:
-        gen([p], max_tokens)
-    seq_tok_s = sequential_n * max_tokens / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    gen(prompts, max_tokens)
-    batched_tok_s = len(prompts) * max_tokens / (time.perf_counter() - t0)
-    return {"tpot_s": tpot, "sequential_tok_per_s": seq_tok_s, "batched_tok_per_s": batched_tok_s}
+    def tpot_s(self, prompt: list[int], max_tokens: int) -> float:
+        """(time for max_tokens − time for 1) / (max_tokens − 1): decode only, prefill cancels out."""
+        return (self.generate_s([prompt], max_tokens) - self.generate_s([prompt], 1)) / (max_tokens - 1)
+
+    def sequential_tok_s(self, prompts, max_tokens: int) -> float:
+        return len(prompts) * max_tokens / sum(self.generate_s([p], max_tokens) for p in prompts)
+
+    def batched_tok_s(self, prompts, max_tokens: int) -> float:
+        return len(prompts) * max_tokens / self.generate_s(prompts, max_tokens)
 
 
-def matmul_floor(model, batch: int, dtype: torch.dtype, reps: int, context: int = 0) -> float:
+def floor_loop(model, batch: int, dtype: torch.dtype, context: int):
     """A bare loop over the decode step's matmuls (the kernel floor) at ``batch`` rows: the four
     weight matmuls of every layer, the attention matmuls (q·kᵀ and p·v over ``context`` cached
     tokens per row, grouped-query shapes, already contiguous: no gather, no softmax) and lm_head."""
@@ -104,23 +107,47 @@ def matmul_floor(model, batch: int, dtype: torch.dtype, reps: int, context: int 
     a = layers[0].self_attn
     kv, group, d = a.kv_heads, a.heads // a.kv_heads, a.head_dim
     q = torch.randn(batch, kv, group, d, dtype=dtype)
-    keys_t = torch.randn(batch, kv, d, max(context, 1), dtype=dtype)
-    probs = torch.randn(batch, kv, group, max(context, 1), dtype=dtype)
-    values = torch.randn(batch, kv, max(context, 1), d, dtype=dtype)
+    keys_t = torch.randn(batch, kv, d, context, dtype=dtype)
+    probs = torch.randn(batch, kv, group, context, dtype=dtype)
+    values = torch.randn(batch, kv, context, d, dtype=dtype)
 
+    @torch.inference_mode()
     def loop() -> None:
         for layer in layers:
             F.linear(x, layer.self_attn.qkv_proj.weight)
-            if context:
-                torch.matmul(q, keys_t)
-                torch.matmul(probs, values)
+            torch.matmul(q, keys_t)
+            torch.matmul(probs, values)
             F.linear(attn, layer.self_attn.o_proj.weight)
             F.linear(x, layer.mlp.gate_up_proj.weight)
             F.linear(mid, layer.mlp.down_proj.weight)
         F.linear(x, lm_head)
 
-    with torch.inference_mode():
-        return median_time(loop, reps=reps, warmup=2)
+    return loop
+
+
+def paired_steps(engine, prompts, steps: int) -> dict:
+    """Decode steps of a full batch, each followed by one floor loop at the same batch and mean
+    context: the step/floor ratio is taken pair by pair, so a machine whose speed drifts (shared
+    cores) moves both sides of each ratio alike."""
+    model = engine.runner.rt.model
+    context = round(statistics.mean(map(len, prompts)) + 4 + steps / 2)
+    loop = floor_loop(model, len(prompts), engine.runner.rt.plan.torch_dtype, context)
+    params = SamplingParams(temperature=0, max_tokens=steps + 6, ignore_eos=True)
+    for p in prompts:
+        engine.submit(p, params)
+    for _ in range(4):  # prefill and first decodes
+        engine.step()
+    loop()
+    pairs = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        loop()
+        pairs.append((t1 - t0, time.perf_counter() - t1))
+    engine.run_until_done()
+    return {"step_s": statistics.median(p[0] for p in pairs), "floor_s": statistics.median(p[1] for p in pairs),
+            "ratio": statistics.median(p[0] / p[1] for p in pairs), "context": context}
 
 
 def read_bandwidth(dtype: torch.dtype) -> float:
@@ -161,61 +188,54 @@ def layout_rank(rank: int, world: int, spec: EngineSpec, prompts, max_tokens: in
     return result
 
 
-def median_run(engine, prompts, max_tokens: int, runs: int) -> dict:
-    """Per-key median over ``runs`` runs: one disturbed run does not decide the figure."""
-    results = [run_engine(engine, prompts, max_tokens) for _ in range(runs)]
-    return {key: statistics.median(r[key] for r in results) for key in results[0]}
-
-
-def bench_dtype(model_dir, tokenizer, dtype: str, *, quick: bool, compile: bool = True) -> dict:
+def bench_dtype(model_dir, tokenizer, dtype: str, *, quick: bool) -> dict:
+    """Ours and HF alternate round by round; each figure is the median of its per-round ratios."""
     n_req, max_tokens = (4, 16) if quick else (16, 64)
-    runs = 1 if quick else 3
+    rounds, steps, seq_n = (1, 8, 2) if quick else (3, 24, 4)
     prompts = make_prompts(tokenizer, n_req)
     spec = spec_for(model_dir, dtype)
     runner, layout = start_rank(spec, 0)
     engine = build_engine(spec, runner, layout)
+    hf = HFReference(model_dir, dtype)
     run_engine(engine, prompts[:2], 4)  # warm-up
-    eager_bs1 = median_run(engine, prompts[:1], max_tokens, runs)
-    eager_batch = median_run(engine, prompts, max_tokens, runs)
-    ours_bs1, ours_batch = eager_bs1, eager_batch
-    compile_s = None
-    if compile:  # what `--compile` does at start-up, timed
-        t0 = time.perf_counter()
-        runner.rt.model.compile_segments(warm_up=True)
-        compile_s = time.perf_counter() - t0
-        run_engine(engine, prompts[:2], 4)
-        ours_bs1 = median_run(engine, prompts[:1], max_tokens, runs)
-        ours_batch = median_run(engine, prompts, max_tokens, runs)
+    hf.generate_s(prompts[:2], 2)
+    per_round = []
+    for _ in range(rounds):
+        ours_bs1 = run_engine(engine, prompts[:1], max_tokens)
+        hf_tpot = hf.tpot_s(prompts[0], max_tokens)
+        ours_batch = run_engine(engine, prompts, max_tokens)
+        hf_batched = hf.batched_tok_s(prompts, max_tokens)
+        hf_seq = hf.sequential_tok_s(prompts[:seq_n], max_tokens)
+        per_round.append({"ours_tpot_s": ours_bs1["tpot_s"], "hf_tpot_s": hf_tpot,
+                          "ours_tok_s": ours_batch["tok_per_s"], "hf_batched_tok_s": hf_batched,
+                          "hf_sequential_tok_s": hf_seq})
+    med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
+    ratio = lambda num, den: statistics.median(r[num] / r[den] for r in per_round)  # noqa: E731
+
+    layers = runner.rt.model.model
+    kernels = layers.ops
+    floor = {}
+    for name, ops in (("kernels", kernels), ("torch_ops", TorchOps())):
+        layers.ops = ops  # the same engine with the element-wise work as plain PyTorch ops
+        floor[name] = {"bs1": paired_steps(engine, prompts[:1], steps),
+                       f"bs{n_req}": paired_steps(engine, prompts, steps)}
+    layers.ops = kernels
     tdtype = runner.rt.plan.torch_dtype
-    reps = 5 if quick else 20
-    # mean context over the measured decode steps: prompt + half the completion
-    ctx1 = round(len(prompts[0]) + max_tokens / 2)
-    ctx_b = round(statistics.mean(map(len, prompts)) + max_tokens / 2)
-    floor1 = matmul_floor(runner.rt.model, 1, tdtype, reps, ctx1)
-    floor_b = matmul_floor(runner.rt.model, n_req, tdtype, reps, ctx_b)
     bw = read_bandwidth(tdtype)
     wbytes = weight_bytes(runner.rt.model)
-    hf = hf_measure(model_dir, dtype, prompts, max_tokens, sequential_n=2 if quick else n_req)
+    ours = floor["kernels"]
     out = {
-        "requests": n_req, "new_tokens": max_tokens,
-        "ours": {"tpot_bs1_s": ours_bs1["tpot_s"], "decode_step_bs1_s": ours_bs1["decode_step_s"],
-                 "decode_step_batch_s": ours_batch["decode_step_s"], "batch_tok_per_s": ours_batch["tok_per_s"],
-                 "compiled": compile, "compile_s": compile_s},
-        "eager": {"tpot_bs1_s": eager_bs1["tpot_s"], "decode_step_bs1_s": eager_bs1["decode_step_s"],
-                  "decode_step_batch_s": eager_batch["decode_step_s"], "batch_tok_per_s": eager_batch["tok_per_s"]},
-        "hf": hf,
-        "floor": {"matmul_bs1_s": floor1, "matmul_batch_s": floor_b, "weight_bytes": wbytes,
-                  "read_bandwidth_bytes_per_s": bw, "roofline_s": wbytes / bw},
+        "requests": n_req, "new_tokens": max_tokens, "rounds": rounds, "per_round": per_round, "medians": med,
+        "layer_ops": type(kernels).__name__, "floor_pairs": floor,
+        "roofline": {"weight_bytes": wbytes, "read_bandwidth_bytes_per_s": bw, "roofline_s": wbytes / bw},
+        "tpot_vs_hf_bs1": ratio("ours_tpot_s", "hf_tpot_s"),
+        "throughput_vs_hf_sequential": ratio("ours_tok_s", "hf_sequential_tok_s"),
+        "throughput_vs_hf_batched": ratio("ours_tok_s", "hf_batched_tok_s"),
+        "step_vs_floor_bs1": ours["bs1"]["ratio"],
+        f"step_vs_floor_bs{n_req}": ours[f"bs{n_req}"]["ratio"],
+        "step_vs_roofline_bs1": ours["bs1"]["step_s"] / (wbytes / bw),
     }
-    out["tpot_vs_hf_bs1"] = ours_bs1["tpot_s"] / hf["tpot_s"]
-    out["throughput_vs_hf_sequential"] = ours_batch["tok_per_s"] / hf["sequential_tok_per_s"]
-    out["throughput_vs_hf_batched"] = ours_batch["tok_per_s"] / hf["batched_tok_per_s"]
-    out["step_vs_floor_bs1"] = ours_bs1["decode_step_s"] / floor1
-    out[f"step_vs_floor_bs{n_req}"] = ours_batch["decode_step_s"] / floor_b
     out["step_vs_floor"] = max(out["step_vs_floor_bs1"], out[f"step_vs_floor_bs{n_req}"])
-    out["step_vs_roofline_bs1"] = ours_bs1["decode_step_s"] / (wbytes / bw)
-    out["eager_step_vs_floor_bs1"] = eager_bs1["decode_step_s"] / floor1
-    out[f"eager_step_vs_floor_bs{n_req}"] = eager_batch["decode_step_s"] / floor_b
     return out
 
 
@@ -239,29 +259,30 @@ def markdown(payload: dict) -> str:
              "HF batched tok/s | vs seq | vs batched | step/floor bs1 | step/floor batch | step/roofline bs1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for dtype, r in payload["dtypes"].items():
-        n = r["requests"]
+        n, m = r["requests"], r["medians"]
         lines.append(
-            f"| {dtype} | {r['ours']['tpot_bs1_s'] * 1e3:.1f} ms | {r['hf']['tpot_s'] * 1e3:.1f} ms | "
-            f"{r['tpot_vs_hf_bs1']:.2f} | {r['ours']['batch_tok_per_s']:.1f} | {r['hf']['sequential_tok_per_s']:.1f} | "
-            f"{r['hf']['batched_tok_per_s']:.1f} | {r['throughput_vs_hf_sequential']:.2f} | "
+            f"| {dtype} | {m['ours_tpot_s'] * 1e3:.1f} ms | {m['hf_tpot_s'] * 1e3:.1f} ms | "
+            f"{r['tpot_vs_hf_bs1']:.2f} | {m['ours_tok_s']:.1f} | {m['hf_sequential_tok_s']:.1f} | "
+            f"{m['hf_batched_tok_s']:.1f} | {r['throughput_vs_hf_sequential']:.2f} | "
             f"{r['throughput_vs_hf_batched']:.2f} | {r['step_vs_floor_bs1']:.2f} | {r[f'step_vs_floor_bs{n}']:.2f} | "
             f"{r['step_vs_roofline_bs1']:.2f} |")
-    lines += ["", "\"ours\" is the engine as `--compile` runs it (the decoder layers' dense segments compiled by "
-              "inductor at bucketed batch sizes, models/fused.py); the eager engine, same run:", "",
-              "| dtype | compile at start-up | eager step bs1 | compiled step bs1 | eager step batch | "
-              "compiled step batch | eager step/floor bs1 | eager step/floor batch |", "|---|---|---|---|---|---|---|---|"]
+    first = next(iter(payload["dtypes"].values()))
+    n = first["requests"]
+    lines += ["", f"Ratios are medians of per-round ratios ({first['rounds']} rounds; ours and HF alternate within "
+              f"each round), so a drift in machine speed moves both sides of a ratio alike. Batch: {n} requests "
+              f"x {first['new_tokens']} new tokens submitted together; HF sequential: one request at a time; HF "
+              "batched: all padded into one generate() call.", "",
+              "Decode step vs floor, pair by pair (each engine step followed by one floor loop at the same batch "
+              "and mean context). The floor is a bare loop of the decode step's matmuls: every layer's four "
+              "weight matmuls, the attention q·kᵀ and p·v, lm_head. \"kernels\" is the engine as it serves (the "
+              "layers' element-wise work in fused C++ kernels, services/worker/kernels); \"torch ops\" is the "
+              "same engine with that work as plain PyTorch ops:", "",
+              "| dtype | layer ops | batch | step | floor | step/floor (median of pairs) |", "|---|---|---|---|---|---|"]
     for dtype, r in payload["dtypes"].items():
-        n, e, o = r["requests"], r["eager"], r["ours"]
-        compiled = o.get("compiled")
-        lines.append(
-            f"| {dtype} | {o['compile_s']:.0f} s | " if compiled else f"| {dtype} | (not compiled) | ")
-        lines[-1] += (f"{e['decode_step_bs1_s'] * 1e3:.1f} ms | {o['decode_step_bs1_s'] * 1e3:.1f} ms | "
-                      f"{e['decode_step_batch_s'] * 1e3:.1f} ms | {o['decode_step_batch_s'] * 1e3:.1f} ms | "
-                      f"{r['eager_step_vs_floor_bs1']:.2f} | {r[f'eager_step_vs_floor_bs{n}']:.2f} |")
-    lines += ["", "Floor: a bare loop of the decode step's matmuls at the same batch (every layer's four weight "
-              "matmuls, the attention q·kᵀ and p·v over the mean context, lm_head), nothing else. Roofline: "
-              "weight bytes / measured read bandwidth. HF: `transformers` generate() on the same weights and "
-              "dtype, batch 1, one request at a time, and all requests padded into one batch."]
+        for ops_name, by_batch in r["floor_pairs"].items():
+            for batch, f in by_batch.items():
+                lines.append(f"| {dtype} | {ops_name} | {batch} | {f['step_s'] * 1e3:.1f} ms | "
+                             f"{f['floor_s'] * 1e3:.1f} ms | {f['ratio']:.2f} |")
     if payload.get("layouts"):
         lines += ["", "| layout | TPOT bs1 | time in collectives (rank 0) |", "|---|---|---|"]
         for name, r in payload["layouts"].items():
@@ -275,8 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M from the wheel)")
     parser.add_argument("--no-layouts", action="store_true", help="skip the TP/PP comparison")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="measure the eager engine only (default: eager, then --compile)")
     args = parser.parse_args(argv)
     from tokenizers import Tokenizer
 
@@ -285,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = ["bfloat16"] if args.quick else args.dtypes.split(",")
     payload = {"machine": machine(), "quick": args.quick, "model": str(model_dir), "dtypes": {}}
     for dtype in dtypes:
-        payload["dtypes"][dtype] = bench_dtype(model_dir, tokenizer, dtype, quick=args.quick,
-                                               compile=not args.no_compile)
+        payload["dtypes"][dtype] = bench_dtype(model_dir, tokenizer, dtype, quick=args.quick)
         print(dtype, {k: round(v, 3) for k, v in payload["dtypes"][dtype].items() if isinstance(v, float)}, flush=True)
     main_dtype = payload["dtypes"].get("bfloat16") or next(iter(payload["dtypes"].values()))
     for key in ("tpot_vs_hf_bs1", "throughput_vs_hf_sequential", "throughput_vs_hf_batched", "step_vs_floor"):

@@ -20,9 +20,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion (default: the model's max_position_embeddings)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the decoder layers' dense segments (start-up compiles each "
-                             "batch-size bucket; faster decode steps)")
 
 
 def engine_spec(args: argparse.Namespace):
@@ -31,7 +28,7 @@ def engine_spec(args: argparse.Namespace):
     from services.worker.runtime import RankSpec
 
     rank = RankSpec(args.model, args.tp, args.pp, args.dtype, args.replica_group_id, args.collective_timeout,
-                    args.checkpoint, compile=args.compile)
+                    args.checkpoint)
     cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
     return EngineSpec(rank, cache, args.max_num_seqs, args.max_batched_tokens, args.max_model_len)
 

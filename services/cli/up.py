@@ -51,7 +51,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of each group (default 1)")
     parser.add_argument("--dtype", default=None, help="weight dtype of each group (default: the worker's)")
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per rank in GiB (worker default)")
-    parser.add_argument("--compile", action="store_true", help="workers torch.compile their decoder layers")
     parser.add_argument("--redis-url", default=None, help="shared health store (default: in the router)")
     parser.add_argument("--registry-url", default=None, help="shard registry (default: the embedded SQLite file)")
     parser.add_argument("--api-key", default=None, help="require this API key at the router (env SHARDLINE_API_KEY)")
@@ -144,8 +143,6 @@ def worker_flags(args: argparse.Namespace, model_dir: Path, index: int, registry
         flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
     if args.redis_url:
         flags += ["--redis-url", args.redis_url]
-    if args.compile:
-        flags.append("--compile")
     return flags
 
 

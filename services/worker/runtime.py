@@ -31,7 +31,6 @@ class RankSpec:
     replica_group_id: str = "local"
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
     checkpoint: str | None = None  # manifest URI of a pre-sharded checkpoint (the fast path)
-    compile: bool = False  # torch.compile the layers' dense segments (models/fused.py)
 
     def __post_init__(self) -> None:
         if not self.model_dir and not self.checkpoint:
@@ -94,8 +93,6 @@ class RankRuntime:
             with CheckpointReader(Path(spec.model_dir)) as reader:
                 loaded = load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
         model.eval()
-        if spec.compile:
-            model.compile_segments(warm_up=True)
         peak_delta = _peak_rss_bytes() - rss_before
         coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
         return cls(plan, groups, coordinator, model, loaded, peak_delta, sink)

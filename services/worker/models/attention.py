@@ -26,13 +26,16 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [n_seqs, max_blocks] int64, padded with 0
     _decode_mask: torch.Tensor | None = None
 
-    def decode_mask(self, device: torch.device) -> torch.Tensor | None:
-        """[B, 1, 1, max_ctx] padding mask of a decode batch; None when no row is padded.
+    def decode_mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """[B, 1, 1, max_ctx] additive padding mask of a decode batch (0 or -inf, in the query's
+        dtype: a boolean mask would be converted by every layer); None when no row is padded.
         Built once per step, shared by every layer."""
         if self._decode_mask is None and len(set(self.context_lens)) > 1:
             lens = torch.tensor(self.context_lens, device=device)
             max_ctx = max(self.context_lens)
-            self._decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            padding = torch.arange(max_ctx, device=device)[None, :] >= lens[:, None]
+            mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(padding, float("-inf"))
+            self._decode_mask = mask[:, None, None, :]
         return self._decode_mask
 
     @classmethod
@@ -73,13 +76,6 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(tables.shape[0], -1, *cache.shape[2:])
 
 
-def write_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values ([tokens, kv_heads, d]) at their flat slots."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """``q``: [tokens, heads, d]; caches: [blocks, block_size, kv_heads, d]."""
@@ -92,7 +88,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tables = meta.block_tables[:, :n_blocks]
         keys = gather_blocks(k_cache, tables)[:, :max_ctx].transpose(1, 2)  # [B, kv, L, d]
         values = gather_blocks(v_cache, tables)[:, :max_ctx].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask(q.device),
+        mask = meta.decode_mask(q.device, q.dtype)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                              scale=scale, enable_gqa=True)
         return out.squeeze(2)
     outs, start = [], 0

@@ -1,7 +1,8 @@
 """A Llama-family decoder built from tensor-parallel layers, one pipeline stage at a time.
 
-Plain PyTorch: RMSNorm, rotary embeddings (with Llama-3 scaling), grouped-query attention and a
-SwiGLU MLP. Parameter names match the Hugging Face checkpoint after fusing q/k/v into
+RMSNorm, rotary embeddings (with Llama-3 scaling), grouped-query attention and a SwiGLU MLP; the
+element-wise pieces run through ``services.worker.kernels`` (fused C++ kernels on CPU, the
+PyTorch reference elsewhere), the matmuls and attention are PyTorch's. Parameter names match the Hugging Face checkpoint after fusing q/k/v into
 ``qkv_proj`` and gate/up into ``gate_up_proj``; layers keep their *global* index
 (``model.layers.17``) so a stage owning layers 15..29 finds its weights by name.
 
@@ -16,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.models.attention import (AttentionMetadata, attention_no_cache, paged_attention,
-                                                 write_cache)
+from services.worker.models.attention import AttentionMetadata, attention_no_cache, paged_attention
 from services.worker.models.config import ModelConfig
-from services.worker.models.fused import EAGER, Segments, SegmentCompiler, rms_norm
+from services.worker.kernels import LayerOps, TorchOps, ops_for
 from services.worker.models.rotary import RotaryEmbedding
 from services.worker.parallel.coordinator import Coordinator
 from services.worker.parallel.layers import (
@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = replicated_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return TorchOps.rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -60,7 +60,8 @@ class LlamaAttention(nn.Module):
         # set by the engine: (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               ops: LayerOps) -> torch.Tensor:
         """Rotated q [tokens, heads, d], k and v [tokens, kv_heads, d] → [tokens, heads · d]:
         store k/v in the paged cache, attend over each sequence's context."""
         n = q.shape[0]
@@ -68,7 +69,7 @@ class LlamaAttention(nn.Module):
             out = attention_no_cache(q, k, v, meta, self.scale)
         else:
             k_cache, v_cache = self.kv_cache
-            write_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+            ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return out.reshape(n, self.heads * self.head_dim)
 
@@ -91,15 +92,24 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                segments: Segments) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual convention: takes the previous layer's output ``h`` and the residual
+        stream before it (None at a stage's first layer), returns the same pair for the next
+        layer; each residual add is fused with the RMSNorm that follows it."""
         attn, eps = self.self_attn, self.input_layernorm.eps
-        q, k, v = segments.attention_input(h, self.input_layernorm.weight, attn.qkv_proj.weight, *rope, eps,
-                                           attn.heads, attn.kv_heads)
-        # o_proj and down_proj end in the coordinator's all-reduce (TP > 1), between the segments
-        h, act = segments.mlp_input(h, attn.o_proj(attn.attend(q, k, v, meta)),
-                                    self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, eps)
-        return h + self.mlp.down_proj(act)
+        if residual is None:
+            residual, x = h, ops.rms_norm(h, self.input_layernorm.weight, eps)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, self.input_layernorm.weight, eps)
+        heads, kv_heads = attn.heads, attn.kv_heads
+        qkv = F.linear(x, attn.qkv_proj.weight).view(x.shape[0], heads + 2 * kv_heads, attn.head_dim)
+        ops.rotary_(qkv, *rope, heads + kv_heads)  # q and k, in place
+        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        # o_proj and down_proj end in the coordinator's all-reduce when TP > 1
+        x, residual = ops.add_rms_norm(attn.o_proj(attn.attend(q, k, v, meta, ops)), residual,
+                                       self.post_attention_layernorm.weight, eps)
+        return self.mlp.down_proj(ops.silu_and_mul(F.linear(x, self.mlp.gate_up_proj.weight))), residual
 
 
 class LlamaModel(nn.Module):
@@ -116,7 +126,7 @@ class LlamaModel(nn.Module):
             str(i): LlamaDecoderLayer(cfg, coordinator, dtype=dtype, device=device) for i in self.layer_range
         })
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
-        self.segments: Segments = EAGER
+        self.ops: LayerOps = ops_for(device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, device=device)
 
@@ -129,9 +139,14 @@ class LlamaModel(nn.Module):
             assert hidden_states is not None, "a later stage takes the previous stage's hidden states"
             h = hidden_states
         rope = self.rotary.tables(positions, h.dtype)
+        residual = None
         for layer in self.layers.values():
-            h = layer(h, rope, meta, self.segments)
-        return self.norm(h) if self.is_last else h
+            h, residual = layer(h, residual, rope, meta, self.ops)
+        if residual is None:  # a stage without layers
+            return self.norm(h) if self.is_last else h
+        if self.is_last:
+            return self.ops.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
+        return residual + h
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,17 +168,6 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, coordinator,
                                               dtype=plan.torch_dtype, device=device)
-
-    def compile_segments(self, *, warm_up: bool = True) -> None:
-        """Run the layers' dense segments through ``torch.compile`` (see ``models/fused.py``);
-        ``warm_up`` compiles every token-count bucket now rather than at first use."""
-        compiler = SegmentCompiler()
-        if warm_up and self.model.layers:
-            layer = next(iter(self.model.layers.values()))
-            compiler.warm_up(layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight,
-                             heads=layer.self_attn.heads, kv_heads=layer.self_attn.kv_heads,
-                             eps=self.config.rms_norm_eps)
-        self.model.segments = compiler
 
     @property
     def is_first_stage(self) -> bool:

@@ -1,0 +1,129 @@
+"""Fused kernels for the decoder layer's element-wise work, and their PyTorch references.
+
+A decode step on CPU is a few large matmuls and, per layer, ~35 small PyTorch ops (RMSNorm alone
+is eight); at batch 1 their dispatch costs a third of the step. vLLM's CPU backend answers with
+C++ kernels; so do we, for the five pieces of a Llama layer that are not matmuls or attention:
+
+- ``rms_norm(x, w, eps)`` and ``add_rms_norm(x, residual, w, eps) -> (normed, x + residual)``;
+- ``rotary_(qkv, cos, sin, heads)``: rotary embedding in place on q and k inside the fused
+  projection's output;
+- ``silu_and_mul(gate_up) -> silu(gate) * up``;
+- ``write_kv(k_cache, v_cache, k, v, slots)``: this step's keys and values into the paged cache.
+
+:class:`TorchOps` is the reference (plain PyTorch, any device); the C++ versions (``cpu_ops.cpp``,
+built with ``torch.utils.cpp_extension`` on first use, cached under ``~/.cache/torch_extensions``)
+round where the reference rounds, so the two agree to float32 rounding (tests compare them).
+:func:`ops_for` picks the C++ kernels for CPU tensors when they build, the reference otherwise;
+``SHARDLINE_CPU_KERNELS=0`` forces the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+
+
+class LayerOps(Protocol):
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rotary_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None: ...
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slots: torch.Tensor) -> None: ...
+
+
+class TorchOps:
+    """The reference: the Hugging Face Llama's arithmetic, op by op."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        total = residual + x
+        return TorchOps.rms_norm(total, w, eps), total
+
+    @staticmethod
+    def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+        """``qkv`` [tokens, heads_total, d]; cos/sin [tokens, 1, d/2] (or [tokens, d/2])."""
+        half = qkv.shape[-1] // 2
+        cos, sin = cos.view(-1, 1, half), sin.view(-1, 1, half)
+        x = qkv[:, :heads]
+        x1, x2 = x[..., :half], x[..., half:]
+        x[:] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+@functools.cache
+def cpu_kernels():
+    """The built C++ module, or None (no compiler, build failure): the reference is used then."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="shardline_cpu_ops", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build problem means: run the reference
+        log.warning("CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
+        return None
+
+
+class _CppOps:
+    """The C++ kernels behind the :class:`LayerOps` interface (contiguity made explicit)."""
+
+    def __init__(self, module) -> None:
+        self._m = module
+
+    def rms_norm(self, x, w, eps):
+        return self._m.rms_norm(x.contiguous(), w, eps)
+
+    def add_rms_norm(self, x, residual, w, eps):
+        normed, total = self._m.add_rms_norm(x.contiguous(), residual.contiguous(), w, eps)
+        return normed, total
+
+    def rotary_(self, qkv, cos, sin, heads):
+        self._m.rotary_(qkv, cos.contiguous(), sin.contiguous(), heads)
+
+    def silu_and_mul(self, gate_up):
+        return self._m.silu_and_mul(gate_up.contiguous())
+
+    def write_kv(self, k_cache, v_cache, k, v, slots):
+        self._m.write_kv(k_cache, v_cache, k, v, slots)
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("SHARDLINE_CPU_KERNELS", "1") not in ("0", "false", "no")
+
+
+def ops_for(device: torch.device | str | None) -> LayerOps:
+    """The fused kernels for CPU when enabled and built; the PyTorch reference otherwise."""
+    if torch.device(device or "cpu").type == "cpu" and kernels_enabled():
+        module = cpu_kernels()
+        if module is not None:
+            return _CppOps(module)
+    return TorchOps()
+

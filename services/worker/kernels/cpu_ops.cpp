@@ -1,0 +1,158 @@
+// Fused CPU kernels for the decoder layer's element-wise work (see __init__.py).
+//
+// Each kernel does in one pass what the reference does in several PyTorch ops, and rounds where
+// the reference rounds: for bfloat16/float16 every intermediate the reference materialises in
+// the low-precision dtype is rounded to it here too, so outputs match the op-by-op reference.
+// Rows are independent; large row counts run in parallel (at::parallel_for).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
+// round a float to T and back: the value the reference holds after an op in dtype T
+template <typename T> inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+constexpr int64_t kGrain = 16;  // rows per task
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t d, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) { float v = to_f(x[i]); ss += v * v; }
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(rnd<T>(to_f(x[i]) * r) * to_f(w[i]));
+}
+
+}  // namespace
+
+// y = w * (x / sqrt(mean(x^2) + eps)), statistics in float32
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_row(xp + r * d, wp, op + r * d, d, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// residual' = x + residual; returns (rms_norm(residual', w), residual')
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  auto sum = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t i = 0; i < d; ++i) sp[r * d + i] = static_cast<scalar_t>(to_f(rp[r * d + i]) + to_f(xp[r * d + i]));
+        rms_row(sp + r * d, wp, op + r * d, d, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// In place on the first `heads` heads of qkv [n, total_heads, d] (NeoX half-split layout):
+// [x1, x2] -> [x1*c - x2*s, x2*c + x1*s] with cos/sin [n, d/2] (already in qkv's dtype)
+void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t n = qkv.size(0), total = qkv.size(1), d = qkv.size(2), half = d / 2;
+  TORCH_CHECK(heads <= total, "rotary_: heads > qkv heads");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_", [&] {
+    scalar_t* qp = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* c = cp + t * half;
+        const scalar_t* s = sp + t * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* x = qp + (t * total + h) * d;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_f(x[i]), x2 = to_f(x[i + half]), ci = to_f(c[i]), si = to_f(s[i]);
+            const float a = rnd<scalar_t>(x1 * ci), bb = rnd<scalar_t>(x2 * si);
+            const float cc = rnd<scalar_t>(x2 * ci), dd = rnd<scalar_t>(x1 * si);
+            x[i] = static_cast<scalar_t>(a - bb);
+            x[i + half] = static_cast<scalar_t>(cc + dd);
+          }
+        }
+      }
+    });
+  });
+}
+
+// gate_up [n, 2I] -> silu(gate) * up [n, I]
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t two_i = gate_up.size(-1), inter = two_i / 2, n = gate_up.numel() / two_i;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  auto out = torch::empty(sizes, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* g = gp + r * two_i;
+        const scalar_t* u = g + inter;
+        scalar_t* o = op + r * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = to_f(g[i]);
+          const float act = rnd<scalar_t>(x / (1.0f + std::exp(-x)));
+          o[i] = static_cast<scalar_t>(act * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Write this step's keys and values ([n, kv_heads, d], any row stride) into the paged caches
+// ([blocks * block_size, kv_heads, d] viewed flat) at their slots.
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slots) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "slots must be int64");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "k/v rows must be [kv_heads, d] contiguous");
+  const int64_t n = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rotary_", &rotary_);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("write_kv", &write_kv);
+}
