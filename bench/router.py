@@ -185,7 +185,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"Model: {r['model']} on one worker (TP{r['tp']}/PP{r['pp']}, {r['dtype']}); {r['streams']} concurrent greedy "
         f"streams of {r['max_tokens']} tokens (prompt {r['prompt_tokens']} tokens, ignore_eos), {r['rounds']} rounds "
         f"per path, alternating. Machine: {r['machine']['cpus']} CPUs, {r['machine']['platform']}; worker, router "
-        f"and client share them.",
+        f"and client share them (1-minute load average {r['machine']['load_avg_1m_before']:.1f} before the run, "
+        f"{r['machine']['load_avg_1m_after']:.1f} after).",
         "",
         "| measure | straight to the worker | through the router | added by the router |",
         "|---|---|---|---|",
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.cli.up import resolve_model  # tiny / smollm2 are made under .models/ if missing
 
+    load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="bench-router-"))
     model_dir = resolve_model(args.model)
     worker_port, router_port = free_port(), free_port()
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": str(args.model), "tp": args.tp, "pp": args.pp, "dtype": args.dtype, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_avg_1m_before": load_before[0], "load_avg_1m_after": os.getloadavg()[0]},
         "direct": direct_s, "routed": routed_s, "added": added,
         "meets_target": added["tpot_p50_ms"] <= TARGET_P50_MS and added["tpot_p99_ms"] <= TARGET_P99_MS,
         "router_cpu_s": router_cpu, "routed_tokens": routed_tokens,

@@ -105,6 +105,30 @@ class AdmissionQueue:
             return len(self._waiting.get(model, ()))
         return sum(len(q) for q in self._waiting.values())
 
+    def _queue_full(self, model: str, waiting: int) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"the admission queue for model {model!r} is full ({waiting} requests waiting for KV "
+            f"headroom, limit {self.config.max_size}); retry later")
+
+    def admit_now(self, model: str, prompt_tokens: int, max_tokens: int, *, max_model_len: int,
+                  request_id: str = "") -> Reservation | None:
+        """Checks 1-5 and the queue's bound without waiting (for an event loop, which must not
+        block): a reservation, one of the errors, or None when the request has to wait in the
+        queue, which :meth:`admit` (on a thread of its own) then does."""
+        error = context_error(max_model_len, prompt_tokens, max_tokens)
+        if error is not None:
+            raise error
+        with self.replicas.lock:
+            check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
+            waiting = len(self._waiting.get(model, ()))
+            if not waiting:
+                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id)
+                if reservation is not None:
+                    return reservation
+            if waiting >= self.config.max_size:
+                raise self._queue_full(model, waiting)
+        return None
+
     def admit(self, model: str, prompt_tokens: int, max_tokens: int, *, max_model_len: int,
               request_id: str = "", cancelled: threading.Event | None = None) -> Reservation:
         """A reservation on some group, after waiting in the queue if needed (module docstring)."""
@@ -120,9 +144,7 @@ class AdmissionQueue:
                 if reservation is not None:
                     return reservation
             if len(queue) >= self.config.max_size:
-                raise ResourceExhausted(
-                    f"the admission queue for model {model!r} is full ({len(queue)} requests waiting for KV "
-                    f"headroom, limit {self.config.max_size}); retry later")
+                raise self._queue_full(model, len(queue))
             ticket = object()
             queue.append(ticket)
             deadline = self.clock() + self.config.max_wait_s

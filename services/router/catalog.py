@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from services.common.errors import InvalidArgument, NotFound
 from services.router.chat import ChatMessage, render_chat
+from services.router.detok import Detokenizer, TokenTexts
 
 
 class ModelDirError(ValueError):
@@ -40,6 +42,17 @@ class ServedModel:
         if self.tokenizer is None:
             raise InvalidArgument(f"model {self.name!r} has no tokenizer.json: send token ids instead of text")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _token_texts(self) -> TokenTexts | None:
+        # shared by every request of the model (the event loop is the only user)
+        return TokenTexts(self.tokenizer) if self.tokenizer is not None else None
+
+    def detokenizer(self, stop: tuple[str, ...] = ()) -> Detokenizer | None:
+        """A fresh incremental detokenizer for one stream (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return Detokenizer(self.tokenizer, stop, texts=self._token_texts)
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (a partial UTF-8 sequence shows as U+FFFD)."""

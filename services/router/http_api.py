@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn, in a thread of the router process).
+"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn, on the router's event loop).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``,
@@ -6,19 +6,21 @@ Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GE
 (Prometheus, the process's default registry). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` with 400/401/404/429/503.
 
-Each generation runs on its own thread (admission may wait in the queue; the worker stream
-blocks) and hands its events to the event loop. A client that disconnects ends the response;
-the generation is then cancelled, which cancels the worker call and releases the reservation.
+uvicorn serves on the same event loop as the gRPC server, so a request's generation is the
+same coroutine relay as a gRPC stream's (``service.py``), iterated right here. A client that
+disconnects ends the response; the generation is then cancelled, which cancels the worker call
+and releases the reservation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import uvicorn
@@ -34,63 +36,25 @@ from services.router import openai_format as oa
 from services.router.admission import RequestCancelled
 from services.router.auth import ApiKeyCheck
 from services.router.service import Generation, RouterCore
-from services.router.types import Finished, TokenOut
+from services.router.types import Finished, TokenOut, trace_context_of
 
 log = logging.getLogger(__name__)
-_END = object()
-
-
-class GenerationPump:
-    """Runs a Generation on a thread of its own and queues its events for the event loop:
-    first ``STARTED`` (admitted and placed) or the admission error, then the events, then the
-    end marker or the error that ended the stream."""
-
-    STARTED = object()
-
-    def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop) -> None:
-        self.generation = generation
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        threading.Thread(target=self._run, name=f"gen-{generation.request_id}", daemon=True).start()
-
-    def _put(self, item: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def _run(self) -> None:
-        try:
-            self.generation.start()
-            self._put(self.STARTED)
-            for event in self.generation:
-                self._put(event)
-            self._put(_END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
-            self._put(exc)
-
-    async def started(self) -> None:
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-
-    async def events(self) -> AsyncIterator[TokenOut | Finished]:
-        while (item := await self.queue.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
 
 class CancellingStreamingResponse(StreamingResponse):
-    """A streaming response that calls ``on_close`` however it ends (done, error, disconnect)."""
+    """A streaming response that cancels and closes its generation however it ends (done, error,
+    disconnect): the worker call stops and the reservation is released."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], generation: Generation, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self._on_close = on_close
+        self._generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            self._generation.cancel()
+            self._generation.close()
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -143,7 +107,8 @@ def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        # off the loop: collecting may fetch federated upstreams' /metrics over HTTP
+        return Response(await asyncio.to_thread(generate_latest, REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -170,27 +135,31 @@ def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
         return await _serve(request, parsed, "chatcmpl", chat=True)
 
     async def _serve(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
-        generation = core.generate(parsed.request, token_texts=parsed.want_logprobs)
-        pump = GenerationPump(generation, asyncio.get_running_loop())
+        generation_request = dataclasses.replace(parsed.request,
+                                                 trace_context=trace_context_of(request.headers.items()))
+        generation = core.generate(generation_request, token_texts=parsed.want_logprobs)
         # admission errors become plain HTTP errors; a client gone while queued is let go
-        await _unless_disconnected(request, pump.started(), generation)
+        await _unless_disconnected(request, generation.start(), generation)
         head = oa.ResponseHeader(f"{prefix}-{generation.request_id}", generation.prepared.model.name,
                                  generation.replica_group_id)
         headers = {"x-shardline-replica-group-id": generation.replica_group_id}
         if parsed.stream:
-            stream = _chat_stream(pump, head, parsed) if chat else _completion_stream(pump, head, parsed)
-            return CancellingStreamingResponse(stream, generation.cancel, media_type="text/event-stream",
+            stream = _chat_stream(generation, head, parsed) if chat else _completion_stream(generation, head, parsed)
+            return CancellingStreamingResponse(stream, generation, media_type="text/event-stream",
                                                headers={**headers, "cache-control": "no-cache"})
         tokens: list[TokenOut] = []
 
         async def collect() -> Finished:
-            async for event in pump.events():
+            async for event in generation:
                 if isinstance(event, Finished):
                     return event
                 tokens.append(event)
             raise AssertionError("a stream always ends with Finished or an error")
 
-        finished = await _unless_disconnected(request, collect(), generation)
+        try:
+            finished = await _unless_disconnected(request, collect(), generation)
+        finally:
+            generation.close()
         build = oa.chat_response if chat else oa.completion_response
         return JSONResponse(build(head, tokens, finished, parsed.want_logprobs), headers=headers)
 
@@ -210,6 +179,7 @@ async def _unless_disconnected(request: Request, work: Any, generation: Generati
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         generation.cancel()
+        task.cancel()
         raise
     finally:
         watcher.cancel()
@@ -231,11 +201,11 @@ def _model_name(body: dict[str, Any]) -> str:
     return model or ""
 
 
-async def _completion_stream(pump: GenerationPump, head: oa.ResponseHeader,
+async def _completion_stream(generation: Generation, head: oa.ResponseHeader,
                              parsed: oa.ParsedRequest) -> AsyncIterator[str]:
     offset = 0
     try:
-        async for event in pump.events():
+        async for event in generation:
             if isinstance(event, Finished):
                 yield _sse(oa.completion_chunk(head, "", finish_reason=event.reason.openai))
                 if parsed.include_usage:
@@ -251,11 +221,11 @@ async def _completion_stream(pump: GenerationPump, head: oa.ResponseHeader,
     yield "data: [DONE]\n\n"
 
 
-async def _chat_stream(pump: GenerationPump, head: oa.ResponseHeader,
+async def _chat_stream(generation: Generation, head: oa.ResponseHeader,
                        parsed: oa.ParsedRequest) -> AsyncIterator[str]:
     yield _sse(oa.chat_chunk(head, {"role": "assistant", "content": ""}))
     try:
-        async for event in pump.events():
+        async for event in generation:
             if isinstance(event, Finished):
                 yield _sse(oa.chat_chunk(head, {}, finish_reason=event.reason.openai))
                 if parsed.include_usage:
@@ -270,38 +240,53 @@ async def _chat_stream(pump: GenerationPump, head: oa.ResponseHeader,
     yield "data: [DONE]\n\n"
 
 
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the router's event loop: the router, not uvicorn, handles the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class HttpServer:
-    """uvicorn on a daemon thread; ``stop()`` asks it to exit and waits."""
+    """uvicorn on the running event loop, on a socket bound here (so a taken port is an OSError
+    at start, not an exit inside uvicorn); ``await stop()`` asks it to exit and waits."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = _EmbeddedServer(config)
         self.host = host
-        self._thread = threading.Thread(target=self.server.run, name="http", daemon=True)
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
         """The bound port (the requested one, or the one picked for port 0)."""
-        servers = getattr(self.server, "servers", None) or []
-        for server in servers:
-            for sock in server.sockets:
-                return sock.getsockname()[1]
+        if self._socket is not None:
+            return self._socket.getsockname()[1]
         return self.server.config.port
 
-    def start(self, timeout_s: float = 10.0) -> HttpServer:
-        self._thread.start()
-        waited = 0.0
-        while not self.server.started and waited < timeout_s:
-            if not self._thread.is_alive():
-                raise OSError(f"the HTTP server could not start on {self.host}:{self.server.config.port}")
-            threading.Event().wait(0.02)
-            waited += 0.02
-        if not self.server.started:
-            raise OSError(f"the HTTP server did not start on {self.host}:{self.server.config.port} "
-                          f"within {timeout_s:g} s")
+    async def start(self, timeout_s: float = 10.0) -> HttpServer:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._socket = socket.create_server((self.host, self.server.config.port), family=family,
+                                            backlog=self.server.config.backlog)
+        self._task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self._socket]))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # its error, if it has one
+                raise OSError(f"the HTTP server could not start on {self.host}:{self.port}")
+            if loop.time() > deadline:
+                raise OSError(f"the HTTP server did not start on {self.host}:{self.port} within {timeout_s:g} s")
+            await asyncio.sleep(0.01)
         return self
 
-    def stop(self) -> None:
+    async def stop(self, timeout_s: float = 5.0) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout=5)
+        if self._task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._task, timeout_s)
+        if self._socket is not None:
+            self._socket.close()

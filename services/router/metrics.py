@@ -8,6 +8,7 @@ The metric objects live at module level: a registry accepts each name once per p
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -42,21 +43,35 @@ def outcome_of(exc: BaseException) -> str:
 
 
 class RouterMetrics:
-    """Updates the module's metrics from the request path and the pollers."""
+    """Updates the module's metrics from the request path and the pollers. The request path's
+    labelled children are looked up once per label value (``labels()`` hashes and locks)."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, Any] = {}
+        self._per_model: dict[str, tuple[Any, Any]] = {}
 
     def bind_queue_depth(self, depth: Callable[[], int]) -> None:
         QUEUE_DEPTH.set_function(depth)
 
+    def _running_of(self, replica_group_id: str) -> Any:
+        child = self._running.get(replica_group_id)
+        if child is None:
+            child = self._running[replica_group_id] = RUNNING.labels(replica_group_id)
+        return child
+
     def request_started(self, replica_group_id: str) -> None:
-        RUNNING.labels(replica_group_id).inc()
+        self._running_of(replica_group_id).inc()
 
     def request_ended(self, replica_group_id: str) -> None:
-        RUNNING.labels(replica_group_id).dec()
+        self._running_of(replica_group_id).dec()
 
     def request_finished(self, model: str, finished: Finished) -> None:
         REQUESTS.labels(model, finished.reason.value).inc()
-        PROMPT_TOKENS.labels(model).inc(finished.prompt_tokens)
-        GENERATED_TOKENS.labels(model).inc(finished.completion_tokens)
+        tokens = self._per_model.get(model)
+        if tokens is None:
+            tokens = self._per_model[model] = (PROMPT_TOKENS.labels(model), GENERATED_TOKENS.labels(model))
+        tokens[0].inc(finished.prompt_tokens)
+        tokens[1].inc(finished.completion_tokens)
         if finished.timings.time_to_first_token_ns:
             TTFT.observe(finished.timings.time_to_first_token_ns / 1e9)
 

@@ -2,37 +2,32 @@
 
 A thin servicer: protobuf in, a call into the router's domain modules (``service.py``,
 ``routing.py``, ``admission.py``, ``replicas.py``), protobuf out; domain errors become statuses
-in ``services.common.grpc_server``. The same process serves the OpenAI-compatible HTTP API
-(``http_api.py``) on ``--http-port`` and polls every replica group's Stats.
+in ``services.common.grpc_aio_server``. The servicer runs on grpc.aio: every stream is a
+coroutine on the process's one event loop, which also serves the OpenAI-compatible HTTP API
+(``http_api.py``) on ``--http-port`` and holds the worker streams being relayed (the pollers
+that fetch every replica group's Stats are threads; ``process.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
-from collections.abc import Iterator
 
 import grpc
 
 from services.common.config import ServerConfig, resolve
 from services.common.errors import InvalidArgument
-from services.common.grpc_server import ServiceBinding, serve_service
+from services.common.grpc_aio_server import serve_until_signal
+from services.common.grpc_server import ServiceBinding
 from services.common.logging import configure_logging
-from services.common.health import HealthStore, make_health_store
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
-from services.router.admission import (
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_WAIT_S,
-    AdmissionQueue,
-    QueueConfig,
-    RequestCancelled,
-)
+from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, RequestCancelled
 from services.router.auth import ApiKeyCheck
-from services.router.catalog import ModelCatalog, ModelDirError, load_served_model
-from services.router.metrics import RouterMetrics
-from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, GroupStatus, ReplicaGroupView, ReplicaSet
-from services.router.routing import Router
+from services.router.catalog import ModelDirError
+from services.router.process import RouterProcess, build_process
+from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
 from services.router.types import (
     DEFAULT_MAX_TOKENS,
@@ -41,8 +36,8 @@ from services.router.types import (
     GenerationRequest,
     SamplingSpec,
     TokenOut,
+    trace_context_of,
 )
-from services.router.worker_client import WorkerClient
 
 SERVICE = "router"
 DEFAULT_HTTP_PORT = 8000
@@ -63,7 +58,8 @@ DTYPE_TO_PB = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE
 # ---- protobuf <-> domain ------------------------------------------------------------------
 
 
-def request_from_pb(pb: router_pb2.RouterGenerateRequest) -> GenerationRequest:
+def request_from_pb(pb: router_pb2.RouterGenerateRequest,
+                    trace_context: tuple[tuple[str, str], ...] = ()) -> GenerationRequest:
     s = pb.sampling
     sampling = SamplingSpec(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
@@ -75,14 +71,21 @@ def request_from_pb(pb: router_pb2.RouterGenerateRequest) -> GenerationRequest:
     return GenerationRequest(
         model=pb.model, request_id=pb.request_id, sampling=sampling,
         prompt_text=pb.text if which == "text" else None,
-        prompt_ids=tuple(pb.token_ids.ids) if which == "token_ids" else None)
+        prompt_ids=tuple(pb.token_ids.ids) if which == "token_ids" else None, trace_context=trace_context)
 
 
-def token_to_pb(token: TokenOut) -> common_pb2.GeneratedToken:
-    return common_pb2.GeneratedToken(
-        index=token.index, token_id=token.token_id, text=token.text, logprob=token.logprob,
-        top_logprobs=[common_pb2.TokenLogprob(token_id=a.token_id, text=a.text, logprob=a.logprob)
-                      for a in token.top_logprobs])
+def token_response(request_id: str, replica_group_id: str, token: TokenOut) -> router_pb2.RouterGenerateResponse:
+    """One token's message, its fields set in place (no nested message built and copied)."""
+    response = router_pb2.RouterGenerateResponse(request_id=request_id, replica_group_id=replica_group_id)
+    pb = response.token  # marked present by the first field set, even to a default value
+    pb.index = token.index
+    pb.token_id = token.token_id
+    pb.text = token.text
+    pb.logprob = token.logprob
+    if token.top_logprobs:
+        pb.top_logprobs.extend(common_pb2.TokenLogprob(token_id=a.token_id, text=a.text, logprob=a.logprob)
+                               for a in token.top_logprobs)
+    return response
 
 
 def finished_to_pb(finished: Finished) -> common_pb2.GenerationFinished:
@@ -109,31 +112,32 @@ def group_to_pb(view: ReplicaGroupView) -> router_pb2.ReplicaGroupInfo:
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    """gRPC face of the router."""
+    """gRPC face of the router (grpc.aio: each RPC is a coroutine on the router's event loop)."""
 
     def __init__(self, core: RouterCore, auth: ApiKeyCheck) -> None:
         self.core = core
         self.auth = auth
 
-    def Generate(self, request: router_pb2.RouterGenerateRequest,
-                 context: grpc.ServicerContext) -> Iterator[router_pb2.RouterGenerateResponse]:
-        self.auth.check_metadata(context.invocation_metadata())
-        generation = self.core.generate(request_from_pb(request))
-        context.add_callback(generation.cancel)  # client cancel or disconnect reaches the worker
+    async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        metadata = context.invocation_metadata()
+        self.auth.check_metadata(metadata)
+        generation = self.core.generate(request_from_pb(request, trace_context_of(metadata)))
         rid = generation.request_id
+        write = context.write
         try:
-            for event in generation:
-                if isinstance(event, TokenOut):
-                    yield router_pb2.RouterGenerateResponse(request_id=rid, token=token_to_pb(event),
-                                                            replica_group_id=generation.replica_group_id)
+            async for event in generation:
+                if event.__class__ is TokenOut:
+                    await write(token_response(rid, generation.replica_group_id, event))
                 else:
-                    yield router_pb2.RouterGenerateResponse(request_id=rid, finished=finished_to_pb(event),
-                                                            replica_group_id=generation.replica_group_id)
+                    await write(router_pb2.RouterGenerateResponse(request_id=rid, finished=finished_to_pb(event),
+                                                                  replica_group_id=generation.replica_group_id))
         except RequestCancelled:
             return  # the client cancelled or went away: nobody to answer
+        finally:
+            generation.close()  # a client cancel (this task cancelled) reaches the worker here
 
-    def ListModels(self, request: router_pb2.ListModelsRequest,
-                   context: grpc.ServicerContext) -> router_pb2.ListModelsResponse:
+    async def ListModels(self, request: router_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
         self.auth.check_metadata(context.invocation_metadata())
         models = []
         for model in self.core.catalog:
@@ -143,8 +147,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 replica_groups=len(groups), healthy_replica_groups=sum(g.status.routable for g in groups)))
         return router_pb2.ListModelsResponse(models=models)
 
-    def ListReplicaGroups(self, request: router_pb2.ListReplicaGroupsRequest,
-                          context: grpc.ServicerContext) -> router_pb2.ListReplicaGroupsResponse:
+    async def ListReplicaGroups(self, request: router_pb2.ListReplicaGroupsRequest,
+                                context: grpc.aio.ServicerContext) -> router_pb2.ListReplicaGroupsResponse:
         self.auth.check_metadata(context.invocation_metadata())
         with self.core.replicas.lock:
             groups = [group_to_pb(v) for v in self.core.groups(request.model)]
@@ -192,98 +196,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="times a request may move to another group after its group fails mid-stream")
 
 
-class RouterProcess:
-    """Everything one router process runs besides the gRPC server: worker clients and their
-    pollers, registry discovery, the HTTP front door."""
-
-    def __init__(self, catalog: ModelCatalog, queue: QueueConfig, *, store: HealthStore, auth: ApiKeyCheck,
-                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-                 max_continuations: int = DEFAULT_MAX_CONTINUATIONS) -> None:
-        replicas = ReplicaSet()
-        router = Router(replicas)
-        admission = AdmissionQueue(replicas, router, queue)
-        metrics = RouterMetrics()
-        metrics.bind_queue_depth(admission.depth)
-        self.clients: dict[str, WorkerClient] = {}
-        self.core = RouterCore(catalog, replicas, router, admission, self._open_upstream, metrics=metrics,
-                               max_continuations=max_continuations)
-        self.store = store
-        self.auth = auth
-        self.poll_interval_s = poll_interval_s
-        self.pollers: list[GroupPoller] = []
-        self.discovery = None
-        self.http = None
-        self._stopped = False
-
-    def _open_upstream(self, address: str, request_id: str, prompt_ids: list[int], sampling: SamplingSpec):
-        return self.clients[address].generate(request_id, prompt_ids, sampling)
-
-    def add_worker(self, address: str) -> None:
-        """Route to the group at ``address`` from now on (polled first, so it is known at once)."""
-        view, _created = self.core.replicas.add(address)
-        if address in self.clients:
-            return
-        client = self.clients[address] = WorkerClient(address)
-        metrics = self.core.metrics
-
-        def on_update(v: ReplicaGroupView) -> None:
-            if metrics is not None:
-                metrics.group_reported(v.replica_group_id, v.kv_bytes_used, v.kv_bytes_capacity, v.kv_bytes_reserved)
-
-        poller = GroupPoller(self.core.replicas, view, client, store=self.store, interval_s=self.poll_interval_s,
-                             on_update=on_update)
-        self.pollers.append(poller)
-        poller.poll_once()
-        poller.start()
-
-    def start_discovery(self, registry_url: str) -> None:
-        from services.router.discovery import RegistryDiscovery
-
-        self.discovery = RegistryDiscovery(registry_url, self.core.replicas, self.add_worker).start()
-
-    def start_http(self, host: str, port: int) -> int:
-        from services.router.http_api import HttpServer, create_app
-
-        self.http = HttpServer(create_app(self.core, self.auth), host, port).start()
-        return self.http.port
-
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.http is not None:
-            self.http.stop()
-        if self.discovery is not None:
-            self.discovery.stop()
-        for poller in self.pollers:
-            poller.stop()
-        for client in self.clients.values():
-            client.close()
-        self.store.close()
-
-
-def build_process(args: argparse.Namespace) -> RouterProcess:
-    """The router's parts from its flags (env and defaults applied); raises ModelDirError or
-    InvalidArgument for bad settings."""
-    model_dirs = args.model or ([m] if (m := resolve("model", None, "")) else [])
-    names = args.served_model_name or []
-    if len(names) > len(model_dirs):
-        raise InvalidArgument(f"{len(names)} --served-model-name for {len(model_dirs)} --model")
-    catalog = ModelCatalog([load_served_model(d, name=names[i] if i < len(names) else None,
-                                              max_model_len=args.max_model_len)
-                            for i, d in enumerate(model_dirs)])
-    queue = QueueConfig(max_size=resolve("max_queue", args.max_queue, DEFAULT_MAX_QUEUE),
-                        max_wait_s=resolve("queue_timeout_s", args.queue_timeout, DEFAULT_MAX_WAIT_S))
-    poll = args.poll_interval if args.poll_interval is not None else DEFAULT_POLL_INTERVAL_S
-    if not 0 < poll <= 0.5:
-        raise InvalidArgument(f"--poll-interval must be in (0, 0.5] seconds, got {poll}")
-    if args.max_continuations < 0:
-        raise InvalidArgument(f"--max-continuations must be >= 0, got {args.max_continuations}")
-    return RouterProcess(catalog, queue, store=make_health_store(resolve("redis_url", args.redis_url, "") or None),
-                         auth=ApiKeyCheck(resolve("api_key", args.api_key, "") or None), poll_interval_s=poll,
-                         max_continuations=args.max_continuations)
-
-
 def serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig.from_args(args, service=SERVICE)
@@ -302,6 +214,12 @@ def serve(args: argparse.Namespace) -> int:
     workers = list(args.worker or [])
     workers += [w.strip() for w in resolve("workers", None, "").split(",") if w.strip()]
     registry_url = resolve("registry_url", args.registry_url, "")
+    return asyncio.run(_serve(config, process, workers=workers, registry_url=registry_url,
+                              http_host=args.http_host or config.host, http_port=http_port))
+
+
+async def _serve(config: ServerConfig, process: RouterProcess, *, workers: list[str], registry_url: str,
+                 http_host: str, http_port: int) -> int:
     try:
         # everything but the gRPC port first: a taken HTTP port fails the start, not a request
         for address in workers:
@@ -309,17 +227,15 @@ def serve(args: argparse.Namespace) -> int:
         if registry_url:
             process.start_discovery(registry_url)
         if http_port >= 0:
-            host = args.http_host or config.host
             try:
-                port = process.start_http(host, http_port)
+                port = await process.start_http(http_host, http_port)
             except OSError as exc:
-                log.error("cannot serve HTTP on %s:%d: %s", host, http_port, exc)
+                log.error("cannot serve HTTP on %s:%d: %s", http_host, http_port, exc)
                 return 1
-            log.info("router OpenAI-compatible HTTP on http://%s:%d/v1", host, port)
+            log.info("router OpenAI-compatible HTTP on http://%s:%d/v1", http_host, port)
         binding = ServiceBinding(full_name=router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name,
                                  servicer=RouterServicer(process.core, process.auth),
                                  add_to_server=router_pb2_grpc.add_RouterServiceServicer_to_server)
-        return serve_service(args, service=SERVICE, bindings=lambda: [binding],
-                             on_stopping=lambda _server: process.stop())
+        return await serve_until_signal(config, [binding], on_stopping=lambda _server: process.stop())
     finally:
-        process.stop()
+        await process.close()

@@ -1,28 +1,34 @@
 """The router's request path: prepare (tokenize, validate), admit, relay the worker's stream.
 
 :class:`RouterCore` is what both front doors call (gRPC ``server.py`` and the OpenAI HTTP
-app). A :class:`Generation` is one request: ``start()`` admits it (possibly after queueing)
-and opens the stream on the chosen group; iterating relays tokens with the router's own
-incremental detokenization; ``cancel()`` (any thread: client cancel or disconnect) cancels
-the upstream call, which frees the worker's blocks, and the reservation is released whatever
-way the stream ends.
+app), all on the router's one event loop. A :class:`Generation` is one request: ``await
+start()`` admits it and opens the stream on the chosen group (a request that has to wait in the
+admission queue waits on a thread of its own, so the loop never blocks); ``async for`` relays
+tokens with the router's own incremental detokenization; ``cancel()`` (client cancel or
+disconnect) cancels the upstream call, which frees the worker's blocks; ``close()``, which the
+relay and the front doors call however the request ends, releases the reservation.
 
 If the group fails mid-stream (the worker ends the call with UNAVAILABLE), the group is marked
 failed and the request continues on another group: prompt + the tokens already streamed
 become the new prompt, ``max_tokens`` shrinks by as many, and the client sees one unbroken
 stream (``replica_group_id`` changes on the messages that follow).
+
+Per relayed token the loop does only what the client needs: one await on the worker's call, the
+detokenizer (``detok.py``: one dict lookup for most tokens), one TokenOut. No locks, no metrics
+and no logging per token: metrics are counted per request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument
 from services.router.admission import AdmissionQueue, RequestCancelled
 from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
@@ -38,15 +44,14 @@ from services.router.types import (
     TokenOut,
 )
 from services.router.worker_client import UpstreamFinished, UpstreamStream, WorkerFailed, WorkerRejected
-from services.worker.engine.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTINUATIONS = 2
 
 
-# (address, request_id, prompt ids, sampling) -> an open Generate stream on that worker
-OpenUpstream = Callable[[str, str, list[int], SamplingSpec], UpstreamStream]
+# (address, request_id, prompt ids, sampling, trace context) -> an open Generate stream on that worker
+OpenUpstream = Callable[[str, str, list[int], SamplingSpec, tuple[tuple[str, str], ...]], UpstreamStream]
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class Prepared:
     sampling: SamplingSpec
     request_id: str
     token_texts: bool = False
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 class RouterCore:
@@ -91,7 +97,8 @@ class RouterCore:
         else:
             raise InvalidArgument("prompt must not be empty: set text or token_ids")
         request_id = request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
-        return Prepared(model, ids, sampling, request_id, token_texts or sampling.logprobs > 0)
+        return Prepared(model, ids, sampling, request_id, token_texts or sampling.logprobs > 0,
+                        request.trace_context)
 
     def generate(self, request: GenerationRequest, *, token_texts: bool = False) -> Generation:
         return Generation(self, self.prepare(request, token_texts=token_texts))
@@ -103,21 +110,24 @@ class RouterCore:
 
 
 class Generation:
-    """One request through the router (see the module docstring)."""
+    """One request through the router (see the module docstring). Everything but the queued
+    admission's thread runs on the event loop."""
 
     def __init__(self, core: RouterCore, prepared: Prepared) -> None:
         self.core = core
         self.prepared = prepared
         self.request_id = prepared.request_id
-        self.cancelled = threading.Event()
+        self.cancelled = threading.Event()  # also read by a queued admission's thread
         self.reservation: Reservation | None = None
         self.replica_group_id = ""
         self.arrival_ns = time.monotonic_ns()
         self.admitted_ns = 0
-        self._lock = threading.Lock()
         self._upstream: UpstreamStream | None = None
+        self._started = False
+        self._queued = False  # an admission thread is waiting in the queue for us
         self._done = False  # the stream has ended, whatever the way
         self._finished = False  # a final event was produced (the worker needs no cancel)
+        self._failure_counted = False
         self._continued_from = 0  # tokens generated before the current upstream call
         self._running_on = ""  # group counted in the running-requests gauge
 
@@ -125,50 +135,100 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.prepared.prompt_ids)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Admit (may wait in the queue) and open the stream; raises the admission errors."""
-        if self.reservation is not None:
+        if self._started:
             return
+        self._started = True
         p = self.prepared
-        metrics = self.core.metrics
         try:
-            self.reservation = self.core.admission.admit(
-                p.model.name, len(p.prompt_ids), p.sampling.max_tokens, max_model_len=p.model.max_model_len,
-                request_id=self.request_id, cancelled=self.cancelled)
+            self.reservation = await self._admit(len(p.prompt_ids), p.sampling.max_tokens)
             self.admitted_ns = time.monotonic_ns()
             self._open(p.prompt_ids, p.sampling)
-        except Exception as exc:
+        except BaseException as exc:
             self._finish_reservation()
-            if metrics is not None:
-                metrics.request_failed(p.model.name, exc)
+            self._count_failure(exc)
+            raise
+
+    async def _admit(self, prompt_tokens: int, max_tokens: int) -> Reservation:
+        model = self.prepared.model
+        reservation = self.core.admission.admit_now(model.name, prompt_tokens, max_tokens,
+                                                    max_model_len=model.max_model_len, request_id=self.request_id)
+        if reservation is not None:
+            return reservation
+        return await self._wait_in_queue(prompt_tokens, max_tokens)
+
+    async def _wait_in_queue(self, prompt_tokens: int, max_tokens: int) -> Reservation:
+        """The blocking ``admit`` on a thread of its own; a reservation it gets after we stopped
+        waiting (cancelled) is released at once."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Reservation] = loop.create_future()
+        release = self.core.router.release
+        model = self.prepared.model
+
+        def settle(reservation: Reservation | None, exc: BaseException | None) -> None:
+            self._queued = False
+            if future.cancelled():
+                release(reservation)
+            elif exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(reservation)
+
+        def wait() -> None:
+            reservation, error = None, None
+            try:
+                reservation = self.core.admission.admit(
+                    model.name, prompt_tokens, max_tokens, max_model_len=model.max_model_len,
+                    request_id=self.request_id, cancelled=self.cancelled)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
+                error = exc
+            try:
+                loop.call_soon_threadsafe(settle, reservation, error)
+            except RuntimeError:  # the loop is closed: the process is stopping
+                release(reservation)
+
+        self._queued = True
+        threading.Thread(target=wait, name=f"queued-{self.request_id}", daemon=True).start()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.cancel()  # the thread sees it and leaves the queue
             raise
 
     def _open(self, prompt_ids: list[int], sampling: SamplingSpec) -> None:
         reservation = self.reservation
         assert reservation is not None
         self.replica_group_id = reservation.group.replica_group_id
-        upstream = self.core.open_upstream(reservation.group.address, self.request_id, prompt_ids, sampling)
-        with self._lock:
-            self._upstream = upstream
-            cancelled = self.cancelled.is_set()
+        self._upstream = self.core.open_upstream(reservation.group.address, self.request_id, prompt_ids, sampling,
+                                                 self.prepared.trace_context)
         if self.core.metrics is not None:
             self._running_on = self.replica_group_id
             self.core.metrics.request_started(self.replica_group_id)
-        if cancelled:
-            upstream.cancel()
+        if self.cancelled.is_set():
+            self._upstream.cancel()
             raise RequestCancelled(f"request {self.request_id} cancelled")
 
     def cancel(self) -> None:
-        """Client cancel or disconnect: stop the worker's sequence and free the reservation."""
+        """Client cancel or disconnect: stop the worker's sequence (or leave the queue)."""
         if self.cancelled.is_set():
             return
         self.cancelled.set()
-        with self._lock:
-            upstream = self._upstream
-        if upstream is not None:
-            upstream.cancel()
-        if not self._done:
+        if self._upstream is not None and not self._finished:
+            self._upstream.cancel()
+        if self._queued:
             self.core.admission.wake()
+
+    def close(self) -> None:
+        """However the request ended: stop the worker's sequence unless it finished, release the
+        reservation. Idempotent; the relay calls it, and so does every front door."""
+        if self._started and not self._finished and not self._done:
+            # the consumer went away between events: the request ends as cancelled
+            self._count_failure(RequestCancelled(f"request {self.request_id} cancelled"))
+        self._done = True
+        if self._upstream is not None and not self._finished:
+            self._upstream.cancel()  # the worker must stop too
+        self._finish_reservation()
 
     def _finish_reservation(self) -> None:
         reservation, self.reservation = self.reservation, None
@@ -178,89 +238,100 @@ class Generation:
             self.core.metrics.request_ended(self._running_on)
         self._running_on = ""
 
-    def __iter__(self) -> Iterator[TokenOut | Finished]:
-        self.start()
-        try:
-            yield from self._relay()
-        except Exception as exc:
-            if self.core.metrics is not None:
-                self.core.metrics.request_failed(self.prepared.model.name, exc)
-            raise
-        finally:
-            self._done = True
-            with self._lock:
-                upstream = self._upstream
-            if upstream is not None and not self._finished:
-                upstream.cancel()  # the consumer went away: the worker must stop too
-            self._finish_reservation()
+    def _count_failure(self, exc: BaseException) -> None:
+        if self.core.metrics is None or self._failure_counted or isinstance(exc, GeneratorExit):
+            return
+        self._failure_counted = True
+        if isinstance(exc, asyncio.CancelledError):  # the client went away
+            exc = RequestCancelled(f"request {self.request_id} cancelled")
+        self.core.metrics.request_failed(self.prepared.model.name, exc)
 
-    def _relay(self) -> Iterator[TokenOut | Finished]:
-        p = self.prepared
-        model = p.model
-        detok = IncrementalDetokenizer(model.tokenizer, p.sampling.stop) if model.tokenizer is not None else None
-        generated: list[int] = []
-        first_ns = last_ns = 0
-        stop_hit = False
-        failovers = 0
-        want_texts = p.token_texts
-        while True:
-            upstream = self._upstream
-            assert upstream is not None and self.reservation is not None
-            reservation = self.reservation
-            try:
-                for event in upstream:
-                    if isinstance(event, UpstreamFinished):
-                        reason = FinishReason.STOP_SEQUENCE if stop_hit else event.reason
-                        if reason is FinishReason.CANCELLED and self.cancelled.is_set():
-                            raise RequestCancelled(f"request {self.request_id} cancelled")
+    def _timings(self, first_ns: int, last_ns: int) -> Timings:
+        end_ns = time.monotonic_ns()
+        return Timings(queue_ns=max(0, self.admitted_ns - self.arrival_ns),
+                       time_to_first_token_ns=(first_ns - self.arrival_ns) if first_ns else 0,
+                       decode_ns=(last_ns - first_ns) if first_ns else 0, total_ns=end_ns - self.arrival_ns)
+
+    async def __aiter__(self) -> AsyncIterator[TokenOut | Finished]:
+        """Start if not started, then the relay: TokenOut events, then one Finished."""
+        await self.start()  # counts and cleans up its own failures
+        try:
+            p = self.prepared
+            model = p.model
+            detok = model.detokenizer(p.sampling.stop)
+            push = detok.push if detok is not None else None
+            generated: list[int] = []
+            first_ns = last_ns = 0
+            stop_hit = False
+            failovers = 0
+            want_texts = p.token_texts
+            token_text = model.token_text
+            monotonic_ns = time.monotonic_ns
+            while True:
+                upstream, reservation = self._upstream, self.reservation
+                assert upstream is not None and reservation is not None
+                next_event = upstream.next
+                continued_from = self._continued_from
+                try:
+                    while True:
+                        event = await next_event()
+                        if event.__class__ is UpstreamFinished:
+                            reason = FinishReason.STOP_SEQUENCE if stop_hit else event.reason
+                            if reason is FinishReason.CANCELLED and self.cancelled.is_set():
+                                raise RequestCancelled(f"request {self.request_id} cancelled")
+                            self._finished = True
+                            finished = Finished(reason, len(p.prompt_ids), len(generated),
+                                                self._timings(first_ns, last_ns), event.stop_sequence,
+                                                detok.text if detok else "")
+                            if self.core.metrics is not None:
+                                self.core.metrics.request_finished(model.name, finished)
+                            yield finished
+                            return
+                        if stop_hit:
+                            # only after a continuation: the new worker did not see the text before
+                            # its prompt, so the router's detokenizer found the stop string first
+                            upstream.cancel()
+                            self._finished = True
+                            yield Finished(FinishReason.STOP_SEQUENCE, len(p.prompt_ids), len(generated),
+                                           text=detok.text if detok else "")
+                            return
+                        last_ns = monotonic_ns()
+                        if not first_ns:
+                            first_ns = last_ns
+                        index = len(generated)
+                        token_id = event.token_id
+                        generated.append(token_id)
+                        reservation.generated = index + 1 - continued_from
+                        text, stop_hit = push(token_id) if push is not None else ("", False)
+                        if want_texts:
+                            yield TokenOut(index, token_id, text, event.logprob,
+                                           tuple([TokenAlternative(t, token_text(t), lp)
+                                                  for t, lp in event.top_logprobs]), token_text(token_id))
+                        elif event.top_logprobs:
+                            yield TokenOut(index, token_id, text, event.logprob,
+                                           tuple([TokenAlternative(t, "", lp) for t, lp in event.top_logprobs]))
+                        else:
+                            yield TokenOut(index, token_id, text, event.logprob)
+                except (WorkerFailed, WorkerRejected) as exc:
+                    if self.cancelled.is_set():
+                        raise RequestCancelled(f"request {self.request_id} cancelled") from None
+                    failovers += 1
+                    remaining = p.sampling.max_tokens - len(generated)
+                    self._fail_over(reservation, exc, failovers)
+                    if remaining <= 0:
                         self._finished = True
-                        end_ns = time.monotonic_ns()
-                        timings = Timings(
-                            queue_ns=max(0, self.admitted_ns - self.arrival_ns),
-                            time_to_first_token_ns=(first_ns - self.arrival_ns) if first_ns else 0,
-                            decode_ns=(last_ns - first_ns) if first_ns else 0,
-                            total_ns=end_ns - self.arrival_ns)
-                        finished = Finished(reason, len(p.prompt_ids), len(generated), timings,
-                                            event.stop_sequence, detok.text if detok else "")
-                        if self.core.metrics is not None:
-                            self.core.metrics.request_finished(model.name, finished)
-                        yield finished
-                        return
-                    if stop_hit:
-                        # only after a continuation: the new worker did not see the text before
-                        # its prompt, so the router's detokenizer found the stop string first
-                        upstream.cancel()
-                        self._finished = True
-                        yield Finished(FinishReason.STOP_SEQUENCE, len(p.prompt_ids), len(generated),
+                        yield Finished(FinishReason.LENGTH, len(p.prompt_ids), len(generated),
                                        text=detok.text if detok else "")
                         return
-                    last_ns = time.monotonic_ns()
-                    if not first_ns:
-                        first_ns = last_ns
-                    index = len(generated)
-                    generated.append(event.token_id)
-                    reservation.generated = len(generated) - self._continued_from
-                    text, stop_hit = detok.push(event.token_id) if detok is not None else ("", False)
-                    alternatives = tuple(TokenAlternative(t, model.token_text(t) if want_texts else "", lp)
-                                         for t, lp in event.top_logprobs)
-                    yield TokenOut(index, event.token_id, text, event.logprob, alternatives,
-                                   model.token_text(event.token_id) if want_texts else "")
-                raise Unavailable(f"worker {upstream.address} ended the stream without a final message")
-            except (WorkerFailed, WorkerRejected) as exc:
-                if self.cancelled.is_set():
-                    raise RequestCancelled(f"request {self.request_id} cancelled") from None
-                failovers += 1
-                remaining = p.sampling.max_tokens - len(generated)
-                self._fail_over(reservation, exc, failovers)
-                if remaining <= 0:
-                    self._finished = True
-                    yield Finished(FinishReason.LENGTH, len(p.prompt_ids), len(generated),
-                                   text=detok.text if detok else "")
-                    return
-                self._continue(p.prompt_ids + generated, replace(p.sampling, max_tokens=remaining),
-                               continued_from=len(generated))
+                    await self._continue(p.prompt_ids + generated, replace(p.sampling, max_tokens=remaining),
+                                         continued_from=len(generated))
+        except BaseException as exc:
+            self._count_failure(exc)
+            raise
+        finally:
+            self.close()
 
-    def _fail_over(self, reservation: Reservation, exc: Unavailable, failovers: int) -> None:
+    def _fail_over(self, reservation: Reservation, exc: WorkerFailed | WorkerRejected, failovers: int) -> None:
         view = reservation.group
         if isinstance(exc, WorkerFailed):
             log.warning("request %s: %s; continuing elsewhere", self.request_id, exc)
@@ -273,10 +344,8 @@ class Generation:
         if failovers > self.core.max_continuations:
             raise exc
 
-    def _continue(self, prompt_ids: list[int], sampling: SamplingSpec, *, continued_from: int) -> None:
-        p = self.prepared
-        self.reservation = self.core.admission.admit(
-            p.model.name, len(prompt_ids), sampling.max_tokens, max_model_len=p.model.max_model_len,
-            request_id=self.request_id, cancelled=self.cancelled)
+    async def _continue(self, prompt_ids: list[int], sampling: SamplingSpec, *, continued_from: int) -> None:
+        self._upstream = None
+        self.reservation = await self._admit(len(prompt_ids), sampling.max_tokens)
         self._continued_from = continued_from
         self._open(prompt_ids, sampling)

@@ -8,8 +8,10 @@ HTTP front door builds the same request from JSON.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from services.common.errors import InvalidArgument
 
@@ -83,6 +85,8 @@ class GenerationRequest:
 
     ``add_special_tokens`` applies to text only: False for chat prompts, whose template already
     spells the BOS token (as ``transformers.apply_chat_template`` tokenizes them).
+    ``trace_context`` is the caller's W3C trace context (``traceparent``, ``tracestate``,
+    ``baggage`` as (key, value) pairs), passed on to the worker so its spans join the caller's trace.
     """
 
     model: str = ""
@@ -91,9 +95,22 @@ class GenerationRequest:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     request_id: str = ""
     add_special_tokens: bool = True
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True)
+TRACE_CONTEXT_KEYS = ("traceparent", "tracestate", "baggage")
+
+
+def trace_context_of(pairs: Iterable[tuple[str, Any]] | None) -> tuple[tuple[str, str], ...]:
+    """The W3C trace context among gRPC metadata or HTTP headers ((key, value) pairs, any case)."""
+    return tuple((k.lower(), v) for k, v in pairs or () if isinstance(v, str) and k.lower() in TRACE_CONTEXT_KEYS)
+
+
+# TokenAlternative and TokenOut are made once per relayed token: plain slotted dataclasses, as a
+# frozen one pays an object.__setattr__ per field (several times the cost of the whole object)
+
+
+@dataclass(slots=True)
 class TokenAlternative:
     """One of the most likely tokens at a position."""
 
@@ -102,7 +119,7 @@ class TokenAlternative:
     logprob: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenOut:
     """A generated token as the router streams it; ``text`` never splits a character."""
 

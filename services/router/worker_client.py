@@ -1,15 +1,20 @@
 """gRPC client of one replica group's WorkerService, in the router's domain terms.
 
 The only router module besides ``server.py`` that speaks gRPC: Stats answers become
-:class:`~services.router.replicas.WorkerStats`, a Generate stream becomes an iterator of
-:class:`UpstreamToken` then one :class:`UpstreamFinished`, and a failed call becomes a
-ShardlineError (UNAVAILABLE with the worker's ``shardline-generated-token-ids`` trailing
-metadata becomes :class:`WorkerFailed`, which carries those ids).
+:class:`~services.router.replicas.WorkerStats`, a Generate stream becomes an
+:class:`UpstreamStream` whose ``await next()`` gives :class:`UpstreamToken` events then one
+:class:`UpstreamFinished`, and a failed call becomes a ShardlineError (UNAVAILABLE with the
+worker's ``shardline-generated-token-ids`` trailing metadata becomes :class:`WorkerFailed`, which
+carries those ids).
+
+Two channels per worker: a blocking one for the poller thread's Stats and health checks, and a
+grpc.aio one, made on the router's event loop, for the Generate streams that the loop relays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -47,7 +52,7 @@ class WorkerRejected(Unavailable):
     """The worker refused the request before producing anything (draining, stopping)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # one per relayed token: not frozen, which would cost a setattr call per field
 class UpstreamToken:
     token_id: int
     logprob: float
@@ -72,7 +77,7 @@ def sampling_to_pb(spec: SamplingSpec) -> common_pb2.SamplingParameters:
     return pb
 
 
-def _metadata_ids(call: grpc.Call) -> list[int] | None:
+def _metadata_ids(call: grpc.Call | grpc.aio.AioRpcError) -> list[int] | None:
     for key, value in call.trailing_metadata() or ():
         if key == GENERATED_IDS_KEY:
             return [int(t) for t in value.split(",") if t]
@@ -90,7 +95,7 @@ def translate_error(exc: grpc.RpcError, address: str) -> ShardlineError:
         return ResourceExhausted(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
-    if code == grpc.StatusCode.UNAVAILABLE and isinstance(exc, grpc.Call):
+    if code == grpc.StatusCode.UNAVAILABLE and hasattr(exc, "trailing_metadata"):
         ids = _metadata_ids(exc)
         if ids is not None:
             return WorkerFailed(f"replica group at {address} failed: {details}", ids)
@@ -99,42 +104,59 @@ def translate_error(exc: grpc.RpcError, address: str) -> ShardlineError:
     return WorkerFailed(f"worker {address}: {code.name}: {details}", [])
 
 
-class UpstreamStream:
-    """One Generate call on a worker; iterate for events, ``cancel()`` from any thread."""
 
-    def __init__(self, call: grpc.Call, address: str) -> None:
+class UpstreamStream:
+    """One Generate call on a worker, on the router's event loop: ``await next()`` for each event
+    (after UpstreamFinished, do not call it again); ``cancel()`` stops the worker's sequence."""
+
+    __slots__ = ("_call", "address")
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
         self._call = call
         self.address = address
 
-    def __iter__(self) -> Iterator[UpstreamToken | UpstreamFinished]:
+    async def next(self) -> UpstreamToken | UpstreamFinished:
+        """The next event; raises the call's failure as a ShardlineError (``translate_error``),
+        RequestCancelled if the call was cancelled through ``cancel()``, and Unavailable if the
+        stream ends without its final message."""
         try:
-            for response in self._call:
-                if response.HasField("token"):
-                    token = response.token
-                    yield UpstreamToken(token.token_id, token.logprob,
-                                        tuple((t.token_id, t.logprob) for t in token.top_logprobs))
-                else:
-                    finished = response.finished
-                    yield UpstreamFinished(
-                        FINISH_FROM_PB.get(finished.finish_reason, FinishReason.ERROR),
-                        finished.usage.prompt_tokens, finished.usage.completion_tokens,
-                        finished.stop_sequence if finished.HasField("stop_sequence") else None)
-                    return
+            response = await self._call.read()
         except grpc.RpcError as exc:
             raise translate_error(exc, self.address) from None
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError for a read of a call cancelled locally; only a
+            # cancel of our own task is a task cancellation
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise RequestCancelled(f"the call to worker {self.address} was cancelled") from None
+        if response is grpc.aio.EOF:
+            raise Unavailable(f"worker {self.address} ended the stream without a final message")
+        if response.HasField("token"):
+            token = response.token
+            top = token.top_logprobs
+            return UpstreamToken(token.token_id, token.logprob,
+                                 tuple([(t.token_id, t.logprob) for t in top]) if top else ())
+        finished = response.finished
+        return UpstreamFinished(
+            FINISH_FROM_PB.get(finished.finish_reason, FinishReason.ERROR),
+            finished.usage.prompt_tokens, finished.usage.completion_tokens,
+            finished.stop_sequence if finished.HasField("stop_sequence") else None)
 
     def cancel(self) -> None:
         self._call.cancel()
 
 
 class WorkerClient:
-    """A channel to one worker, shared by the poller and every stream routed there."""
+    """The channels to one worker, shared by its poller and every stream routed there."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._aio_channel: grpc.aio.Channel | None = None
+        self._aio_stub: worker_pb2_grpc.WorkerServiceStub | None = None
 
     def stats(self, timeout_s: float) -> WorkerStats:
         try:
@@ -155,10 +177,23 @@ class WorkerClient:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec) -> UpstreamStream:
+    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
+                 metadata: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
+        """Open a Generate stream (on the router's event loop, which the call then belongs to);
+        ``metadata`` goes with the call (the caller's trace context)."""
+        stub = self._aio_stub
+        if stub is None:
+            self._aio_channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            stub = self._aio_stub = worker_pb2_grpc.WorkerServiceStub(self._aio_channel)
         request = worker_pb2.GenerateRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=prompt_ids),
                                              sampling=sampling_to_pb(sampling))
-        return UpstreamStream(self._stub.Generate(request), self.address)
+        return UpstreamStream(stub.Generate(request, metadata=tuple(metadata) or None), self.address)
+
+    async def aclose(self) -> None:
+        """Close the event loop's channel (on that loop)."""
+        if self._aio_channel is not None:
+            await self._aio_channel.close()
+            self._aio_channel = self._aio_stub = None
 
     def close(self) -> None:
         self.channel.close()

@@ -152,6 +152,25 @@ def test_a_waiter_whose_groups_fail_leaves_with_unavailable():
     assert "a: unhealthy (replica group a failed: collective timed out)" in str(outcome[0])
 
 
+def test_admit_now_reserves_rejects_or_says_the_request_must_queue_without_waiting():
+    a = view("a")
+    q = queue_over(a, max_size=1, max_wait_s=10.0)
+    with pytest.raises(InvalidArgument, match="maximum context length is 2048 tokens"):
+        q.admit_now("m", 2000, 100, max_model_len=2048)
+    hog = q.admit_now("m", 320, 300, max_model_len=2048, request_id="hog")
+    assert hog is not None and hog.request_id == "hog" and a.kv_bytes_reserved == 620 * BPT
+    assert q.admit_now("m", 50, 50, max_model_len=2048) is None  # no headroom: it would queue
+    assert q.depth() == 0  # and nothing was queued or reserved for it
+    waiter = threading.Thread(target=lambda: _raised(lambda: admit(q, 50, 50)))
+    waiter.start()
+    _until(lambda: q.depth() == 1)
+    with pytest.raises(ResourceExhausted, match=r"full \(1 requests waiting for KV headroom, limit 1\)"):
+        q.admit_now("m", 5, 5, max_model_len=2048)  # fits now, but may not overtake, and the queue is full
+    q.router.release(hog)
+    waiter.join(5)
+    assert q.depth() == 0 and a.kv_bytes_reserved == 100 * BPT
+
+
 def test_queue_config_is_validated():
     with pytest.raises(InvalidArgument, match="queue size must be >= 0, got -1"):
         QueueConfig(max_size=-1)

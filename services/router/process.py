@@ -1,0 +1,130 @@
+"""One router process's parts besides the gRPC server: worker clients and their pollers,
+registry discovery, the HTTP front door, built from the command line's flags.
+
+The request path (both front doors and every worker stream) runs on one asyncio event loop;
+the pollers and registry discovery are threads of their own, as is an admission that has to
+wait in the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common.config import resolve
+from services.common.errors import InvalidArgument
+from services.common.health import HealthStore, make_health_store
+from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, AdmissionQueue, QueueConfig
+from services.router.auth import ApiKeyCheck
+from services.router.catalog import ModelCatalog, load_served_model
+from services.router.metrics import RouterMetrics
+from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
+from services.router.routing import Router
+from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
+from services.router.types import SamplingSpec
+from services.router.worker_client import UpstreamStream, WorkerClient
+
+
+class RouterProcess:
+    """Everything one router process runs besides the gRPC server."""
+
+    def __init__(self, catalog: ModelCatalog, queue: QueueConfig, *, store: HealthStore, auth: ApiKeyCheck,
+                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+                 max_continuations: int = DEFAULT_MAX_CONTINUATIONS) -> None:
+        replicas = ReplicaSet()
+        router = Router(replicas)
+        admission = AdmissionQueue(replicas, router, queue)
+        metrics = RouterMetrics()
+        metrics.bind_queue_depth(admission.depth)
+        self.clients: dict[str, WorkerClient] = {}
+        self.core = RouterCore(catalog, replicas, router, admission, self._open_upstream, metrics=metrics,
+                               max_continuations=max_continuations)
+        self.store = store
+        self.auth = auth
+        self.poll_interval_s = poll_interval_s
+        self.pollers: list[GroupPoller] = []
+        self.discovery = None
+        self.http = None
+        self._stopped = False
+        self._closed = False
+
+    def _open_upstream(self, address: str, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
+                       trace_context: tuple[tuple[str, str], ...]) -> UpstreamStream:
+        return self.clients[address].generate(request_id, prompt_ids, sampling, trace_context)
+
+    def add_worker(self, address: str) -> None:
+        """Route to the group at ``address`` from now on (polled first, so it is known at once).
+        Called at start-up and from the discovery thread."""
+        view, _created = self.core.replicas.add(address)
+        if address in self.clients:
+            return
+        client = self.clients[address] = WorkerClient(address)
+        metrics = self.core.metrics
+
+        def on_update(v: ReplicaGroupView) -> None:
+            if metrics is not None:
+                metrics.group_reported(v.replica_group_id, v.kv_bytes_used, v.kv_bytes_capacity, v.kv_bytes_reserved)
+
+        poller = GroupPoller(self.core.replicas, view, client, store=self.store, interval_s=self.poll_interval_s,
+                             on_update=on_update)
+        self.pollers.append(poller)
+        poller.poll_once()
+        poller.start()
+
+    def start_discovery(self, registry_url: str) -> None:
+        from services.router.discovery import RegistryDiscovery
+
+        self.discovery = RegistryDiscovery(registry_url, self.core.replicas, self.add_worker).start()
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI-compatible API on the running loop; returns the bound port. Raises
+        OSError when the port cannot be bound."""
+        from services.router.http_api import HttpServer, create_app
+
+        self.http = await HttpServer(create_app(self.core, self.auth), host, port).start()
+        return self.http.port
+
+    async def stop(self) -> None:
+        """Stop taking work: the HTTP front door (its open responses get a short grace),
+        discovery and the pollers. Worker channels stay open for streams still relaying."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.http is not None:
+            await self.http.stop()
+        if self.discovery is not None:
+            self.discovery.stop()
+        for poller in self.pollers:
+            poller.stop()
+
+    async def close(self) -> None:
+        """After the gRPC server stopped: close the worker channels and the health store."""
+        await self.stop()
+        if self._closed:
+            return
+        self._closed = True
+        for client in list(self.clients.values()):
+            await client.aclose()
+            client.close()
+        self.store.close()
+
+
+def build_process(args: argparse.Namespace) -> RouterProcess:
+    """The router's parts from its flags (env and defaults applied); raises ModelDirError or
+    InvalidArgument for bad settings."""
+    model_dirs = args.model or ([m] if (m := resolve("model", None, "")) else [])
+    names = args.served_model_name or []
+    if len(names) > len(model_dirs):
+        raise InvalidArgument(f"{len(names)} --served-model-name for {len(model_dirs)} --model")
+    catalog = ModelCatalog([load_served_model(d, name=names[i] if i < len(names) else None,
+                                              max_model_len=args.max_model_len)
+                            for i, d in enumerate(model_dirs)])
+    queue = QueueConfig(max_size=resolve("max_queue", args.max_queue, DEFAULT_MAX_QUEUE),
+                        max_wait_s=resolve("queue_timeout_s", args.queue_timeout, DEFAULT_MAX_WAIT_S))
+    poll = args.poll_interval if args.poll_interval is not None else DEFAULT_POLL_INTERVAL_S
+    if not 0 < poll <= 0.5:
+        raise InvalidArgument(f"--poll-interval must be in (0, 0.5] seconds, got {poll}")
+    if args.max_continuations < 0:
+        raise InvalidArgument(f"--max-continuations must be >= 0, got {args.max_continuations}")
+    return RouterProcess(catalog, queue, store=make_health_store(resolve("redis_url", args.redis_url, "") or None),
+                         auth=ApiKeyCheck(resolve("api_key", args.api_key, "") or None), poll_interval_s=poll,
+                         max_continuations=args.max_continuations)
