@@ -111,7 +111,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, service: str) -> No
                        help=f"seconds in-flight RPCs get to finish on SIGTERM/SIGINT "
                             f"(env SHARDLINE_GRACE_S; default {DEFAULT_GRACE_S:g})")
     group.add_argument("--max-workers", type=int, default=None,
-                       help=f"threads serving RPCs; each open stream holds one "
+                       help=f"threads serving RPCs (a threaded server's open stream holds one; the "
+                            f"router's asyncio server uses them only for blocking calls) "
                             f"(env SHARDLINE_MAX_WORKERS; default {DEFAULT_MAX_WORKERS})")
 
 

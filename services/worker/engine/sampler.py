@@ -140,7 +140,7 @@ class Sampler:
         # raw logprob of token t = logit_t − logsumexp(logits): one reduction per row instead of
         # materialising log_softmax over the whole vocabulary every step
         log_normalizer = torch.logsumexp(logits, dim=-1)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = logits.max(dim=-1).indices  # the first maximum, as argmax; one pass faster on CPU
         sampled_rows = [i for i, r in enumerate(rows) if r.temperature != 0]
         if sampled_rows:
             index = torch.tensor(sampled_rows, device=device)
