@@ -2,7 +2,7 @@
 
 Domain modules raise these (they never import grpc); the gRPC layer turns each class into its
 status code with one table (``services.common.grpc_server.STATUS_FOR_ERROR``) and the HTTP
-front door into 400/429/503/401/404. Raise the most specific subclass and put the expected and
+front door into 400/429/503/401/404/409. Raise the most specific subclass and put the expected and
 actual values in the message: the message is what the client sees.
 """
 
@@ -34,6 +34,10 @@ class Unauthenticated(ShardlineError):
 
 class NotFound(ShardlineError, LookupError):
     """The named thing does not exist: unknown model, manifest, replica group."""
+
+
+class AlreadyExists(ShardlineError):
+    """The thing a request would create exists already: a replica group id, a manifest URI."""
 
 
 class FailedPrecondition(ShardlineError):

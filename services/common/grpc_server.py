@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ServerConfig
 from services.common.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -52,6 +53,7 @@ STATUS_FOR_ERROR: dict[type[ShardlineError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 

@@ -13,7 +13,7 @@ import uuid
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.engine import make_url
 
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
 from services.common.registry import Conflict, InvalidValue, ReplicaGroup, ShardRegistry, registry_url
 from services.planner.cost_model import Candidate, check_layout
 from services.planner.specs import PRESETS
@@ -22,7 +22,7 @@ from services.planner.topology import GIB
 DEFAULT_KV_CACHE_CAP_BYTES = 20 * GIB
 
 
-class ReplicaGroupExists(FailedPrecondition):
+class ReplicaGroupExists(AlreadyExists):
     """The requested replica_group_id is already in the registry (a group id is never reused)."""
 
 

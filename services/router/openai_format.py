@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -45,6 +46,7 @@ class BadRequest(InvalidArgument):
 HTTP_ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (InvalidArgument, 400, "invalid_request_error"),
     (FailedPrecondition, 400, "invalid_request_error"),
+    (AlreadyExists, 409, "conflict_error"),
     (Unauthenticated, 401, "authentication_error"),
     (NotFound, 404, "not_found_error"),
     (ResourceExhausted, 429, "rate_limit_error"),

@@ -251,6 +251,7 @@ _ERRORS: dict[str, Exception] = {
     "Unauthenticated": errors.Unauthenticated("missing API key"),
     "NotFound": errors.NotFound("unknown model 'x'"),
     "FailedPrecondition": errors.FailedPrecondition("tp mismatch: expected 2, got 4"),
+    "AlreadyExists": errors.AlreadyExists("replica group rg-1 already exists"),
     "CheckpointLayoutError": CheckpointLayoutError("dtype mismatch: expected float32, got bfloat16"),
 }
 _EXPECTED_CODE = {
@@ -260,6 +261,7 @@ _EXPECTED_CODE = {
     "Unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "NotFound": grpc.StatusCode.NOT_FOUND,
     "FailedPrecondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "AlreadyExists": grpc.StatusCode.ALREADY_EXISTS,
     "CheckpointLayoutError": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
@@ -298,7 +300,7 @@ def error_server() -> Iterator[tuple[grpc.Channel, object]]:
 def test_every_shardline_error_class_is_in_the_table() -> None:
     assert set(STATUS_FOR_ERROR) == {
         errors.InvalidArgument, errors.ResourceExhausted, errors.Unavailable,
-        errors.Unauthenticated, errors.NotFound, errors.FailedPrecondition,
+        errors.Unauthenticated, errors.NotFound, errors.FailedPrecondition, errors.AlreadyExists,
     }
 
 

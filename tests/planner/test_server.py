@@ -220,7 +220,7 @@ def test_record_plan_creates_a_provisioning_group_in_postgres(pg_registry_url: s
             with pytest.raises(grpc.RpcError) as caught:  # a group id is never reused
                 stub.RecordPlan(planner_pb2.RecordPlanRequest(
                     model_name="llama3-70b", layout=layout, replica_group_id=given), timeout=30)
-            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
             assert given in caught.value.details()
     finally:
         running.stop(0)
