@@ -1,6 +1,6 @@
 """Router benchmark: what the router adds to a token stream, and what one routing decision costs.
 
-``python -m bench.router [--model tiny|smollm2|DIR] [--streams 16] [--max-tokens 128] [--rounds 3]``
+``python -m bench.router [--model tiny|smollm2|DIR] [--streams 16] [--max-tokens 128] [--rounds 8]``
 (also ``shardline bench router ...``).
 
 Side by side in one run, same machine, same worker, same requests: N concurrent greedy streams
@@ -205,6 +205,10 @@ def markdown(r: dict[str, Any]) -> str:
         f"this run {ok} it. Router CPU: {r['router_cpu_us_per_token']:.0f} µs per streamed token "
         f"({r['router_cpu_s']:.2f} s over {r['routed_tokens']:,} tokens).",
         "",
+        f"Paired by round (each round's routed TPOT p50 minus the direct one run next to it): median "
+        f"{a['tpot_p50_paired_ms']:+.2f} ms; per round "
+        + ", ".join(f"{x:+.2f}" for x in a["tpot_p50_per_round_ms"]) + " ms.",
+        "",
         "On a machine where the worker, the router and the client threads share the CPUs, every "
         "microsecond the router spends relaying a token is taken from the worker's next step, so the added "
         "TPOT measures that contention; the router's own per-token CPU cost is the figure that carries to "
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per path (default 3)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds per path (default 8)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -299,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         "itl_p99_ms": routed_s["itl_ms"]["p99"] - direct_s["itl_ms"]["p99"],
         "ttft_p50_ms": routed_s["ttft_ms"]["p50"] - direct_s["ttft_ms"]["p50"],
     }
+    # paired: round i's routed p50 minus round i's direct p50 (run back to back), median over rounds
+    per_round = [percentile([s.tpot_s * 1e3 for s in r], 50) - percentile([s.tpot_s * 1e3 for s in d], 50)
+                 for r, d in zip(rounds["routed"], rounds["direct"], strict=True)]
+    added["tpot_p50_paired_ms"] = statistics.median(per_round)
+    added["tpot_p50_per_round_ms"] = per_round
     routed_tokens = tokens_per_round * args.rounds
     result = {
         "model": str(args.model), "tp": args.tp, "pp": args.pp, "dtype": args.dtype, "streams": args.streams,
