@@ -147,19 +147,11 @@ def start(argv: list[str], log: Path):
 
 
 def wait_serving(proc, address: str, log: Path, timeout_s: float = 300) -> None:
-    from services.common.healthcheck import check
+    from services.common.healthcheck import wait_serving as wait
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{address} exited:\n{log.read_text()[-3000:]}")
-        try:
-            if check(address, timeout_s=1) == "SERVING":
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{address} not serving:\n{log.read_text()[-3000:]}")
+    problem = wait(proc, address, timeout_s=timeout_s)
+    if problem:
+        raise RuntimeError(f"{problem}:\n{log.read_text()[-3000:]}")
 
 
 def summarize(rounds: list[list[StreamTimes]], walls: list[float], tokens_per_round: int) -> dict[str, Any]:

@@ -108,9 +108,7 @@ def _free_port() -> int:
 
 
 def start_telemetry(log: Path, *flags: str, cpu: int | None = None) -> tuple[subprocess.Popen, str]:
-    import grpc
-
-    from services.common.healthcheck import check
+    from services.common.healthcheck import wait_serving
 
     port = _free_port()
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
@@ -119,18 +117,11 @@ def start_telemetry(log: Path, *flags: str, cpu: int | None = None) -> tuple[sub
                                  "--log-level", "WARNING", *flags], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=preexec)
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"telemetry exited: {log.read_text()}")
-        try:
-            if check(address, timeout_s=1) == "SERVING":
-                return proc, address
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("telemetry did not start")
+    problem = wait_serving(proc, address, timeout_s=60)
+    if problem:
+        proc.kill()
+        raise RuntimeError(f"telemetry: {problem}:\n{log.read_text()}")
+    return proc, address
 
 
 def ingest_over_grpc(payloads: list[bytes], seconds: float, workdir: Path, *, streams: int = 2) -> dict[str, Any]:

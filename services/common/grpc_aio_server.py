@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ServerConfig
 from services.common.errors import ShardlineError
-from services.common.grpc_server import BindError, ServiceBinding, status_for
+from services.common.grpc_server import BindError, ServiceBinding, host_port, rewrap_handler, status_for
 
 log = logging.getLogger(__name__)
 
@@ -93,23 +93,9 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
         if method in self._wrapped:
             return self._wrapped[method]
         handler = await continuation(handler_call_details)
-        wrapped = handler if handler is None else _wrapped_handler(handler)
+        wrapped = handler if handler is None else rewrap_handler(handler, _wrap, _wrap)
         self._wrapped[method] = wrapped
         return wrapped
-
-
-def _wrapped_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary), **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream), **kwargs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary), **kwargs)
-    if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream), **kwargs)
-    return handler
 
 
 @dataclass
@@ -125,8 +111,7 @@ class AioGrpcServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        return f"{host}:{self.port}"
+        return host_port(self.config.host, self.port)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -87,21 +87,29 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **kwargs)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **kwargs)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary), **kwargs)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream), **kwargs)
-        return handler
+        return None if handler is None else rewrap_handler(handler, _wrap_unary, _wrap_stream)
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, wrap_unary_response: Callable[[Any], Any],
+                   wrap_stream_response: Callable[[Any], Any]) -> grpc.RpcMethodHandler:
+    """The same handler with its behaviour wrapped: ``wrap_unary_response`` for the kinds that
+    answer one message, ``wrap_stream_response`` for the kinds that stream (sync and aio servers)."""
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary_response(handler.unary_unary), **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream_response(handler.unary_stream), **kwargs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary_response(handler.stream_unary), **kwargs)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(wrap_stream_response(handler.stream_stream), **kwargs)
+    return handler
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _wrap_unary(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
@@ -159,8 +167,7 @@ class GrpcServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        return f"{host}:{self.port}"
+        return host_port(self.config.host, self.port)
 
     def set_serving(self, serving: bool) -> None:
         """Overall and per-service health. Services that load something slow (a worker loading

@@ -8,7 +8,9 @@ unknown service, unreachable, timeout), with the reason on stderr.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +23,22 @@ def check(address: str, *, service: str = "", timeout_s: float = 2.0) -> str:
         stub = health_pb2_grpc.HealthStub(channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def wait_serving(proc: subprocess.Popen, address: str, *, timeout_s: float, poll_s: float = 0.2) -> str | None:
+    """Poll ``address`` until it says SERVING: None then, else why not (the process exited, or
+    the deadline passed). For code that started a service as a subprocess and waits for it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"{address} exited with {proc.returncode}"
+        try:
+            if check(address, timeout_s=1) == "SERVING":
+                return None
+        except grpc.RpcError:
+            pass
+        time.sleep(poll_s)
+    return f"{address} not SERVING within {timeout_s:g} s"
 
 
 def main(argv: list[str] | None = None) -> int:

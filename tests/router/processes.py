@@ -6,13 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import grpc
 import pytest
 
-from services.common.healthcheck import check
+from services.common.healthcheck import wait_serving as wait_serving_or_why
 from tests.stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,18 +33,10 @@ def start_service(name: str, flags: list[str], log: Path) -> tuple[subprocess.Po
 
 
 def wait_serving(proc: subprocess.Popen, address: str, log: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{address} exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if check(address, timeout_s=1) == "SERVING":
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    stop(proc)
-    pytest.fail(f"{address} not SERVING within {timeout_s} s:\n{log.read_text()}")
+    problem = wait_serving_or_why(proc, address, timeout_s=timeout_s)
+    if problem:
+        stop(proc)
+        pytest.fail(f"{problem}:\n{log.read_text()}")
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.healthcheck import check
+from services.common.healthcheck import wait_serving
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
 from tests.stack import free_port
 
@@ -55,18 +55,11 @@ def start_service(name: str, log: Path, *flags: str, env: dict | None = None, me
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})
     service = Service(proc, f"127.0.0.1:{port}", log, metrics_port)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{name} exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if check(service.address, timeout_s=1) == "SERVING":
-                return service
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    service.stop()
-    pytest.fail(f"{name} not SERVING within {timeout_s} s:\n{log.read_text()}")
+    problem = wait_serving(proc, service.address, timeout_s=timeout_s)
+    if problem:
+        service.stop()
+        pytest.fail(f"{name} {problem}:\n{log.read_text()}")
+    return service
 
 
 def telemetry_stub(address: str) -> tuple[grpc.Channel, telemetry_pb2_grpc.TelemetryServiceStub]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.healthcheck import check
+from services.common.healthcheck import check, wait_serving
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.stack import free_port
 from tests.worker.oracle import reference_greedy, reference_logprobs
@@ -28,18 +28,11 @@ def start_worker(model_dir: Path, log: Path, *flags: str, env: dict | None = Non
                                  "--port", str(port), *flags], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"worker exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if check(address, timeout_s=1) == "SERVING":
-                return proc, address
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"worker not SERVING:\n{log.read_text()}")
+    problem = wait_serving(proc, address, timeout_s=90)
+    if problem:
+        proc.kill()
+        pytest.fail(f"worker {problem}:\n{log.read_text()}")
+    return proc, address
 
 
 def stop_worker(proc: subprocess.Popen) -> int:

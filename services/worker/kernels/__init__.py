@@ -20,6 +20,7 @@ round where the reference rounds, so the two agree to float32 rounding (tests co
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -85,7 +86,10 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="shardline_cpu_ops", sources=[str(SOURCE)],
+        # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
+        # sharing ~/.cache/torch_extensions under one name would rebuild each other's module
+        tag = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:10]
+        return load(name=f"shardline_cpu_ops_{tag}", sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build problem means: run the reference
         log.warning("CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
@@ -102,8 +106,7 @@ class _CppOps:
         return self._m.rms_norm(x.contiguous(), w, eps)
 
     def add_rms_norm(self, x, residual, w, eps):
-        normed, total = self._m.add_rms_norm(x.contiguous(), residual.contiguous(), w, eps)
-        return normed, total
+        return tuple(self._m.add_rms_norm(x.contiguous(), residual.contiguous(), w, eps))
 
     def rotary_(self, qkv, cos, sin, heads):
         self._m.rotary_(qkv, cos.contiguous(), sin.contiguous(), heads)
