@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.kernels import TorchOps, cpu_kernels, ops_for
+from services.worker.kernels import TorchOps, cpu_kernels, greedy_logsumexp, ops_for
+from services.worker.models.attention import AttentionMetadata
 
 REF = TorchOps()
 
@@ -75,6 +76,69 @@ def test_write_kv_from_strided_projection(cpp, dtype):
     REF.write_kv(caches[2], caches[3], k, v, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert torch.equal(caches[0].view(-1, 3, 64)[17], k[1])
+
+
+def paged_batch(dtype, context_lens, *, kv_heads=3, group=3, d=64, block_size=16, seed=0):
+    """Caches with each sequence's context in shuffled blocks, a q as the model passes it (a
+    strided view into the fused projection), and the step's metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-n // block_size) for n in context_lens) + 3
+    caches = [torch.randn(n_blocks, block_size, kv_heads, d, generator=gen).to(dtype) for _ in range(2)]
+    order = torch.randperm(n_blocks, generator=gen).tolist()
+    width = max(-(-n // block_size) for n in context_lens)
+    tables = torch.zeros(len(context_lens), width, dtype=torch.int64)
+    for i, n in enumerate(context_lens):
+        for j in range(-(-n // block_size)):
+            tables[i, j] = order.pop()
+    heads = kv_heads * group
+    qkv = torch.randn(len(context_lens), heads + 2 * kv_heads, d, generator=gen).to(dtype)
+    meta = AttentionMetadata(query_lens=[1] * len(context_lens), context_lens=list(context_lens),
+                             block_tables=tables)
+    return qkv[:, :heads], caches, meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("context_lens", [[1], [37], [5, 16, 17, 90, 1, 33], [200] * 16])
+def test_decode_attention_reads_blocks_in_place(cpp, dtype, context_lens):
+    q, (k_cache, v_cache), meta = paged_batch(dtype, context_lens, seed=len(context_lens))
+    got = cpp.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    want = REF.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    assert got.shape == want.shape == (len(context_lens), 9, 64) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # SDPA rounds its probabilities to the 16-bit dtype before p·v; the kernel keeps float32
+        torch.testing.assert_close(got, want, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+
+
+def test_decode_attention_rejects_a_table_too_short(cpp):
+    q, (k_cache, v_cache), meta = paged_batch(torch.float32, [20])
+    meta.context_lens = [40]
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        cpp.decode_attention(q, k_cache, v_cache, meta, 0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_logsumexp(cpp, monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(16, 49152, generator=gen)).to(dtype)
+    logits[3, 100] = logits[3, 40000] = logits[3].max() + 1  # a tie: the first index wins, as argmax
+    logits[5, :] = -torch.inf
+    logits[5, 7] = 2.0  # one finite logit
+    ids, lse = greedy_logsumexp(logits)
+    values = logits.float()
+    assert ids.tolist() == values.argmax(dim=-1).tolist() and ids[3] == 100
+    torch.testing.assert_close(lse, torch.logsumexp(values, dim=-1), rtol=2e-6, atol=2e-6)
+    monkeypatch.setenv("SHARDLINE_CPU_KERNELS", "0")  # the PyTorch path gives the same
+    ref_ids, ref_lse = greedy_logsumexp(logits)
+    assert torch.equal(ref_ids, ids)
+    torch.testing.assert_close(ref_lse, lse, rtol=2e-6, atol=2e-6)
+
+
+def test_greedy_logsumexp_nan_row_is_reported_not_hidden(cpp):
+    logits = torch.zeros(2, 1000)
+    logits[1, 500] = float("nan")
+    ids, lse = greedy_logsumexp(logits)
+    assert ids.tolist() == [0, 500] and torch.isnan(lse[1]) and lse[0] == pytest.approx(6.907755, rel=1e-6)
 
 
 def test_reference_can_be_forced(monkeypatch):

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from services.worker.engine.sequence import SamplingParams
+from services.worker.kernels import greedy_logsumexp
 
 _MASK64 = 2**64 - 1
 
@@ -127,7 +128,8 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Seq[SamplingRow]) -> SampleResult:
-        """``logits``: float32 ``[n, vocab]``; ``rows[i]`` describes row i."""
+        """``logits``: ``[n, vocab]`` in any float dtype (computed on in float32); ``rows[i]``
+        describes row i."""
         if logits.dim() != 2:
             raise SamplerError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
         n, vocab = logits.shape
@@ -135,13 +137,15 @@ class Sampler:
             raise SamplerError(f"logits have {n} rows but got {len(rows)} sampling rows")
         if n == 0:
             return SampleResult([], [], [])
-        logits = logits.float()
         device = logits.device
         # raw logprob of token t = logit_t − logsumexp(logits): one reduction per row instead of
-        # materialising log_softmax over the whole vocabulary every step
-        log_normalizer = torch.logsumexp(logits, dim=-1)
-        token_ids = logits.max(dim=-1).indices  # the first maximum, as argmax; one pass faster on CPU
+        # materialising log_softmax over the whole vocabulary every step; both reductions in one
+        # kernel on CPU, straight from the model's dtype (exact in float32)
+        token_ids, log_normalizer = greedy_logsumexp(logits)
         sampled_rows = [i for i, r in enumerate(rows) if r.temperature != 0]
+        k_max = min(max(r.top_logprobs for r in rows), vocab)
+        if sampled_rows or k_max > 0:
+            logits = logits.float()
         if sampled_rows:
             index = torch.tensor(sampled_rows, device=device)
             probs = self._filtered_probs(logits[index], [rows[i] for i in sampled_rows], vocab)
@@ -157,9 +161,8 @@ class Sampler:
             # q may (rarely) be 0: clamp so masked tokens (p = 0) stay at 0, never 0/0
             token_ids[index] = (probs / q.clamp_min_(1e-30)).argmax(dim=-1)
 
-        chosen = logits.gather(-1, token_ids[:, None]).squeeze(-1) - log_normalizer
+        chosen = logits.gather(-1, token_ids[:, None]).squeeze(-1).float() - log_normalizer
         top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        k_max = min(max(r.top_logprobs for r in rows), vocab)
         if k_max > 0:
             values, indices = logits.topk(k_max, dim=-1)
             values, indices = (values - log_normalizer[:, None]).tolist(), indices.tolist()

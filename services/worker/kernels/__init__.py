@@ -1,4 +1,5 @@
-"""Fused kernels for the decoder layer's element-wise work, and their PyTorch references.
+"""Fused kernels for the decoder layer's element-wise work and decode attention, and their
+PyTorch references.
 
 A decode step on CPU is a few large matmuls and, per layer, ~35 small PyTorch ops (RMSNorm alone
 is eight); at batch 1 their dispatch costs a third of the step. vLLM's CPU backend answers with
@@ -8,11 +9,18 @@ C++ kernels; so do we, for the five pieces of a Llama layer that are not matmuls
 - ``rotary_(qkv, cos, sin, heads)``: rotary embedding in place on q and k inside the fused
   projection's output;
 - ``silu_and_mul(gate_up) -> silu(gate) * up``;
-- ``write_kv(k_cache, v_cache, k, v, slots)``: this step's keys and values into the paged cache.
+- ``write_kv(k_cache, v_cache, k, v, slots)``: this step's keys and values into the paged cache;
+- ``decode_attention(q, k_cache, v_cache, meta, scale)``: one query per sequence against its
+  cached context, read in place through the block table (``cpu_attention.cpp``; the reference
+  gathers the blocks into a padded batch and calls SDPA with a padding mask).
 
-:class:`TorchOps` is the reference (plain PyTorch, any device); the C++ versions (``cpu_ops.cpp``,
-built with ``torch.utils.cpp_extension`` on first use, cached under ``~/.cache/torch_extensions``)
-round where the reference rounds, so the two agree to float32 rounding (tests compare them).
+:func:`greedy_logsumexp` gives a sampler the greedy token and the logsumexp of every row of a
+step's logits in one pass each (``cpu_sampling.cpp``).
+
+:class:`TorchOps` is the reference (plain PyTorch, any device); the C++ versions (built with
+``torch.utils.cpp_extension`` on first use, cached under ``~/.cache/torch_extensions``) round
+where the reference rounds, so the two agree to float32 rounding (tests compare them). Their
+loops are written to vectorise (``cpu_vec.h``: bfloat16 as bits, a branch-free ``exp``).
 :func:`ops_for` picks the C++ kernels for CPU tensors when they build, the reference otherwise;
 ``SHARDLINE_CPU_KERNELS=0`` forces the reference.
 """
@@ -29,9 +37,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.worker.models.attention import AttentionMetadata, gather_decode_attention
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sampling.cpp")]
 
 
 class LayerOps(Protocol):
@@ -42,6 +52,8 @@ class LayerOps(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slots: torch.Tensor) -> None: ...
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
 class TorchOps:
@@ -79,6 +91,11 @@ class TorchOps:
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
+    @staticmethod
+    def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return gather_decode_attention(q, k_cache, v_cache, meta, scale)
+
 
 @functools.cache
 def cpu_kernels():
@@ -88,9 +105,9 @@ def cpu_kernels():
 
         # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
         # sharing ~/.cache/torch_extensions under one name would rebuild each other's module
-        tag = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:10]
-        return load(name=f"shardline_cpu_ops_{tag}", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], verbose=False)
+        tag = hashlib.sha1(str(SOURCES[0].resolve()).encode()).hexdigest()[:10]
+        return load(name=f"shardline_cpu_ops_{tag}", sources=[str(p) for p in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build problem means: run the reference
         log.warning("CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
         return None
@@ -117,6 +134,10 @@ class _CppOps:
     def write_kv(self, k_cache, v_cache, k, v, slots):
         self._m.write_kv(k_cache, v_cache, k, v, slots)
 
+    def decode_attention(self, q, k_cache, v_cache, meta, scale):
+        return self._m.decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                        meta.context_lens_tensor(q.device), scale)
+
 
 def kernels_enabled() -> bool:
     return os.environ.get("SHARDLINE_CPU_KERNELS", "1") not in ("0", "false", "no")
@@ -130,3 +151,15 @@ def ops_for(device: torch.device | str | None) -> LayerOps:
             return _CppOps(module)
     return TorchOps()
 
+
+
+def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``logits`` [n, vocab] (any float dtype): the greedy token (first maximum, as
+    ``argmax``) and ``logsumexp`` in float32. The C++ kernel on CPU, PyTorch elsewhere."""
+    if logits.device.type == "cpu" and kernels_enabled() and logits.stride(-1) == 1:
+        module = cpu_kernels()
+        if module is not None:
+            ids, lse = module.greedy_logsumexp(logits)
+            return ids, lse
+    values = logits.float()
+    return values.max(dim=-1).indices, torch.logsumexp(values, dim=-1)

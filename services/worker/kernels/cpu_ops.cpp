@@ -3,17 +3,20 @@
 // Each kernel does in one pass what the reference does in several PyTorch ops, and rounds where
 // the reference rounds: for bfloat16/float16 every intermediate the reference materialises in
 // the low-precision dtype is rounded to it here too, so outputs match the op-by-op reference.
-// Rows are independent; large row counts run in parallel (at::parallel_for).
+// Rows are independent; large row counts run in parallel (at::parallel_for). Inner loops are
+// written to vectorise (cpu_vec.h; `omp simd` lets a sum be split across lanes).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 
-namespace {
+#include "cpu_vec.h"
 
-template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
-// round a float to T and back: the value the reference holds after an op in dtype T
-template <typename T> inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
+using shardline::Elem;
+using shardline::fast_exp;
+using shardline::round_to;
+
+namespace {
 
 constexpr int64_t kGrain = 16;  // rows per task
 
@@ -24,10 +27,13 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 template <typename T>
 void rms_row(const T* x, const T* w, T* out, int64_t d, float eps) {
+  using E = Elem<T>;
   float ss = 0.f;
-  for (int64_t i = 0; i < d; ++i) { float v = to_f(x[i]); ss += v * v; }
+SHARDLINE_SIMD_SUM(ss)
+  for (int64_t i = 0; i < d; ++i) { const float v = E::load(x + i); ss += v * v; }
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(rnd<T>(to_f(x[i]) * r) * to_f(w[i]));
+SHARDLINE_SIMD
+  for (int64_t i = 0; i < d; ++i) E::store(out + i, round_to<T>(E::load(x + i) * r) * E::load(w + i));
 }
 
 }  // namespace
@@ -62,8 +68,10 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
     scalar_t* sp = sum.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      using E = Elem<scalar_t>;
       for (int64_t r = b; r < e; ++r) {
-        for (int64_t i = 0; i < d; ++i) sp[r * d + i] = static_cast<scalar_t>(to_f(rp[r * d + i]) + to_f(xp[r * d + i]));
+SHARDLINE_SIMD
+        for (int64_t i = r * d; i < (r + 1) * d; ++i) E::store(sp + i, E::load(rp + i) + E::load(xp + i));
         rms_row(sp + r * d, wp, op + r * d, d, static_cast<float>(eps));
       }
     });
@@ -84,17 +92,19 @@ void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t he
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      using E = Elem<scalar_t>;
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* c = cp + t * half;
         const scalar_t* s = sp + t * half;
         for (int64_t h = 0; h < heads; ++h) {
           scalar_t* x = qp + (t * total + h) * d;
+SHARDLINE_SIMD
           for (int64_t i = 0; i < half; ++i) {
-            const float x1 = to_f(x[i]), x2 = to_f(x[i + half]), ci = to_f(c[i]), si = to_f(s[i]);
-            const float a = rnd<scalar_t>(x1 * ci), bb = rnd<scalar_t>(x2 * si);
-            const float cc = rnd<scalar_t>(x2 * ci), dd = rnd<scalar_t>(x1 * si);
-            x[i] = static_cast<scalar_t>(a - bb);
-            x[i + half] = static_cast<scalar_t>(cc + dd);
+            const float x1 = E::load(x + i), x2 = E::load(x + i + half), ci = E::load(c + i), si = E::load(s + i);
+            const float a = round_to<scalar_t>(x1 * ci), bb = round_to<scalar_t>(x2 * si);
+            const float cc = round_to<scalar_t>(x2 * ci), dd = round_to<scalar_t>(x1 * si);
+            E::store(x + i, a - bb);
+            E::store(x + i + half, cc + dd);
           }
         }
       }
@@ -113,14 +123,16 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+      using E = Elem<scalar_t>;
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* g = gp + r * two_i;
         const scalar_t* u = g + inter;
         scalar_t* o = op + r * inter;
+SHARDLINE_SIMD
         for (int64_t i = 0; i < inter; ++i) {
-          const float x = to_f(g[i]);
-          const float act = rnd<scalar_t>(x / (1.0f + std::exp(-x)));
-          o[i] = static_cast<scalar_t>(act * to_f(u[i]));
+          const float x = E::load(g + i);
+          const float act = round_to<scalar_t>(x / (1.0f + fast_exp(-x)));
+          E::store(o + i, act * E::load(u + i));
         }
       }
     });
@@ -149,10 +161,17 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   }
 }
 
+// cpu_attention.cpp, cpu_sampling.cpp
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor tables, torch::Tensor context_lens, double scale);
+std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv", &write_kv);
+  m.def("decode_attention", &decode_attention);
+  m.def("greedy_logsumexp", &greedy_logsumexp);
 }

@@ -9,6 +9,7 @@ then each sequence's context is gathered block by block through its ``block_tabl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [n_tokens] flat slot = block * block_size + offset
     block_tables: torch.Tensor | None = None  # [n_seqs, max_blocks] int64, padded with 0
     _decode_mask: torch.Tensor | None = None
+    _context_lens: torch.Tensor | None = None
+
+    def context_lens_tensor(self, device: torch.device) -> torch.Tensor:
+        """``context_lens`` as an int64 tensor, built once per step."""
+        if self._context_lens is None:
+            self._context_lens = torch.tensor(self.context_lens, dtype=torch.int64, device=device)
+        return self._context_lens
 
     def decode_mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """[B, 1, 1, max_ctx] additive padding mask of a decode batch (0 or -inf, in the query's
@@ -42,7 +50,7 @@ class AttentionMetadata:
     def prefill(cls, lengths: list[int]) -> AttentionMetadata:
         return cls(query_lens=list(lengths), context_lens=list(lengths))
 
-    @property
+    @functools.cached_property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
@@ -76,22 +84,29 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(tables.shape[0], -1, *cache.shape[2:])
 
 
+def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence (``q`` [B, heads, d]): gather every context padded to the longest,
+    mask the padding, SDPA. The reference for the paged decode kernels (LayerOps)."""
+    assert meta.block_tables is not None
+    max_ctx = max(meta.context_lens)
+    n_blocks = -(-max_ctx // k_cache.shape[1])
+    tables = meta.block_tables[:, :n_blocks]
+    keys = gather_blocks(k_cache, tables)[:, :max_ctx].transpose(1, 2)  # [B, kv, L, d]
+    values = gather_blocks(v_cache, tables)[:, :max_ctx].transpose(1, 2)
+    mask = meta.decode_mask(q.device, q.dtype)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """``q``: [tokens, heads, d]; caches: [blocks, block_size, kv_heads, d]."""
+    """Each sequence's queries (``q``: [tokens, heads, d]) against its cached context, causally
+    (caches: [blocks, block_size, kv_heads, d]): the prefill and mixed-step path. Decode-only
+    steps go through ``LayerOps.decode_attention``."""
     assert meta.block_tables is not None
     block_size = k_cache.shape[1]
-    if meta.is_decode:
-        # one query per sequence: gather every context padded to the longest, mask the padding
-        max_ctx = max(meta.context_lens)
-        n_blocks = -(-max_ctx // block_size)
-        tables = meta.block_tables[:, :n_blocks]
-        keys = gather_blocks(k_cache, tables)[:, :max_ctx].transpose(1, 2)  # [B, kv, L, d]
-        values = gather_blocks(v_cache, tables)[:, :max_ctx].transpose(1, 2)
-        mask = meta.decode_mask(q.device, q.dtype)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                             scale=scale, enable_gqa=True)
-        return out.squeeze(2)
     outs, start = [], 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
         n_blocks = -(-ctx // block_size)

@@ -70,7 +70,10 @@ class LlamaAttention(nn.Module):
         else:
             k_cache, v_cache = self.kv_cache
             ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            if meta.is_decode:
+                out = ops.decode_attention(q, k_cache, v_cache, meta, self.scale)
+            else:
+                out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return out.reshape(n, self.heads * self.head_dim)
 
 
