@@ -4,13 +4,16 @@
 (also ``shardline bench router ...``).
 
 Side by side in one run, same machine, same worker, same requests: N concurrent greedy streams
-(``ignore_eos``, fixed prompt ids) sent straight to the worker's ``WorkerService.Generate`` and
-through the router's ``RouterService.Generate``, in alternating rounds so that drift in the
-machine's load hits both alike. Per request, TPOT = (last token − first token) / (tokens − 1);
-per token, the inter-token latency (ITL). Reported: p50/p99 of both per path, the router's
-added TPOT (routed − direct at the same percentile), streamed tokens/s per path, and the router
-process's CPU time per streamed token. The unit-level part times ``Router.try_reserve`` +
-``release`` and a full ``AdmissionQueue.admit`` over 4, 16 and 64 groups.
+(``ignore_eos``, fixed prompt ids) sent straight to the worker's ``WorkerService.Generate`` (one
+call per stream), straight to the worker on one ``WorkerService.Relay`` stream (one message per
+engine step for all of them: what the router sends), and through the router's
+``RouterService.Generate`` (which the router carries on its Relay stream to the worker), in
+rounds whose order rotates so that drift in the machine's load hits all alike. Per request, TPOT
+= (last token − first token) / (tokens − 1); per token, the inter-token latency (ITL). Reported:
+p50/p99 of both per path, the router's added TPOT (routed − direct at the same percentile, the
+target's measure against Generate, and against the direct Relay client), streamed tokens/s per
+path, and the router process's CPU time per streamed token. The unit-level part times
+``Router.try_reserve`` + ``release`` and a full ``AdmissionQueue.admit`` over 4, 16 and 64 groups.
 
 Writes ``bench/results/router.json`` and ``bench/results/router.md``.
 """
@@ -64,6 +67,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def prompt_ids(i: int, prompt_len: int) -> list[int]:
+    return [(7 * i + j) % 250 + 4 for j in range(prompt_len)]
+
+
+def greedy(max_tokens: int) -> common_pb2.SamplingParameters:
+    return common_pb2.SamplingParameters(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def run_round(call, n_streams: int, prompt_len: int, max_tokens: int) -> tuple[list[StreamTimes], float]:
     """``n_streams`` concurrent streams through ``call(ids, sampling)``; (times, wall seconds)."""
     barrier = threading.Barrier(n_streams + 1)
@@ -71,8 +82,8 @@ def run_round(call, n_streams: int, prompt_len: int, max_tokens: int) -> tuple[l
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
-        ids = [(7 * i + j) % 250 + 4 for j in range(prompt_len)]
-        sampling = common_pb2.SamplingParameters(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        ids = prompt_ids(i, prompt_len)
+        sampling = greedy(max_tokens)
         times = results[i]
         barrier.wait()
         times.start = time.perf_counter()
@@ -93,6 +104,28 @@ def run_round(call, n_streams: int, prompt_len: int, max_tokens: int) -> tuple[l
     wall = time.perf_counter() - t0
     if errors:
         raise RuntimeError(f"{len(errors)} streams failed: {errors[0]}")
+    assert all(len(r.arrivals) == max_tokens for r in results)
+    return results, wall
+
+
+def relay_round(stub, n_streams: int, prompt_len: int, max_tokens: int) -> tuple[list[StreamTimes], float]:
+    """The same streams as one client's ``WorkerService.Relay`` stream straight to the worker (what
+    the router sends); a token's arrival is that of the message carrying it."""
+    submits = [worker_pb2.RelayRequest(submit=worker_pb2.RelaySubmit(relay_id=i, request=worker_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=prompt_ids(i, prompt_len)), sampling=greedy(max_tokens))))
+        for i in range(n_streams)]
+    results = [StreamTimes() for _ in range(n_streams)]
+    t0 = time.perf_counter()
+    for times in results:
+        times.start = t0
+    for response in stub.Relay(iter(submits)):  # half-closed after the submits: ends with the requests
+        now = time.perf_counter()
+        for event in response.events:
+            if event.HasField("token"):
+                results[event.relay_id].arrivals.append(now)
+            elif event.HasField("error"):
+                raise RuntimeError(f"relayed stream {event.relay_id} failed: {event.error.message}")
+    wall = time.perf_counter() - t0
     assert all(len(r.arrivals) == max_tokens for r in results)
     return results, wall
 
@@ -168,44 +201,75 @@ def summarize(rounds: list[list[StreamTimes]], walls: list[float], tokens_per_ro
     }
 
 
+def added_over(summaries: dict[str, dict[str, Any]], rounds: dict[str, list[list[StreamTimes]]],
+               baseline: str) -> dict[str, Any]:
+    """What the routed path adds over ``baseline``: the difference of each percentile, and paired
+    (each round's routed TPOT p50 minus the baseline's of the same round), median over rounds."""
+    b, t = summaries[baseline], summaries["routed"]
+    per_round = [percentile([s.tpot_s * 1e3 for s in r], 50) - percentile([s.tpot_s * 1e3 for s in d], 50)
+                 for r, d in zip(rounds["routed"], rounds[baseline], strict=True)]
+    return {
+        "tpot_p50_ms": t["tpot_ms"]["p50"] - b["tpot_ms"]["p50"],
+        "tpot_p99_ms": t["tpot_ms"]["p99"] - b["tpot_ms"]["p99"],
+        "itl_p50_ms": t["itl_ms"]["p50"] - b["itl_ms"]["p50"],
+        "itl_p99_ms": t["itl_ms"]["p99"] - b["itl_ms"]["p99"],
+        "ttft_p50_ms": t["ttft_ms"]["p50"] - b["ttft_ms"]["p50"],
+        "tpot_p50_paired_ms": statistics.median(per_round),
+        "tpot_p50_per_round_ms": per_round,
+    }
+
+
 def markdown(r: dict[str, Any]) -> str:
-    d, t, a = r["direct"], r["routed"], r["added"]
+    d, q, t, a, b = r["direct"], r["direct_relay"], r["routed"], r["added"], r["added_vs_relay"]
     ok = "meets" if r["meets_target"] else "misses"
+
+    def row(label: str, key: str, pct: str, fmt: str, unit: str) -> str:
+        cells = [f"{x[key][pct]:{fmt}} {unit}" for x in (d, q, t)]
+        added = [f"{x[f'{key[:-3]}_{pct}_ms']:+{fmt}} {unit}" for x in (a, b)]
+        return f"| {label} | {' | '.join(cells + added)} |"
+
     lines = [
         "# Router benchmark",
         "",
         f"Model: {r['model']} on one worker (TP{r['tp']}/PP{r['pp']}, {r['dtype']}); {r['streams']} concurrent greedy "
         f"streams of {r['max_tokens']} tokens (prompt {r['prompt_tokens']} tokens, ignore_eos), {r['rounds']} rounds "
-        f"per path, alternating. Machine: {r['machine']['cpus']} CPUs, {r['machine']['platform']}; worker, router "
-        f"and client share them (1-minute load average {r['machine']['load_avg_1m_before']:.1f} before the run, "
+        f"per path, the paths' order rotating. Paths: straight to the worker, one `WorkerService.Generate` call "
+        f"per stream (one message per token); straight to the worker on one `WorkerService.Relay` stream (one "
+        f"message per engine step for all streams, what the router sends); through the router, "
+        f"`RouterService.Generate`, which the router carries on its Relay stream to the worker. Machine: "
+        f"{r['machine']['cpus']} CPUs, {r['machine']['platform']}; worker, router and client share them (1-minute "
+        f"load average {r['machine']['load_avg_1m_before']:.1f} before the run, "
         f"{r['machine']['load_avg_1m_after']:.1f} after).",
         "",
-        "| measure | straight to the worker | through the router | added by the router |",
-        "|---|---|---|---|",
-        f"| TPOT p50 | {d['tpot_ms']['p50']:.2f} ms | {t['tpot_ms']['p50']:.2f} ms | {a['tpot_p50_ms']:+.2f} ms |",
-        f"| TPOT p99 | {d['tpot_ms']['p99']:.2f} ms | {t['tpot_ms']['p99']:.2f} ms | {a['tpot_p99_ms']:+.2f} ms |",
-        f"| inter-token latency p50 | {d['itl_ms']['p50']:.2f} ms | {t['itl_ms']['p50']:.2f} ms | "
-        f"{a['itl_p50_ms']:+.2f} ms |",
-        f"| inter-token latency p99 | {d['itl_ms']['p99']:.2f} ms | {t['itl_ms']['p99']:.2f} ms | "
-        f"{a['itl_p99_ms']:+.2f} ms |",
-        f"| time to first token p50 | {d['ttft_ms']['p50']:.1f} ms | {t['ttft_ms']['p50']:.1f} ms | "
-        f"{a['ttft_p50_ms']:+.1f} ms |",
-        f"| streamed tokens/s | {d['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} | "
-        f"ratio {t['tokens_per_s'] / d['tokens_per_s']:.3f} |",
+        "| measure | straight, Generate | straight, Relay | through the router | added (vs Generate) | "
+        "added (vs Relay) |",
+        "|---|---|---|---|---|---|",
+        row("TPOT p50", "tpot_ms", "p50", ".2f", "ms"),
+        row("TPOT p99", "tpot_ms", "p99", ".2f", "ms"),
+        row("inter-token latency p50", "itl_ms", "p50", ".2f", "ms"),
+        row("inter-token latency p99", "itl_ms", "p99", ".2f", "ms"),
+        row("time to first token p50", "ttft_ms", "p50", ".1f", "ms"),
+        f"| streamed tokens/s | {d['tokens_per_s']:,.0f} | {q['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} | "
+        f"ratio {t['tokens_per_s'] / d['tokens_per_s']:.3f} | ratio {t['tokens_per_s'] / q['tokens_per_s']:.3f} |",
         "",
-        f"Target: added TPOT p50 ≤ {TARGET_P50_MS:g} ms and p99 ≤ {TARGET_P99_MS:g} ms at {r['streams']} streams: "
-        f"this run {ok} it. Router CPU: {r['router_cpu_us_per_token']:.0f} µs per streamed token "
-        f"({r['router_cpu_s']:.2f} s over {r['routed_tokens']:,} tokens).",
+        f"Target: added TPOT (vs Generate) p50 ≤ {TARGET_P50_MS:g} ms and p99 ≤ {TARGET_P99_MS:g} ms at "
+        f"{r['streams']} streams: this run {ok} it. Router CPU: {r['router_cpu_us_per_token']:.0f} µs per streamed "
+        f"token ({r['router_cpu_s']:.2f} s over {r['routed_tokens']:,} tokens).",
         "",
-        f"Paired by round (each round's routed TPOT p50 minus the direct one run next to it): median "
-        f"{a['tpot_p50_paired_ms']:+.2f} ms; per round "
-        + ", ".join(f"{x:+.2f}" for x in a["tpot_p50_per_round_ms"]) + " ms.",
+        f"Paired by round (each round's routed TPOT p50 minus the other path's of the same round): median "
+        f"{a['tpot_p50_paired_ms']:+.2f} ms vs Generate (per round "
+        + ", ".join(f"{x:+.2f}" for x in a["tpot_p50_per_round_ms"]) + f" ms), {b['tpot_p50_paired_ms']:+.2f} ms "
+        "vs Relay (per round " + ", ".join(f"{x:+.2f}" for x in b["tpot_p50_per_round_ms"]) + " ms).",
         "",
         "On a machine where the worker, the router and the client threads share the CPUs, every "
-        "microsecond the router spends relaying a token is taken from the worker's next step, so the added "
-        "TPOT measures that contention; the router's own per-token CPU cost is the figure that carries to "
-        "machines where the router has a core of its own (where a relay adds latency to each token but "
-        "not to the interval between tokens).",
+        "microsecond spent relaying a token is taken from the worker's next step, so the added TPOT "
+        "measures that contention. Per-request Generate calls cost the worker a message and a handler "
+        "thread's wake-up per token per stream, a Relay stream one message per step, so the routed path "
+        "can beat the direct Generate one. The direct Relay client is also the cheapest client (one thread "
+        "reading one message per step, where the other two paths' clients read one message per token on a "
+        "thread per stream), so the column against it counts the router plus that client difference. The "
+        "router's per-token CPU is the figure that carries to machines where the router has a core of its "
+        "own (where a relay adds latency to each token but not to the interval between tokens).",
         "",
         "| routing decision (unit level) | 4 groups | 16 groups | 64 groups |",
         "|---|---|---|---|",
@@ -261,16 +325,19 @@ def main(argv: list[str] | None = None) -> int:
             return router_stub.Generate(router_pb2.RouterGenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
                                                                          sampling=sampling))
 
-        run_round(direct, args.streams, args.prompt_tokens, 8)  # warm-up, both paths
-        run_round(routed, args.streams, args.prompt_tokens, 8)
-        rounds: dict[str, list] = {"direct": [], "routed": []}
-        walls: dict[str, list[float]] = {"direct": [], "routed": []}
+        paths = {"direct": lambda n: run_round(direct, args.streams, args.prompt_tokens, n),
+                 "relay": lambda n: relay_round(worker_stub, args.streams, args.prompt_tokens, n),
+                 "routed": lambda n: run_round(routed, args.streams, args.prompt_tokens, n)}
+        for path in paths.values():  # warm-up
+            path(8)
+        rounds: dict[str, list] = {name: [] for name in paths}
+        walls: dict[str, list[float]] = {name: [] for name in paths}
         router_cpu = 0.0
         for i in range(args.rounds):
-            for name, call in (("direct", direct), ("routed", routed)) if i % 2 == 0 else \
-                    (("routed", routed), ("direct", direct)):
+            names = list(paths)
+            for name in names[i % 3:] + names[:i % 3]:  # each path first, second and last in turn
                 before = cpu_seconds(router.pid)
-                times, wall = run_round(call, args.streams, args.prompt_tokens, args.max_tokens)
+                times, wall = paths[name](args.max_tokens)
                 if name == "routed":
                     router_cpu += cpu_seconds(router.pid) - before
                 rounds[name].append(times)
@@ -286,27 +353,17 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
 
     tokens_per_round = args.streams * args.max_tokens
-    direct_s = summarize(rounds["direct"], walls["direct"], tokens_per_round)
-    routed_s = summarize(rounds["routed"], walls["routed"], tokens_per_round)
-    added = {
-        "tpot_p50_ms": routed_s["tpot_ms"]["p50"] - direct_s["tpot_ms"]["p50"],
-        "tpot_p99_ms": routed_s["tpot_ms"]["p99"] - direct_s["tpot_ms"]["p99"],
-        "itl_p50_ms": routed_s["itl_ms"]["p50"] - direct_s["itl_ms"]["p50"],
-        "itl_p99_ms": routed_s["itl_ms"]["p99"] - direct_s["itl_ms"]["p99"],
-        "ttft_p50_ms": routed_s["ttft_ms"]["p50"] - direct_s["ttft_ms"]["p50"],
-    }
-    # paired: round i's routed p50 minus round i's direct p50 (run back to back), median over rounds
-    per_round = [percentile([s.tpot_s * 1e3 for s in r], 50) - percentile([s.tpot_s * 1e3 for s in d], 50)
-                 for r, d in zip(rounds["routed"], rounds["direct"], strict=True)]
-    added["tpot_p50_paired_ms"] = statistics.median(per_round)
-    added["tpot_p50_per_round_ms"] = per_round
+    summaries = {name: summarize(rounds[name], walls[name], tokens_per_round) for name in rounds}
+    direct_s, relay_s, routed_s = summaries["direct"], summaries["relay"], summaries["routed"]
+    added, added_vs_relay = added_over(summaries, rounds, "direct"), added_over(summaries, rounds, "relay")
     routed_tokens = tokens_per_round * args.rounds
     result = {
         "model": str(args.model), "tp": args.tp, "pp": args.pp, "dtype": args.dtype, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "load_avg_1m_before": load_before[0], "load_avg_1m_after": os.getloadavg()[0]},
-        "direct": direct_s, "routed": routed_s, "added": added,
+        "direct": direct_s, "direct_relay": relay_s, "routed": routed_s, "added": added,
+        "added_vs_relay": added_vs_relay,
         "meets_target": added["tpot_p50_ms"] <= TARGET_P50_MS and added["tpot_p99_ms"] <= TARGET_P99_MS,
         "router_cpu_s": router_cpu, "routed_tokens": routed_tokens,
         "router_cpu_us_per_token": router_cpu / routed_tokens * 1e6,

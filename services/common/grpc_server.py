@@ -57,6 +57,14 @@ STATUS_FOR_ERROR: dict[type[ShardlineError], grpc.StatusCode] = {
 }
 
 
+# Clients keep long-lived streams open (a router's Relay stream to each worker) and ping them
+# every 10 s to notice a dead peer; grpc's default policy answers pings more often than every
+# 5 minutes on a stream without data with GOAWAY ("too_many_pings"), which would break an idle
+# Relay stream every ~30 s.
+KEEPALIVE_POLICY = [("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                    ("grpc.keepalive_permit_without_calls", 1)]
+
+
 def status_for(exc: ShardlineError) -> grpc.StatusCode:
     """The status of the most specific mapped class in ``exc``'s MRO, so a subclass such as a
     ``CheckpointLayoutError(FailedPrecondition)`` needs no entry of its own."""
@@ -195,7 +203,7 @@ def start_server(config: ServerConfig, bindings: list[ServiceBinding], *, start_
         interceptors=[ErrorInterceptor()],
         # grpc enables SO_REUSEPORT by default: a second server on a taken port would start
         # "fine" and steal half the connections. Fail loudly instead.
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), *KEEPALIVE_POLICY],
     )
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)

@@ -5,17 +5,18 @@ app), all on the router's one event loop. A :class:`Generation` is one request: 
 start()`` admits it and opens the stream on the chosen group (a request that has to wait in the
 admission queue waits on a thread of its own, so the loop never blocks); ``async for`` relays
 tokens with the router's own incremental detokenization; ``cancel()`` (client cancel or
-disconnect) cancels the upstream call, which frees the worker's blocks; ``close()``, which the
+disconnect) cancels the upstream request, which frees the worker's blocks; ``close()``, which the
 relay and the front doors call however the request ends, releases the reservation.
 
-If the group fails mid-stream (the worker ends the call with UNAVAILABLE), the group is marked
+If the group fails mid-stream (the worker ends the request with UNAVAILABLE), the group is marked
 failed and the request continues on another group: prompt + the tokens already streamed
 become the new prompt, ``max_tokens`` shrinks by as many, and the client sees one unbroken
 stream (``replica_group_id`` changes on the messages that follow).
 
-Per relayed token the loop does only what the client needs: one await on the worker's call, the
-detokenizer (``detok.py``: one dict lookup for most tokens), one TokenOut. No locks, no metrics
-and no logging per token: metrics are counted per request.
+Per relayed token the loop does only what the client needs: one await on the request's upstream
+stream (``worker_client.py`` reads the worker's Relay stream once per engine step for all the
+requests on it), the detokenizer (``detok.py``: one dict lookup for most tokens), one TokenOut.
+No locks, no metrics and no logging per token: metrics are counted per request.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CONTINUATIONS = 2
 
 
-# (address, request_id, prompt ids, sampling, trace context) -> an open Generate stream on that worker
+# (address, request_id, prompt ids, sampling, trace context) -> the request's stream on that worker
 OpenUpstream = Callable[[str, str, list[int], SamplingSpec, tuple[tuple[str, str], ...]], UpstreamStream]
 
 
@@ -128,7 +129,7 @@ class Generation:
         self._done = False  # the stream has ended, whatever the way
         self._finished = False  # a final event was produced (the worker needs no cancel)
         self._failure_counted = False
-        self._continued_from = 0  # tokens generated before the current upstream call
+        self._continued_from = 0  # tokens generated before the current upstream stream
         self._running_on = ""  # group counted in the running-requests gauge
 
     @property

@@ -1,20 +1,25 @@
 """gRPC client of one replica group's WorkerService, in the router's domain terms.
 
 The only router module besides ``server.py`` that speaks gRPC: Stats answers become
-:class:`~services.router.replicas.WorkerStats`, a Generate stream becomes an
-:class:`UpstreamStream` whose ``await next()`` gives :class:`UpstreamToken` events then one
-:class:`UpstreamFinished`, and a failed call becomes a ShardlineError (UNAVAILABLE with the
-worker's ``shardline-generated-token-ids`` trailing metadata becomes :class:`WorkerFailed`, which
-carries those ids).
+:class:`~services.router.replicas.WorkerStats`, and every request routed to the worker rides
+the one :class:`WorkerRelay` stream the client keeps open to it (``WorkerService.Relay``: the
+worker sends one message per engine step with that step's tokens of all of them, so relaying a
+token costs the router no gRPC read of its own). Each request is an :class:`UpstreamStream`
+whose ``await next()`` gives :class:`UpstreamToken` events then one :class:`UpstreamFinished`;
+a failure becomes a ShardlineError (a group that failed mid-generation, UNAVAILABLE with the ids
+it had produced, becomes :class:`WorkerFailed`, which carries those ids; a draining worker
+:class:`WorkerRejected`; a broken relay stream WorkerFailed for each of its live requests).
 
 Two channels per worker: a blocking one for the poller thread's Stats and health checks, and a
-grpc.aio one, made on the router's event loop, for the Generate streams that the loop relays.
+grpc.aio one, made on the router's event loop, for the Relay stream that the loop reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import collections
+import itertools
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +31,6 @@ from services.router.admission import RequestCancelled
 from services.router.replicas import WorkerStats
 from services.router.types import FinishReason, SamplingSpec
 
-GENERATED_IDS_KEY = "shardline-generated-token-ids"  # the worker's trailing metadata key
 DTYPE_NAMES = {common_pb2.DTYPE_FLOAT32: "float32", common_pb2.DTYPE_BFLOAT16: "bfloat16",
                common_pb2.DTYPE_FLOAT16: "float16", common_pb2.DTYPE_INT8: "int8", common_pb2.DTYPE_FP8: "fp8"}
 FINISH_FROM_PB = {
@@ -77,16 +81,13 @@ def sampling_to_pb(spec: SamplingSpec) -> common_pb2.SamplingParameters:
     return pb
 
 
-def _metadata_ids(call: grpc.Call | grpc.aio.AioRpcError) -> list[int] | None:
-    for key, value in call.trailing_metadata() or ():
-        if key == GENERATED_IDS_KEY:
-            return [int(t) for t in value.split(",") if t]
-    return None
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def translate_error(exc: grpc.RpcError, address: str) -> ShardlineError:
-    """A worker's failed call as the domain error the router's client should see."""
-    code, details = exc.code(), exc.details() or ""
+def error_for_status(code: grpc.StatusCode, details: str, address: str,
+                     generated: list[int] | None = None) -> ShardlineError:
+    """A worker's failure status as the domain error the router's client should see;
+    ``generated``: the ids a group that failed mid-generation had produced (None: not sent)."""
     if code == grpc.StatusCode.CANCELLED:
         return RequestCancelled(f"the call to worker {address} was cancelled")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -95,56 +96,167 @@ def translate_error(exc: grpc.RpcError, address: str) -> ShardlineError:
         return ResourceExhausted(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
-    if code == grpc.StatusCode.UNAVAILABLE and hasattr(exc, "trailing_metadata"):
-        ids = _metadata_ids(exc)
-        if ids is not None:
-            return WorkerFailed(f"replica group at {address} failed: {details}", ids)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if generated is not None:
+            return WorkerFailed(f"replica group at {address} failed: {details}", generated)
         if "draining" in details:
             return WorkerRejected(f"worker {address}: {details}")
     return WorkerFailed(f"worker {address}: {code.name}: {details}", [])
 
 
-
 class UpstreamStream:
-    """One Generate call on a worker, on the router's event loop: ``await next()`` for each event
-    (after UpstreamFinished, do not call it again); ``cancel()`` stops the worker's sequence."""
+    """One request on a worker's Relay stream, on the router's event loop: ``await next()`` for
+    each event (after UpstreamFinished, do not call it again); ``cancel()`` stops the worker's
+    sequence. The relay's reader hands it its events (:meth:`_deliver`)."""
 
-    __slots__ = ("_call", "address")
+    __slots__ = ("relay", "relay_id", "address", "_events", "_waiter", "_failure", "_ended")
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
-        self._call = call
-        self.address = address
+    def __init__(self, relay: WorkerRelay, relay_id: int) -> None:
+        self.relay = relay
+        self.relay_id = relay_id
+        self.address = relay.address
+        self._events: collections.deque[UpstreamToken | UpstreamFinished | ShardlineError] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._failure: ShardlineError | None = None  # after the queued events: the relay broke, or cancelled
+        self._ended = False  # the worker has nothing more for it (final event, relay broken, cancelled)
 
     async def next(self) -> UpstreamToken | UpstreamFinished:
-        """The next event; raises the call's failure as a ShardlineError (``translate_error``),
-        RequestCancelled if the call was cancelled through ``cancel()``, and Unavailable if the
-        stream ends without its final message."""
-        try:
-            response = await self._call.read()
-        except grpc.RpcError as exc:
-            raise translate_error(exc, self.address) from None
-        except asyncio.CancelledError:
-            # grpc.aio raises CancelledError for a read of a call cancelled locally; only a
-            # cancel of our own task is a task cancellation
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            raise RequestCancelled(f"the call to worker {self.address} was cancelled") from None
-        if response is grpc.aio.EOF:
-            raise Unavailable(f"worker {self.address} ended the stream without a final message")
-        if response.HasField("token"):
-            token = response.token
-            top = token.top_logprobs
-            return UpstreamToken(token.token_id, token.logprob,
-                                 tuple([(t.token_id, t.logprob) for t in top]) if top else ())
-        finished = response.finished
-        return UpstreamFinished(
-            FINISH_FROM_PB.get(finished.finish_reason, FinishReason.ERROR),
-            finished.usage.prompt_tokens, finished.usage.completion_tokens,
-            finished.stop_sequence if finished.HasField("stop_sequence") else None)
+        """The next event; raises the request's failure as a ShardlineError (``error_for_status``:
+        WorkerFailed with the produced ids when the group failed), RequestCancelled after
+        ``cancel()``, and WorkerFailed if the relay stream broke."""
+        events = self._events
+        while not events:
+            if self._failure is not None:
+                raise self._failure
+            waiter = self._waiter = self.relay.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        event = events.popleft()
+        if event.__class__ is UpstreamToken or event.__class__ is UpstreamFinished:
+            return event
+        raise event
 
     def cancel(self) -> None:
+        self._failure = RequestCancelled(f"the request on worker {self.address} was cancelled")
+        self._events.clear()
+        self._wake()
+        if not self._ended:
+            self._ended = True
+            self.relay.cancel(self.relay_id)
+
+    def _deliver(self, event: UpstreamToken | UpstreamFinished | ShardlineError) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, failure: ShardlineError) -> None:
+        self._ended = True
+        if self._failure is None:
+            self._failure = failure
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class WorkerRelay:
+    """The one Relay stream to a worker that every request routed there shares (the worker
+    answers one message per engine step with the step's events of all of them): submits and
+    cancels go out through an outbox, a reader task hands each event to its request's
+    :class:`UpstreamStream`. When the stream breaks, every live request fails with WorkerFailed
+    (and the client opens a new stream for the next one)."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, address: str) -> None:
+        self.address = address
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        self._streams: dict[int, UpstreamStream] = {}
+        self._ids = itertools.count(1)
+        self._outbox: asyncio.Queue[worker_pb2.RelayRequest | None] = asyncio.Queue()
+        self._call = stub.Relay(self._requests())
+        self._reader = self.loop.create_task(self._read(), name=f"relay-{address}")
+
+    @property
+    def live(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
+               trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
+        relay_id = next(self._ids)
+        stream = self._streams[relay_id] = UpstreamStream(self, relay_id)
+        request = worker_pb2.GenerateRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=prompt_ids),
+                                             sampling=sampling_to_pb(sampling))
+        self._outbox.put_nowait(worker_pb2.RelayRequest(submit=worker_pb2.RelaySubmit(
+            relay_id=relay_id, request=request, trace_context=dict(trace_context))))
+        return stream
+
+    def cancel(self, relay_id: int) -> None:
+        if self._streams.pop(relay_id, None) is not None and not self.closed:
+            self._outbox.put_nowait(worker_pb2.RelayRequest(cancel=worker_pb2.RelayCancel(relay_id=relay_id)))
+
+    async def aclose(self) -> None:
+        """Half-close, cancel the call and wait for the reader (live requests fail)."""
+        self._outbox.put_nowait(None)
         self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _requests(self) -> AsyncIterator[worker_pb2.RelayRequest]:
+        outbox = self._outbox
+        while (message := await outbox.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        streams = self._streams
+        read = self._call.read
+        address = self.address
+        failure: ShardlineError = WorkerFailed(f"the relay stream to worker {address} was closed", [])
+        try:
+            while (response := await read()) is not grpc.aio.EOF:
+                for event in response.events:
+                    stream = streams.get(event.relay_id)
+                    if stream is None:
+                        continue  # cancelled: the worker stops sending once it sees the cancel
+                    if event.HasField("token"):
+                        token = event.token
+                        top = token.top_logprobs
+                        stream._deliver(UpstreamToken(token.token_id, token.logprob,
+                                                      tuple([(t.token_id, t.logprob) for t in top]) if top else ()))
+                        continue
+                    del streams[event.relay_id]
+                    stream._ended = True
+                    if event.HasField("finished"):
+                        stream._deliver(finished_from_pb(event.finished))
+                    else:
+                        error = event.error
+                        stream._deliver(error_for_status(
+                            STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN), error.message, address,
+                            list(error.generated.ids) if error.HasField("generated") else None))
+            failure = WorkerFailed(f"worker {address} ended the relay stream", [])
+        except grpc.RpcError as exc:
+            # the stream broke (worker gone, connection lost): a failure of the worker's, even a
+            # CANCELLED that none of its requests asked for
+            failure = WorkerFailed(f"worker {address}: relay stream {exc.code().name}: {exc.details()}", [])
+        except asyncio.CancelledError:
+            pass  # aclose() cancelled the call
+        finally:
+            self.closed = True
+            live = list(streams.values())
+            streams.clear()
+            self._outbox.put_nowait(None)
+            for stream in live:
+                stream._fail(failure)
+
+
+def finished_from_pb(finished: common_pb2.GenerationFinished) -> UpstreamFinished:
+    return UpstreamFinished(
+        FINISH_FROM_PB.get(finished.finish_reason, FinishReason.ERROR),
+        finished.usage.prompt_tokens, finished.usage.completion_tokens,
+        finished.stop_sequence if finished.HasField("stop_sequence") else None)
 
 
 class WorkerClient:
@@ -157,6 +269,7 @@ class WorkerClient:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._aio_channel: grpc.aio.Channel | None = None
         self._aio_stub: worker_pb2_grpc.WorkerServiceStub | None = None
+        self._relay: WorkerRelay | None = None
 
     def stats(self, timeout_s: float) -> WorkerStats:
         try:
@@ -178,19 +291,23 @@ class WorkerClient:
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
-                 metadata: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
-        """Open a Generate stream (on the router's event loop, which the call then belongs to);
-        ``metadata`` goes with the call (the caller's trace context)."""
-        stub = self._aio_stub
-        if stub is None:
-            self._aio_channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-            stub = self._aio_stub = worker_pb2_grpc.WorkerServiceStub(self._aio_channel)
-        request = worker_pb2.GenerateRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=prompt_ids),
-                                             sampling=sampling_to_pb(sampling))
-        return UpstreamStream(stub.Generate(request, metadata=tuple(metadata) or None), self.address)
+                 trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
+        """Start a request on the worker's Relay stream (on the router's event loop, which the
+        stream then belongs to; opened on first use and again after it broke);
+        ``trace_context`` goes with the request (the caller's W3C trace context)."""
+        relay = self._relay
+        if relay is None or relay.closed:
+            if self._aio_stub is None:
+                self._aio_channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                self._aio_stub = worker_pb2_grpc.WorkerServiceStub(self._aio_channel)
+            relay = self._relay = WorkerRelay(self._aio_stub, self.address)
+        return relay.submit(request_id, prompt_ids, sampling, trace_context)
 
     async def aclose(self) -> None:
-        """Close the event loop's channel (on that loop)."""
+        """Close the relay stream and the event loop's channel (on that loop)."""
+        if self._relay is not None:
+            await self._relay.aclose()
+            self._relay = None
         if self._aio_channel is not None:
             await self._aio_channel.close()
             self._aio_channel = self._aio_stub = None

@@ -2,11 +2,13 @@
 
 The caller puts the W3C ``traceparent`` (and ``tracestate``/``baggage``) of its current span into
 the call's metadata (:func:`outgoing_metadata`); the worker's ``Generate`` handler, wrapped by
-:func:`traced_stream`, continues that trace in a SERVER span, and :class:`StepTracer` adds one
-``engine.step`` child span per engine step the request took part in (its prefill chunk(s) and
-each decode step), with the step's batch size and phase. Steps are shared by many requests and
-run on the engine thread, so the step spans are made after the fact with the step's own start
-and end times, for the traced (sampled) requests only: untraced traffic costs a dict lookup.
+:func:`traced_stream`, continues that trace in a SERVER span (a Relay stream's request carries
+the same keys in its submit message and gets a span of its own, :func:`start_server_span`), and
+:class:`StepTracer` adds one ``engine.step`` child span per engine step the request took part in
+(its prefill chunk(s) and each decode step), with the step's batch size and phase. Steps are
+shared by many requests and run on the engine thread, so the step spans are made after the fact
+with the step's own start and end times, for the traced (sampled) requests only: untraced
+traffic costs a dict lookup.
 
 Nothing is exported unless :func:`configure_tracing` is given an OTLP endpoint (or an exporter,
 in tests); without it the global tracer is OpenTelemetry's no-op one.
@@ -18,12 +20,12 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Tracer
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,12 @@ def traced_stream(span_name: str) -> Callable:
         return wrapped
 
     return decorate
+
+
+def start_server_span(span_name: str, carrier: Mapping[str, str]) -> Span:
+    """A SERVER span continuing the trace in ``carrier`` (W3C keys), for a request that is not a
+    call of its own (one of a Relay stream's); the caller ends it when the request ends."""
+    return tracer().start_span(span_name, context=propagate.extract(dict(carrier)), kind=SpanKind.SERVER)
 
 
 class StepTracer:

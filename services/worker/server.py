@@ -2,7 +2,9 @@
 
 Served by the group's driver (global rank 0). A thin servicer: protobuf in, a call into the
 engine, protobuf out; domain errors become statuses in ``services.common.grpc_server``. The
-driver process also launches the group's other ranks (``services.worker.serving``).
+driver process also launches the group's other ranks (``services.worker.serving``). ``Relay``
+multiplexes many generations on one stream, one message per engine step
+(``services.worker.relay``); a thread per stream reads its submits and cancels.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 
 from services.common.config import resolve
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service
+from services.common.errors import FailedPrecondition, InvalidArgument, ShardlineError, Unavailable
+from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service, status_for
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.telemetry.tracing import traced_stream
 
@@ -52,6 +54,42 @@ def sampling_from_pb(pb: common_pb2.SamplingParameters):
         max_tokens=pb.max_tokens if pb.HasField("max_tokens") else 16,
         stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), logprobs=pb.logprobs,
         ignore_eos=pb.ignore_eos)
+
+
+def finished_pb(event) -> common_pb2.GenerationFinished:
+    """An engine FinishEvent as the final message's payload."""
+    return common_pb2.GenerationFinished(
+        finish_reason=FINISH_REASONS[event.reason.value],
+        usage=common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        timings=common_pb2.Timings(time_to_first_token_ns=max(0, event.first_token_ns), total_ns=event.total_ns))
+
+
+def relay_response_pb(batch: list) -> worker_pb2.RelayResponse:
+    """One engine step's events of a Relay stream's requests (``services.worker.relay``)."""
+    from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
+
+    response = worker_pb2.RelayResponse()
+    add = response.events.add
+    for relay_id, event in batch:
+        pb = add(relay_id=relay_id)
+        kind = event.__class__
+        if kind is TokenEvent:
+            token = pb.token  # present from the first field set, even to a default value
+            token.token_id = event.token_id
+            token.logprob = event.logprob
+            if event.top_logprobs:
+                token.top_logprobs.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp)
+                                          for t, lp in event.top_logprobs)
+        elif kind is FinishEvent:
+            pb.finished.CopyFrom(finished_pb(event))
+        else:  # ErrorEvent (the group failed mid-generation) or Rejected (refused at submit)
+            error = pb.error
+            error.code = status_for(event.error).value[0]
+            error.message = str(event.error)
+            if kind is ErrorEvent:
+                error.generated.SetInParent()  # present even when no token was produced
+                error.generated.ids.extend(event.token_ids)
+    return response
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -95,12 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         index = 0
         for event in handle:
             if isinstance(event, FinishEvent):
-                yield worker_pb2.GenerateResponse(request_id=rid, finished=common_pb2.GenerationFinished(
-                    finish_reason=FINISH_REASONS[event.reason.value],
-                    usage=common_pb2.Usage(prompt_tokens=event.prompt_tokens,
-                                           completion_tokens=event.completion_tokens),
-                    timings=common_pb2.Timings(time_to_first_token_ns=max(0, event.first_token_ns),
-                                               total_ns=event.total_ns)))
+                yield worker_pb2.GenerateResponse(request_id=rid, finished=finished_pb(event))
                 return
             if isinstance(event, ErrorEvent):
                 context.set_trailing_metadata(((GENERATED_IDS_KEY, ",".join(map(str, event.token_ids))),))
@@ -109,6 +142,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 index=index, token_id=event.token_id, text=event.text, logprob=event.logprob,
                 top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in event.top_logprobs]))
             index += 1
+
+    def Relay(self, request_iterator: Iterable[worker_pb2.RelayRequest],
+              context: grpc.ServicerContext) -> Iterator[worker_pb2.RelayResponse]:
+        from services.worker.relay import RelaySession
+
+        session = RelaySession(self.engine)
+        context.add_callback(session.close)  # the call ended or broke: its requests are cancelled
+        threading.Thread(target=self._read_relay, args=(request_iterator, session), name="relay-reader",
+                         daemon=True).start()
+        try:
+            for batch in session.batches():
+                yield relay_response_pb(batch)
+        finally:
+            session.close()
+
+    def _read_relay(self, requests: Iterable[worker_pb2.RelayRequest], session) -> None:
+        """The Relay stream's reader thread: submits and cancels into the session."""
+        try:
+            for message in requests:
+                command = message.WhichOneof("command")
+                if command == "submit":
+                    submit = message.submit
+                    try:
+                        ids = self._prompt_ids(submit.request, "prompt")
+                        params = sampling_from_pb(submit.request.sampling)
+                    except ShardlineError as exc:
+                        session.reject(submit.relay_id, exc)
+                        continue
+                    session.submit(submit.relay_id, ids, params, request_id=submit.request.request_id,
+                                   trace_context=dict(submit.trace_context))
+                elif command == "cancel":
+                    session.cancel(message.cancel.relay_id)
+                else:
+                    raise InvalidArgument("Relay: a message without a command (submit or cancel)")
+        except ShardlineError as exc:  # the client broke the protocol: fail the stream
+            session.fail(exc)
+        except grpc.RpcError:  # the call was cancelled or broke while we read
+            session.close()
+        except Exception:  # a bug: say so, and do not leave the stream's requests running
+            log.exception("Relay stream reader failed")
+            session.close()
+        else:
+            session.end_input()
 
     def Score(self, request: worker_pb2.ScoreRequest, context: grpc.ServicerContext) -> worker_pb2.ScoreResponse:
         ids = self._prompt_ids(request, "input")

@@ -169,7 +169,8 @@ def _uncommented(file: descriptor_pb2.FileDescriptorProto) -> list[str]:
             if not has_doc((*path, 2, i)):
                 missing.append(f"{scope}{msg.name}.{field.name}")
         for i, nested in enumerate(msg.nested_type):
-            visit_message(nested, (*path, 3, i), f"{scope}{msg.name}.")
+            if not nested.options.map_entry:  # a map field's synthetic entry type: nothing to comment
+                visit_message(nested, (*path, 3, i), f"{scope}{msg.name}.")
         for i, enum in enumerate(msg.enum_type):
             visit_enum(enum, (*path, 4, i), f"{scope}{msg.name}.")
 

@@ -77,6 +77,15 @@ def generate(stub, prompt: list[int], max_tokens: int, metadata=None) -> list[in
     return [r.token.token_id for r in responses if r.HasField("token")]
 
 
+def relay_generate(stub, prompt: list[int], max_tokens: int, metadata=None) -> list[int]:
+    """The same request on a Relay stream (half-closed after the submit: it ends with the request),
+    the trace context in the submit as a router sends it."""
+    submit = worker_pb2.RelaySubmit(relay_id=1, request=worker_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling(max_tokens)), trace_context=dict(metadata or ()))
+    return [e.token.token_id for r in stub.Relay(iter([worker_pb2.RelayRequest(submit=submit)]), timeout=120)
+            for e in r.events if e.HasField("token")]
+
+
 class TraceCollector(trace_service_pb2_grpc.TraceServiceServicer):
     """A minimal OTLP/gRPC trace receiver: what the worker's exporter sends lands in ``spans``."""
 
@@ -123,15 +132,16 @@ def _count_and_trace(tiny_model_dir, tmp_path, group, telemetry, collector, otlp
                            *worker_flags(group, telemetry.address, 2, 2, "--otlp-endpoint", otlp_address))
     plan = RankSpec(str(tiny_model_dir), tp_degree=2, pp_degree=2).plan()
     requests = [([5, 6, 7, 8, 9], 6), (list(range(20, 57)), 3), ([11], 9)]  # (prompt, max_tokens)
+    calls = [generate, generate, relay_generate]  # the last as a router sends it, on a Relay stream
     router = TracerProvider().get_tracer("test-router")  # the test plays the router
     trace_ids = []
     started = time.monotonic()  # the worker's idle heartbeats can only have run since it loaded
     try:
         with grpc.insecure_channel(worker.address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            for prompt, max_tokens in requests:  # one at a time: each step carries exactly one request
-                with router.start_as_current_span("router.generate") as span:
-                    assert len(generate(stub, prompt, max_tokens, metadata=outgoing_metadata())) == max_tokens
+            for (prompt, max_tokens), call in zip(requests, calls, strict=True):  # one at a time: each step
+                with router.start_as_current_span("router.generate") as span:  # carries exactly one request
+                    assert len(call(stub, prompt, max_tokens, metadata=outgoing_metadata())) == max_tokens
                     trace_ids.append(span.get_span_context().trace_id)
         gauges = scrape(worker.metrics_url)
         assert [v for labels, v in gauges["shardline_kv_cache_usage_ratio"] if labels["replica_group_id"] == group]
@@ -169,12 +179,13 @@ def _count_and_trace(tiny_model_dir, tmp_path, group, telemetry, collector, otlp
                if labels["replica_group_id"] == group)
     assert sum(v for labels, v in metrics["shardline_collective_bytes_total"]
                if labels["replica_group_id"] == group and labels["op_type"] == "all_reduce") > 0
-    # traces: router span -> worker Generate span -> one engine.step span per step of the request
+    # traces: router span -> worker Generate (or Relay request) span -> one engine.step span per step
     assert wait_until(lambda: sum(s.name == "engine.step" for s in collector.spans) >= steps, 10)
-    for trace_id, (_prompt, max_tokens) in zip(trace_ids, requests, strict=True):
+    for trace_id, (_prompt, max_tokens), call in zip(trace_ids, requests, calls, strict=True):
         tid = trace_id.to_bytes(16, "big")
         mine = [s for s in collector.spans if s.trace_id == tid]
-        (server_span,) = [s for s in mine if s.name == "shardline.worker/Generate"]
+        name = "shardline.worker/Relay" if call is relay_generate else "shardline.worker/Generate"
+        (server_span,) = [s for s in mine if s.name == name]
         step_spans = [s for s in mine if s.name == "engine.step"]
         assert len(step_spans) == max_tokens
         assert all(s.parent_span_id == server_span.span_id for s in step_spans)

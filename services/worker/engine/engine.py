@@ -9,7 +9,10 @@ last stage's samples come back over the result group in order. When there is not
 driver broadcasts a heartbeat plan, so a dead rank is noticed within seconds even when idle.
 
 Threads: ``submit``/``abort`` may be called from any thread (gRPC handlers); everything else runs
-on the loop thread.
+on the loop thread. A request's events go to its handle's ``events`` sink (a queue of its own,
+or one the caller passes, e.g. a Relay stream's batcher); after each step's events (and after a
+failure's error events) the loop calls every ``output_listeners`` entry, so a consumer can send
+one step's events of many requests together.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
@@ -61,14 +66,21 @@ class ErrorEvent:
     token_ids: list[int]
 
 
+class EventSink(Protocol):
+    """Where a request's events go; ``put`` is called on the engine's loop thread."""
+
+    def put(self, event: Any, /) -> None: ...
+
+
 class RequestHandle:
     """A submitted request: its events arrive on ``events`` (TokenEvent…, then Finish or Error)."""
 
-    def __init__(self, engine: LLMEngine, seq: Sequence, request_id: str, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, engine: LLMEngine, seq: Sequence, request_id: str, tokenizer: Tokenizer | None,
+                 events: EventSink | None = None) -> None:
         self.engine = engine
         self.seq = seq
         self.request_id = request_id
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.events: EventSink = events if events is not None else queue.SimpleQueue()
         self.detok = IncrementalDetokenizer(tokenizer, seq.sampling_params.stop) if tokenizer else None
         self.submitted_ns = time.monotonic_ns()
         self.first_token_ns = 0
@@ -112,11 +124,16 @@ class LLMEngine:
         self.stopped = False
         self._token_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=4096)
+        # called on the loop thread once a step's events are out; any thread may append/remove
+        # (atomic list operations: the loop calls a snapshot)
+        self.output_listeners: list[Callable[[], None]] = []
 
     # -- any thread -----------------------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "") -> RequestHandle:
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
+               events: EventSink | None = None) -> RequestHandle:
         """Validate and queue a request. Raises InvalidRequest (bad field, too long) or
-        Unavailable (group failed, draining) at once; nothing is queued then."""
+        Unavailable (group failed, draining) at once; nothing is queued then. ``events``: where
+        its events go (default: a queue of the handle's own)."""
         if self.failure is not None:
             raise Unavailable(f"replica group {self.coordinator.replica_group_id} is unhealthy: {self.failure}")
         if self.draining or self.stopped:
@@ -127,7 +144,7 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params)
         self.scheduler.check_request(seq)
-        handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", self.tokenizer)
+        handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", self.tokenizer, events)
         with self._lock:
             self._requests[seq.seq_id] = handle
         self._commands.put(("add", seq))
@@ -330,6 +347,12 @@ class LLMEngine:
                     seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
                     handle.detok.text if handle.detok else "",
                     handle.first_token_ns - handle.submitted_ns, now_ns - handle.submitted_ns))
+        self._outputs_done()
+
+    def _outputs_done(self) -> None:
+        if self.output_listeners:
+            for listener in tuple(self.output_listeners):
+                listener()
 
     def _fail(self, exc: Exception) -> None:
         self.failure = exc
@@ -338,3 +361,4 @@ class LLMEngine:
             handles, self._requests = list(self._requests.values()), {}
         for handle in handles:
             handle.events.put(ErrorEvent(Unavailable(str(exc)), list(handle.seq.output_token_ids)))
+        self._outputs_done()
