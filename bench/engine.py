@@ -275,8 +275,9 @@ def markdown(payload: dict) -> str:
               "Decode step vs floor, pair by pair (each engine step followed by one floor loop at the same batch "
               "and mean context). The floor is a bare loop of the decode step's matmuls: every layer's four "
               "weight matmuls, the attention q·kᵀ and p·v, lm_head. \"kernels\" is the engine as it serves (the "
-              "layers' element-wise work in fused C++ kernels, services/worker/kernels); \"torch ops\" is the "
-              "same engine with that work as plain PyTorch ops:", "",
+              "layers' element-wise work and decode attention in C++ kernels, services/worker/kernels); "
+              "\"torch ops\" is the same engine with the layers' work as plain PyTorch ops (attention: gather "
+              "the blocks + SDPA; the sampler's kernel stays):", "",
               "| dtype | layer ops | batch | step | floor | step/floor (median of pairs) |", "|---|---|---|---|---|---|"]
     for dtype, r in payload["dtypes"].items():
         for ops_name, by_batch in r["floor_pairs"].items():

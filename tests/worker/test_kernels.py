@@ -40,8 +40,13 @@ def test_norms(cpp, dtype, rows):
     residual = torch.randn(rows, 576, generator=gen).to(dtype)
     w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
     close(cpp.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5))
-    for got, want in zip(cpp.add_rms_norm(x, residual, w, 1e-5), REF.add_rms_norm(x, residual, w, 1e-5)):
-        close(got, want)
+    got = (x.clone(), residual.clone())
+    want = (x.clone(), residual.clone())
+    cpp.add_rms_norm_(*got, w, 1e-5)
+    REF.add_rms_norm_(*want, w, 1e-5)
+    close(got[1], residual + x)  # residual <- x + residual
+    for g, r in zip(got, want):
+        close(g, r)
     # a non-contiguous input (a column slice) gives the same result
     wide = torch.randn(rows, 1152, generator=gen).to(dtype)
     close(cpp.rms_norm(wide[:, :576], w, 1e-5), REF.rms_norm(wide[:, :576].contiguous(), w, 1e-5))
@@ -97,13 +102,18 @@ def paged_batch(dtype, context_lens, *, kv_heads=3, group=3, d=64, block_size=16
     return qkv[:, :heads], caches, meta
 
 
+@pytest.mark.parametrize("vectorized", [True, False], ids=["avx512", "portable"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("context_lens", [[1], [37], [5, 16, 17, 90, 1, 33], [200] * 16])
-def test_decode_attention_reads_blocks_in_place(cpp, dtype, context_lens):
-    q, (k_cache, v_cache), meta = paged_batch(dtype, context_lens, seed=len(context_lens))
-    got = cpp.decode_attention(q, k_cache, v_cache, meta, 0.125)
+@pytest.mark.parametrize(("context_lens", "group", "d"), [
+    ([1], 3, 64), ([37], 3, 64), ([5, 16, 17, 90, 1, 33], 3, 64), ([200] * 16, 3, 64),
+    ([9, 40], 8, 128), ([31, 1, 64], 5, 64), ([20, 3], 1, 80)])  # 8 and 5 heads per KV head; d = 80 has no AVX path
+def test_decode_attention_reads_blocks_in_place(cpp, dtype, context_lens, group, d, vectorized):
+    q, (k_cache, v_cache), meta = paged_batch(dtype, context_lens, group=group, d=d, seed=len(context_lens))
+    got = cpu_kernels().decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                         meta.context_lens_tensor(q.device), 0.125, vectorized=vectorized)
     want = REF.decode_attention(q, k_cache, v_cache, meta, 0.125)
-    assert got.shape == want.shape == (len(context_lens), 9, 64) and got.dtype == dtype
+    heads = 3 * group
+    assert got.shape == want.shape == (len(context_lens), heads, d) and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     else:  # SDPA rounds its probabilities to the 16-bit dtype before p·v; the kernel keeps float32

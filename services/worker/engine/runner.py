@@ -69,7 +69,8 @@ class StageRunner:
                 sampling.append(s)
         if not rows:
             return StepResult(plan.step_id, [], time.perf_counter() - t0) if self.samples_here else None
-        logits = rt.model.compute_logits(hidden[rows])  # all TP ranks take part in the all-gather
+        # all TP ranks take part in the all-gather; the sampler reads the model's dtype directly
+        logits = rt.model.compute_logits(hidden[rows], float32=False)
         if not self.samples_here:
             return None
         out = self.sampler.sample(logits, sampling)

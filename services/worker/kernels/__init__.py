@@ -5,7 +5,8 @@ A decode step on CPU is a few large matmuls and, per layer, ~35 small PyTorch op
 is eight); at batch 1 their dispatch costs a third of the step. vLLM's CPU backend answers with
 C++ kernels; so do we, for the five pieces of a Llama layer that are not matmuls or attention:
 
-- ``rms_norm(x, w, eps)`` and ``add_rms_norm(x, residual, w, eps) -> (normed, x + residual)``;
+- ``rms_norm(x, w, eps)`` and ``add_rms_norm_(x, residual, w, eps)``: in place, residual becomes
+  ``x + residual`` and x its RMSNorm (vLLM's fused_add_rms_norm; no allocation per layer);
 - ``rotary_(qkv, cos, sin, heads)``: rotary embedding in place on q and k inside the fused
   projection's output;
 - ``silu_and_mul(gate_up) -> silu(gate) * up``;
@@ -46,8 +47,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_atten
 
 class LayerOps(Protocol):
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> None: ...
     def rotary_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None: ...
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,10 +66,9 @@ class TorchOps:
         return w * xf.to(x.dtype)
 
     @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        total = residual + x
-        return TorchOps.rms_norm(total, w, eps), total
+    def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+        residual.add_(x)
+        x.copy_(TorchOps.rms_norm(residual, w, eps))
 
     @staticmethod
     def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
@@ -122,8 +121,8 @@ class _CppOps:
     def rms_norm(self, x, w, eps):
         return self._m.rms_norm(x.contiguous(), w, eps)
 
-    def add_rms_norm(self, x, residual, w, eps):
-        return tuple(self._m.add_rms_norm(x.contiguous(), residual.contiguous(), w, eps))
+    def add_rms_norm_(self, x, residual, w, eps):
+        self._m.add_rms_norm_(x, residual, w, eps)  # in place: no .contiguous() copy to write into
 
     def rotary_(self, qkv, cos, sin, heads):
         self._m.rotary_(qkv, cos.contiguous(), sin.contiguous(), heads)

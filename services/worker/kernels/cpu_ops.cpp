@@ -54,29 +54,27 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// residual' = x + residual; returns (rms_norm(residual', w), residual')
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+// In place, as vLLM's fused_add_rms_norm: residual <- x + residual, x <- rms_norm(residual, w).
+// Both are this step's own activations, so nothing is allocated per layer.
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must match");
   const int64_t d = x.size(-1), n = x.numel() / d;
-  auto sum = torch::empty_like(x);
-  auto out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* rp = residual.data_ptr<scalar_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
-    scalar_t* sp = sum.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
       using E = Elem<scalar_t>;
       for (int64_t r = b; r < e; ++r) {
 SHARDLINE_SIMD
-        for (int64_t i = r * d; i < (r + 1) * d; ++i) E::store(sp + i, E::load(rp + i) + E::load(xp + i));
-        rms_row(sp + r * d, wp, op + r * d, d, static_cast<float>(eps));
+        for (int64_t i = r * d; i < (r + 1) * d; ++i) E::store(rp + i, E::load(rp + i) + E::load(xp + i));
+        rms_row(rp + r * d, wp, xp + r * d, d, static_cast<float>(eps));
       }
     });
   });
-  return {out, sum};
 }
 
 // In place on the first `heads` heads of qkv [n, total_heads, d] (NeoX half-split layout):
@@ -163,15 +161,16 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 
 // cpu_attention.cpp, cpu_sampling.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor tables, torch::Tensor context_lens, double scale);
+                               torch::Tensor tables, torch::Tensor context_lens, double scale, bool vectorized);
 std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
+  m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv", &write_kv);
-  m.def("decode_attention", &decode_attention);
+  m.def("decode_attention", &decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"), py::arg("vectorized") = true);
   m.def("greedy_logsumexp", &greedy_logsumexp);
 }

@@ -104,15 +104,18 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual, x = h, ops.rms_norm(h, self.input_layernorm.weight, eps)
         else:
-            x, residual = ops.add_rms_norm(h, residual, self.input_layernorm.weight, eps)
+            ops.add_rms_norm_(h, residual, self.input_layernorm.weight, eps)  # residual += h; h = norm
+            x = h
         heads, kv_heads = attn.heads, attn.kv_heads
         qkv = F.linear(x, attn.qkv_proj.weight).view(x.shape[0], heads + 2 * kv_heads, attn.head_dim)
         ops.rotary_(qkv, *rope, heads + kv_heads)  # q and k, in place
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-        # o_proj and down_proj end in the coordinator's all-reduce when TP > 1
-        x, residual = ops.add_rms_norm(attn.o_proj(attn.attend(q, k, v, meta, ops)), residual,
-                                       self.post_attention_layernorm.weight, eps)
-        return self.mlp.down_proj(ops.silu_and_mul(F.linear(x, self.mlp.gate_up_proj.weight))), residual
+        # o_proj and down_proj end in the coordinator's all-reduce when TP > 1; ``.forward`` skips
+        # nn.Module.__call__'s hook handling (no hooks here), a few microseconds per call and layer
+        x = attn.o_proj.forward(attn.attend(q, k, v, meta, ops))
+        ops.add_rms_norm_(x, residual, self.post_attention_layernorm.weight, eps)
+        mlp = self.mlp
+        return mlp.down_proj.forward(ops.silu_and_mul(F.linear(x, mlp.gate_up_proj.weight))), residual
 
 
 class LlamaModel(nn.Module):
@@ -143,12 +146,14 @@ class LlamaModel(nn.Module):
             h = hidden_states
         rope = self.rotary.tables(positions, h.dtype)
         residual = None
+        ops = self.ops
         for layer in self.layers.values():
-            h, residual = layer(h, residual, rope, meta, self.ops)
+            h, residual = layer.forward(h, residual, rope, meta, ops)  # no hooks: skip __call__
         if residual is None:  # a stage without layers
             return self.norm(h) if self.is_last else h
         if self.is_last:
-            return self.ops.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
+            self.ops.add_rms_norm_(h, residual, self.norm.weight, self.norm.eps)
+            return h
         return residual + h
 
 
@@ -190,7 +195,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(positions, meta, input_ids=input_ids, hidden_states=hidden_states)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (all-gathered across TP) for the given rows, in float32."""
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """Full-vocabulary logits (all-gathered across TP) for the given rows, in float32 or, with
+        ``float32=False``, in the model's dtype (the sampler reads either)."""
         assert self.lm_head is not None, "only the last stage computes logits"
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
