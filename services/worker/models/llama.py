@@ -99,7 +99,8 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual convention: takes the previous layer's output ``h`` and the residual
         stream before it (None at a stage's first layer), returns the same pair for the next
-        layer; each residual add is fused with the RMSNorm that follows it."""
+        layer; each residual add is fused with the RMSNorm that follows it, in place (``h`` and
+        ``residual`` are this step's own activations)."""
         attn, eps = self.self_attn, self.input_layernorm.eps
         if residual is None:
             residual, x = h, ops.rms_norm(h, self.input_layernorm.weight, eps)
