@@ -24,6 +24,10 @@ from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowCo
 log = logging.getLogger(__name__)
 
 ALERT_HISTORY = 256
+# A rank whose last event ended this soon after a timed-out op was issued still counts as not
+# heard from since: ranks leave a collective together, and the next one is issued a fraction of
+# a millisecond later (less than the whole-ms timestamps' resolution) on a small model.
+SAME_ROUND_MS = 20.0
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class TelemetryPipeline:
     def _judge_timeout(self, event: EventLike) -> Alert | None:
         members = self.store.series_of(event.replica_group_id)
         gpus = {s.gpu_id for s in members}
-        began_ms = event.timestamp_ms - event.duration_ms
+        began_ms = event.timestamp_ms - event.duration_ms + min(SAME_ROUND_MS, event.duration_ms / 4)
         last_seen: dict[str, int] = {}
         for s in members:
             last_seen[s.gpu_id] = max(last_seen.get(s.gpu_id, 0), s.last_seen_ms)

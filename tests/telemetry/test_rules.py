@@ -121,6 +121,23 @@ def test_timeouts_alert_once_per_group_and_kind():
     assert list(_drain(pipeline.subscribe("other-group"))) == []
 
 
+def test_a_peer_that_left_the_previous_collective_with_the_hung_rank_counts_as_silent():
+    # ranks leave a collective together and the next is issued a fraction of a millisecond later,
+    # so the peer's last event can end in the same whole millisecond the timed-out op began, or a
+    # few after it on busy cores: still "not heard from since it began"; a peer seen half-way
+    # through the wait is not
+    clock = Clock()
+    pipeline = make_pipeline(clock)
+    began = ORIGIN + 1000
+    pipeline.ingest([CollectiveEvent("rg", "rg:pp0-tp1", "all_reduce", 8, 0.2, 2, began + 3, False),
+                     CollectiveEvent("rg", "rg:pp1-tp0", "all_reduce", 8, 0.2, 2, began + 750, False)])
+    sub = pipeline.subscribe("rg")
+    pipeline.ingest([CollectiveEvent("rg", "rg:pp0-tp0", "all_reduce", 8, 1500.0, 2, began + 1500, True)])
+    alert = sub.get(1.0)
+    assert alert.kind is AlertKind.COLLECTIVE_TIMEOUT
+    assert alert.message.endswith("not heard from since it began: rg:pp0-tp1"), alert.message
+
+
 def _drain(sub):
     while (alert := sub.get(0.1)) is not None:
         yield alert
