@@ -25,6 +25,16 @@ using shardline::fast_exp;
 
 namespace {
 
+// p[i] <- exp(p[i] - max) / sum_j exp(p[j] - max): the softmax once the maximum is known
+inline void exp_normalize_(float* p, int64_t n, float max) {
+  float sum = 0.f;
+  SHARDLINE_SIMD_SUM(sum)
+  for (int64_t i = 0; i < n; ++i) { p[i] = fast_exp(p[i] - max); sum += p[i]; }
+  const float inv = 1.f / sum;
+  SHARDLINE_SIMD
+  for (int64_t i = 0; i < n; ++i) p[i] *= inv;
+}
+
 // kD > 0: the head dimension known at compile time (loops fully unrolled); 0: ``d`` at run time
 template <typename T, int64_t kD>
 void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
@@ -53,12 +63,7 @@ void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
     float* sc = scores + g * ctx;
     float m = sc[0];
     for (int64_t t = 1; t < ctx; ++t) m = sc[t] > m ? sc[t] : m;
-    float sum = 0.f;
-    SHARDLINE_SIMD_SUM(sum)
-    for (int64_t t = 0; t < ctx; ++t) { sc[t] = fast_exp(sc[t] - m); sum += sc[t]; }
-    const float inv = 1.f / sum;
-    SHARDLINE_SIMD
-    for (int64_t t = 0; t < ctx; ++t) sc[t] *= inv;
+    exp_normalize_(sc, ctx, m);
   }
   std::fill(acc, acc + G * d, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
@@ -163,13 +168,7 @@ inline void softmax_(float* p, int64_t ctx) {
   int64_t t = 0;
   for (; t + 16 <= ctx; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + t));
   if (t < ctx) mv = _mm512_mask_max_ps(mv, static_cast<__mmask16>((1u << (ctx - t)) - 1), mv, _mm512_loadu_ps(p + t));
-  const float m = _mm512_reduce_max_ps(mv);
-  float sum = 0.f;
-  SHARDLINE_SIMD_SUM(sum)
-  for (int64_t i = 0; i < ctx; ++i) { p[i] = fast_exp(p[i] - m); sum += p[i]; }
-  const float inv = 1.f / sum;
-  SHARDLINE_SIMD
-  for (int64_t i = 0; i < ctx; ++i) p[i] *= inv;
+  exp_normalize_(p, ctx, _mm512_reduce_max_ps(mv));
 }
 
 // f(std::integral_constant<int, n>) for n = min(count, kMaxG) in 1..kMaxG: a run-time head count
