@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from services.common.config import ServerConfig
 from services.common.errors import ShardlineError
-from services.common.grpc_server import BindError, ServiceBinding, host_port, rewrap_handler, status_for
+from services.common.grpc_server import (SERVER_OPTIONS, BindError, ServiceBinding, host_port, register_services,
+                                         rewrap_handler, status_for)
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +136,10 @@ async def start_aio_server(config: ServerConfig, bindings: list[ServiceBinding],
         migration_thread_pool=futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                          thread_name_prefix=f"{config.service}-rpc"),
         interceptors=[AioErrorInterceptor()],
-        options=[("grpc.so_reuseport", 0)],  # a taken port fails loudly (see grpc_server.py)
+        options=SERVER_OPTIONS,
     )
-    for binding in bindings:
-        binding.add_to_server(binding.servicer, server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = tuple(b.full_name for b in bindings)
-    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    names = register_services(server, bindings, health_servicer)
     try:
         port = server.add_insecure_port(config.address)
     except RuntimeError as exc:

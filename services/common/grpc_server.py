@@ -63,6 +63,19 @@ STATUS_FOR_ERROR: dict[type[ShardlineError], grpc.StatusCode] = {
 # Relay stream every ~30 s.
 KEEPALIVE_POLICY = [("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1)]
+# Every server, sync or aio: grpc enables SO_REUSEPORT by default, so a second server on a taken
+# port would start "fine" and steal half the connections; fail loudly instead.
+SERVER_OPTIONS = [("grpc.so_reuseport", 0), *KEEPALIVE_POLICY]
+
+
+def register_services(server: Any, bindings: list[ServiceBinding], health_servicer: Any) -> tuple[str, ...]:
+    """Add ``bindings``, health and reflection to a sync or aio ``server``; the services' names."""
+    for binding in bindings:
+        binding.add_to_server(binding.servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(b.full_name for b in bindings)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return names
 
 
 def status_for(exc: ShardlineError) -> grpc.StatusCode:
@@ -201,19 +214,13 @@ def start_server(config: ServerConfig, bindings: list[ServiceBinding], *, start_
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"{config.service}-rpc"),
         interceptors=[ErrorInterceptor()],
-        # grpc enables SO_REUSEPORT by default: a second server on a taken port would start
-        # "fine" and steal half the connections. Fail loudly instead.
-        options=[("grpc.so_reuseport", 0), *KEEPALIVE_POLICY],
+        options=SERVER_OPTIONS,
     )
-    for binding in bindings:
-        binding.add_to_server(binding.servicer, server)
     health_servicer = health.HealthServicer(
         experimental_non_blocking=True,
         experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
     )
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = tuple(b.full_name for b in bindings)
-    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    names = register_services(server, bindings, health_servicer)
     try:
         port = server.add_insecure_port(config.address)
     except RuntimeError as exc:

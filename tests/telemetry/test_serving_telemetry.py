@@ -283,10 +283,16 @@ def _stopped_children(pid: int) -> list[int]:
     return out
 
 
-def test_a_sigstopped_rank_times_out_alerts_and_is_unhealthy_in_redis(tiny_model_dir, tmp_path, redis_url):
+def kill_stopped_children(pid: int) -> None:
+    """SIGKILL the ranks under ``pid`` that a test SIGSTOPped (a stopped rank ignores SIGTERM)."""
     import os
     import signal
 
+    for child in _stopped_children(pid):
+        os.kill(child, signal.SIGKILL)
+
+
+def test_a_sigstopped_rank_times_out_alerts_and_is_unhealthy_in_redis(tiny_model_dir, tmp_path, redis_url):
     group = f"rg-stop-{uuid.uuid4().hex[:6]}"
     telemetry = start_service("telemetry", tmp_path / "telemetry.log", "--window-s", "1", "--redis-url", redis_url,
                               metrics=False)
@@ -315,8 +321,7 @@ def test_a_sigstopped_rank_times_out_alerts_and_is_unhealthy_in_redis(tiny_model
     finally:
         stop.set()
         channel.close()
-        for child in _stopped_children(worker.proc.pid):
-            os.kill(child, signal.SIGKILL)  # the rank this test stopped
+        kill_stopped_children(worker.proc.pid)  # the rank this test stopped
         worker.stop()
         telemetry.stop()
         health.remove_group(group)

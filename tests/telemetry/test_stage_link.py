@@ -14,8 +14,6 @@ stage 1 post one of its hidden-state receives late, so the driver's send waits o
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 
@@ -28,7 +26,7 @@ from services.common.proto import common_pb2, telemetry_pb2, worker_pb2, worker_
 from services.common.registry import ShardRegistry
 from services.telemetry.effects import registry_group_id
 from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
-from tests.telemetry.test_serving_telemetry import _stopped_children, alerts_reader, generate, worker_flags
+from tests.telemetry.test_serving_telemetry import alerts_reader, generate, kill_stopped_children, worker_flags
 
 TIMEOUT_S = 1.0
 PROMPT = [3, 1, 4, 1, 5]
@@ -133,8 +131,7 @@ def test_a_stage_link_that_stays_down_after_the_retry_fails_the_group(tiny_model
             assert wait_until(lambda: registry.get_group(registry_group_id(group)).status == "dead", 5)
     finally:
         channel.close()
-        for child in _stopped_children(worker.proc.pid):
-            os.kill(child, signal.SIGKILL)  # the rank this test stopped
+        kill_stopped_children(worker.proc.pid)  # the rank this test stopped
         worker.stop()
         telemetry.stop()
         health.remove_group(group)

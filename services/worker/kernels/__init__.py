@@ -142,23 +142,25 @@ def kernels_enabled() -> bool:
     return os.environ.get("SHARDLINE_CPU_KERNELS", "1") not in ("0", "false", "no")
 
 
+def _cpu_module(device: torch.device | str | None):
+    """The built C++ module when ``device`` is the CPU and the kernels are enabled, else None."""
+    if torch.device(device or "cpu").type == "cpu" and kernels_enabled():
+        return cpu_kernels()
+    return None
+
+
 def ops_for(device: torch.device | str | None) -> LayerOps:
     """The fused kernels for CPU when enabled and built; the PyTorch reference otherwise."""
-    if torch.device(device or "cpu").type == "cpu" and kernels_enabled():
-        module = cpu_kernels()
-        if module is not None:
-            return _CppOps(module)
-    return TorchOps()
-
+    module = _cpu_module(device)
+    return _CppOps(module) if module is not None else TorchOps()
 
 
 def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``logits`` [n, vocab] (any float dtype): the greedy token (first maximum, as
     ``argmax``) and ``logsumexp`` in float32. The C++ kernel on CPU, PyTorch elsewhere."""
-    if logits.device.type == "cpu" and kernels_enabled() and logits.stride(-1) == 1:
-        module = cpu_kernels()
-        if module is not None:
-            ids, lse = module.greedy_logsumexp(logits)
-            return ids, lse
+    module = _cpu_module(logits.device) if logits.stride(-1) == 1 else None
+    if module is not None:
+        ids, lse = module.greedy_logsumexp(logits)
+        return ids, lse
     values = logits.float()
     return values.max(dim=-1).indices, torch.logsumexp(values, dim=-1)
