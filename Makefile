@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml constraints.txt
 proto: $(STAMP)
 	$(PY) -m services.common.protogen
 
-# The workers' fused CPU kernels (services/worker/kernels), built once into ~/.cache/torch_extensions.
+# The workers' fused CPU kernels (services/modeling/kernels), built once into ~/.cache/torch_extensions.
 kernels: $(STAMP)
-	$(PY) -m services.worker.kernels
+	$(PY) -m services.modeling.kernels
 
 # redis-server for the tests, docker-compose to validate docker-compose.yml (no engine needed).
 system-deps:

@@ -18,7 +18,7 @@ RESULTS = REPO / "bench" / "results"
 
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct in HF layout under .models/ (converted from the wheel's GGUF once)."""
-    from services.worker.models.gguf_import import convert_smollm2
+    from services.modeling.gguf_import import convert_smollm2
 
     out = REPO / ".models" / "smollm2-bench"
     if not (out / "model.safetensors").exists():

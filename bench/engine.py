@@ -25,8 +25,8 @@ from services.worker.engine.group import EngineSpec, build_engine, start_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.runner import follower_loop
 from services.worker.engine.sequence import SamplingParams
-from services.worker.kernels import TorchOps
-from services.worker.parallel.launch import run_replica_group
+from services.modeling.kernels import TorchOps
+from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 
 TEXT = ("The river runs through the middle of the old town, and on summer evenings people walk along its banks "
@@ -275,7 +275,7 @@ def markdown(payload: dict) -> str:
               "Decode step vs floor, pair by pair (each engine step followed by one floor loop at the same batch "
               "and mean context). The floor is a bare loop of the decode step's matmuls: every layer's four "
               "weight matmuls, the attention q·kᵀ and p·v, lm_head. \"kernels\" is the engine as it serves (the "
-              "layers' element-wise work and decode attention in C++ kernels, services/worker/kernels); "
+              "layers' element-wise work and decode attention in C++ kernels, services/modeling/kernels); "
               "\"torch ops\" is the same engine with the layers' work as plain PyTorch ops (attention: gather "
               "the blocks + SDPA; the sampler's kernel stays):", "",
               "| dtype | layer ops | batch | step | floor | step/floor (median of pairs) |", "|---|---|---|---|---|---|"]

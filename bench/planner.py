@@ -192,7 +192,7 @@ def measure_decode(model_dir: Path, tp: int, pp: int, *, dtype: str = "float32",
     """Inter-token latencies of ``requests`` batch-1 greedy requests on the real engine at (tp, pp)."""
     from services.worker.engine.group import EngineSpec
     from services.worker.engine.kv_cache import CacheConfig
-    from services.worker.parallel.launch import run_replica_group
+    from services.worker.launch import run_replica_group
     from services.worker.runtime import RankSpec
 
     spec = EngineSpec(RankSpec(str(model_dir), tp, pp, dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S),

@@ -299,7 +299,7 @@ def step_overhead(model_dir: str, workdir: Path, *, tp: int, batch: int, warmup:
 
     from services.telemetry.client import ShipperConfig
     from services.worker.engine.group import EngineSpec
-    from services.worker.parallel.launch import run_replica_group
+    from services.worker.launch import run_replica_group
     from services.worker.runtime import RankSpec
 
     proc, address = start_telemetry(workdir / "overhead.log")
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = memory_per_series(args.series, events_per_window=200, retain=6)
         model_dir = args.model
         if model_dir is None:
-            from services.worker.models.tiny import TinyModelSpec, write_tiny_model
+            from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
             model_dir = str(workdir / "tiny")
             write_tiny_model(TinyModelSpec(), Path(model_dir))

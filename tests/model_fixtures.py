@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.models import gguf_import, hf_tokenizer
-from services.worker.models.tiny import TinyModelSpec, write_tiny_model
+from services.modeling import gguf_import, hf_tokenizer
+from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPLETE_MARKER = ".complete"

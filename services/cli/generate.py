@@ -8,7 +8,7 @@ import sys
 
 from services.cli.score import add_layout_arguments, encode_prompt
 from services.common.errors import ShardlineError
-from services.worker.models.config import ModelConfigError
+from services.modeling.config import ModelConfigError
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from services.worker.engine.group import generate_rank
     from services.worker.engine.sequence import SamplingParams
-    from services.worker.parallel.launch import ReplicaGroupFailed, run_replica_group
+    from services.worker.launch import ReplicaGroupFailed, run_replica_group
 
     try:
         spec = engine_spec(args)

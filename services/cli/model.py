@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.worker.models.tiny import WrittenModel
+    from services.modeling.tiny import WrittenModel
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
@@ -63,7 +63,7 @@ def _fail(kind: str, exc: Exception) -> int:
 
 def run_tiny(args: argparse.Namespace) -> int:
     # Deferred so that `shardline --help` and other subcommands do not pay for importing torch.
-    from services.worker.models.tiny import TinyModelSpec, write_tiny_model
+    from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
     try:
         spec = TinyModelSpec(
@@ -87,7 +87,7 @@ def run_tiny(args: argparse.Namespace) -> int:
 
 
 def run_smollm2(args: argparse.Namespace) -> int:
-    from services.worker.models.gguf_import import SmolLM2NotInstalled, convert_smollm2
+    from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
 
     try:
         written = convert_smollm2(args.out, dtype=args.dtype)
@@ -98,7 +98,7 @@ def run_smollm2(args: argparse.Namespace) -> int:
 
 
 def run_from_gguf(args: argparse.Namespace) -> int:
-    from services.worker.models.gguf_import import convert_gguf
+    from services.modeling.gguf_import import convert_gguf
 
     try:
         written = convert_gguf(args.file, args.out, dtype=args.dtype)

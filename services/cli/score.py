@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from services.common.errors import ShardlineError
-from services.worker.models.config import ModelConfigError
+from services.modeling.config import ModelConfigError
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def encode_prompt(model_dir: str | None, text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.worker.parallel.launch import ReplicaGroupFailed, run_replica_group
+    from services.worker.launch import ReplicaGroupFailed, run_replica_group
     from services.worker.runtime import RankSpec
     from services.worker.scoring import score_rank
 

@@ -1,16 +1,10 @@
 """``shardline serve NAME [flags]``: run one of the five gRPC services in the foreground.
 
-Each service lives in ``services/<name>/server.py`` and exposes the same three things:
-
-- ``add_arguments(parser)``: its own flags (worker ``--model --tp --pp``, router ``--http-port``…);
-- ``serve(args) -> int``: build the servicer, serve until SIGTERM/SIGINT, return the exit code;
-- the common flags (``--host --port --log-level --grace --max-workers``) come from
-  :func:`services.common.config.add_server_arguments`, added here for every service.
-
 The service's module is imported only when that service is run: the worker pulls in torch,
 and ``shardline model ...`` should not pay for it. So ``serve`` takes the service name and
 hands the rest of the command line to the service's own parser (``shardline serve worker
---help`` shows the worker's flags). ``python -m services.<name>`` goes through the same path.
+--help`` shows the worker's flags). ``python -m services.<name>`` goes through the same
+:func:`services.common.service_main.run_service`.
 """
 
 from __future__ import annotations
@@ -19,9 +13,8 @@ import argparse
 import importlib
 from types import ModuleType
 
-from services.common.config import DEFAULT_PORTS, add_server_arguments
-
-SERVICES: tuple[str, ...] = tuple(DEFAULT_PORTS)
+from services.common.config import DEFAULT_PORTS
+from services.common.service_main import SERVICES, build_service_parser, run_service
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,28 +31,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    return run_service(args.service, args.service_args, prog=f"shardline serve {args.service}")
-
-
 def service_module(name: str) -> ModuleType:
     if name not in SERVICES:
         raise ValueError(f"unknown service {name!r}; expected one of {', '.join(SERVICES)}")
+    # by name: a run imports only the service it runs (the worker pulls in torch)
     return importlib.import_module(f"services.{name}.server")
 
 
-def build_service_parser(name: str, *, prog: str) -> argparse.ArgumentParser:
-    """The full parser of one service: the common server flags plus the service's own."""
-    module = service_module(name)
-    summary = (module.__doc__ or "").strip().splitlines()
-    parser = argparse.ArgumentParser(prog=prog, description=summary[0] if summary else None)
-    add_server_arguments(parser, service=name)
-    module.add_arguments(parser)
-    return parser
+def service_parser(name: str, *, prog: str) -> argparse.ArgumentParser:
+    return build_service_parser(name, service_module(name), prog=prog)
 
 
-def run_service(name: str, argv: list[str], *, prog: str) -> int:
-    """Parse ``argv`` with the service's parser and serve; returns the exit code."""
-    parser = build_service_parser(name, prog=prog)
-    args = parser.parse_args(argv)
-    return int(service_module(name).serve(args))
+def _run(args: argparse.Namespace) -> int:
+    return run_service(args.service, service_module(args.service), args.service_args,
+                       prog=f"shardline serve {args.service}")

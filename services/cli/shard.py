@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from services.common.errors import ShardlineError
     from services.loader.writer import ShardJob, write_shards
-    from services.worker.models.weights import CheckpointError
+    from services.modeling.weights import CheckpointError
 
     try:
         job = ShardJob(args.model, args.tp, args.pp, args.out, dtype=args.dtype, model_name=args.name)

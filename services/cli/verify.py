@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
     from services.loader.layout import model_fingerprint
     from services.loader.verify import read_manifest, verify_checkpoint
-    from services.worker.models.config import ModelConfig, ModelConfigError
-    from services.worker.parallel.plan import ParallelPlan
+    from services.modeling.config import ModelConfig, ModelConfigError
+    from services.modeling.parallel.plan import ParallelPlan
 
     def fail(exc: Exception, code: int) -> int:
         if args.json:

@@ -43,8 +43,8 @@ from services.loader.layout import RankLayout
 from services.loader.manifest import MANIFEST_NAME, Manifest
 from services.loader.object_store import ObjectStore, open_store, split_object_uri
 from services.loader.verify import check_entry_layout, check_plan
-from services.worker.models.config import ModelConfig, ModelConfigError
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.config import ModelConfig, ModelConfigError
+from services.modeling.parallel.plan import ParallelPlan
 
 
 class ManifestNotRegistered(NotFound):

@@ -17,10 +17,10 @@ from torch import nn
 from services.loader.errors import ShardLayoutError
 from services.loader.manifest import TensorInfo
 from services.loader.safetensors_format import canonical_dtype_of, read_header
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.parallel.coordinator import Coordinator
-from services.worker.parallel.groups import ParallelGroups
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.llama import LlamaForCausalLM
+from services.modeling.parallel.coordinator import Coordinator
+from services.modeling.parallel.groups import ParallelGroups
+from services.modeling.parallel.plan import ParallelPlan
 
 # Bytes of each tensor's data folded into the fingerprint (see model_fingerprint).
 FINGERPRINT_SAMPLE_BYTES = 64 * 1024

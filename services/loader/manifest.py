@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.loader.errors import ManifestError, ObjectNotFound, ShardLayoutError
-from services.worker.models.config import DTYPES, ModelConfigError, canonical_dtype
+from services.modeling.config import DTYPES, ModelConfigError, canonical_dtype
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

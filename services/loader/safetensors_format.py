@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import torch
 
-# safetensors dtype code <-> our canonical dtype names (services.worker.models.config.DTYPES)
+# safetensors dtype code <-> our canonical dtype names (services.modeling.config.DTYPES)
 SAFETENSORS_DTYPES: dict[str, str] = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DTYPE_OF_CODE: dict[str, str] = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

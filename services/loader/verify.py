@@ -44,8 +44,8 @@ from services.loader.safetensors_format import (
     header_length,
     parse_header,
 )
-from services.worker.models.config import ModelConfig
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.config import ModelConfig
+from services.modeling.parallel.plan import ParallelPlan
 
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 # ModelConfig fields that change a rank's tensors or its math; a checkpoint must agree on all.

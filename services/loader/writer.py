@@ -3,7 +3,7 @@
 For every rank the writer builds that rank's model on the ``meta`` device (names and shapes, no
 memory), writes the file's header, then for each parameter allocates one real tensor, fills it
 with the parameter's own ``weight_loader`` for every checkpoint tensor
-:func:`~services.worker.models.weights.checkpoint_assignments` gives it — the very code a worker
+:func:`~services.modeling.weights.checkpoint_assignments` gives it — the very code a worker
 loading the HF directory runs, so a shard holds exactly the bytes that worker would hold — writes
 and hashes it, and frees it. Peak memory is about one full source tensor (its mapped pages) plus
 two rank-sized slices (one being sliced, the previous one being written), never a shard or the
@@ -41,14 +41,14 @@ from services.loader.manifest import (
 )
 from services.loader.object_store import ObjectStore, open_store
 from services.loader.safetensors_format import encode_header, tensor_bytes
-from services.worker.models.config import ModelConfig, canonical_dtype
-from services.worker.models.weights import (
+from services.modeling.config import ModelConfig, canonical_dtype
+from services.modeling.weights import (
     STACKED_PARAMS_MAPPING,
     CheckpointError,
     CheckpointReader,
     checkpoint_assignments,
 )
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.parallel.plan import ParallelPlan
 
 ProgressFn = Callable[[int], None]
 

@@ -309,7 +309,7 @@ def _overhead_layer_bytes() -> int:
 
 def _write_overhead_models(directory: Path) -> dict[int, str]:
     """The random models (OVERHEAD_MODEL_LAYERS deep) the overhead measurement decodes."""
-    from services.worker.models.tiny import TinyModelSpec, write_tiny_model
+    from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
     models: dict[int, str] = {}
     for layers in OVERHEAD_MODEL_LAYERS:

@@ -2,6 +2,7 @@
 
 import sys
 
-from services.cli.serve import run_service
+from services.router import server
+from services.common.service_main import run_service
 
-sys.exit(run_service("router", sys.argv[1:], prog="python -m services.router"))
+sys.exit(run_service("router", server, sys.argv[1:], prog="python -m services.router"))

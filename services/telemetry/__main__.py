@@ -2,6 +2,7 @@
 
 import sys
 
-from services.cli.serve import run_service
+from services.telemetry import server
+from services.common.service_main import run_service
 
-sys.exit(run_service("telemetry", sys.argv[1:], prog="python -m services.telemetry"))
+sys.exit(run_service("telemetry", server, sys.argv[1:], prog="python -m services.telemetry"))

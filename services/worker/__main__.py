@@ -2,6 +2,7 @@
 
 import sys
 
-from services.cli.serve import run_service
+from services.worker import server
+from services.common.service_main import run_service
 
-sys.exit(run_service("worker", sys.argv[1:], prog="python -m services.worker"))
+sys.exit(run_service("worker", server, sys.argv[1:], prog="python -m services.worker"))

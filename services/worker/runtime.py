@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from services.common.collective_events import EventSink, RingBufferSink
-from services.worker.models.config import ModelConfig, ModelConfigError
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.models.weights import CheckpointReader, load_weights
-from services.worker.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
-from services.worker.parallel.groups import ParallelGroups, init_parallel_groups
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.config import ModelConfig, ModelConfigError
+from services.modeling.llama import LlamaForCausalLM
+from services.modeling.weights import CheckpointReader, load_weights
+from services.modeling.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
+from services.modeling.parallel.groups import ParallelGroups, init_parallel_groups
+from services.modeling.parallel.plan import ParallelPlan
 
 # Loading takes different times on different ranks; the first meeting after it may wait that long.
 LOAD_BARRIER_TIMEOUT_S = 600.0
@@ -38,7 +38,7 @@ class RankSpec:
 
     def plan(self) -> ParallelPlan:
         if self.checkpoint:
-            from services.loader.rank_loading import plan_for_checkpoint
+            from services.worker.rank_loading import plan_for_checkpoint
 
             return plan_for_checkpoint(self.checkpoint, tp_degree=self.tp_degree, pp_degree=self.pp_degree,
                                        dtype=self.dtype)
@@ -84,7 +84,7 @@ class RankRuntime:
         model = LlamaForCausalLM(plan, coordinator, device=groups.device)
         if spec.checkpoint:
             from services.loader.layout import model_fingerprint
-            from services.loader.rank_loading import load_checkpoint_weights
+            from services.worker.rank_loading import load_checkpoint_weights
 
             loaded = load_checkpoint_weights(
                 model, plan, rank, spec.checkpoint,

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from services.worker.models.attention import AttentionMetadata
+from services.modeling.attention import AttentionMetadata
 from services.worker.runtime import RankRuntime, RankSpec
 
 

@@ -23,7 +23,7 @@ from services.worker.engine.group import EngineSpec, build_engine, start_rank
 from services.worker.engine.runner import follower_loop
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
-from services.worker.parallel.launch import Followers
+from services.worker.launch import Followers
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0

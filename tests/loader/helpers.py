@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 
 from services.loader.layout import rank_model
-from services.loader.rank_loading import load_checkpoint_weights, plan_for_checkpoint
-from services.worker.models.config import ModelConfig
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.models.weights import CheckpointReader, load_weights
-from services.worker.parallel.coordinator import Coordinator
-from services.worker.parallel.groups import init_parallel_groups
-from services.worker.parallel.plan import ParallelPlan
+from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
+from services.modeling.config import ModelConfig
+from services.modeling.llama import LlamaForCausalLM
+from services.modeling.weights import CheckpointReader, load_weights
+from services.modeling.parallel.coordinator import Coordinator
+from services.modeling.parallel.groups import init_parallel_groups
+from services.modeling.parallel.plan import ParallelPlan
 from services.worker.runtime import LOAD_BARRIER_TIMEOUT_S, RankRuntime
 from services.worker.scoring import ScoreResult, prefill_logprobs
 
@@ -77,7 +77,7 @@ def score_from_staged_rank(rank: int, world_size: int, checkpoint: str, staged_p
                            pp: int, token_ids: list[int]) -> ScoreResult | None:
     """A rank that loads the shard a LoaderService ``Stage`` call put on this node
     (``staged_paths[rank]``), verified again against the manifest and the plan, then scores."""
-    from services.loader.rank_loading import load_rank_shard
+    from services.worker.rank_loading import load_rank_shard
     from services.loader.verify import read_manifest
 
     manifest, _ = read_manifest(checkpoint)

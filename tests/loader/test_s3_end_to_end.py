@@ -11,9 +11,9 @@ from services.cli import main as cli_main
 from services.loader.errors import ShardChecksumError
 from services.loader.layout import rank_model
 from services.loader.object_store import open_store
-from services.loader.rank_loading import load_checkpoint_weights, plan_for_checkpoint
+from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.loader.staging import stage
-from services.worker.parallel.launch import run_replica_group
+from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
 from tests.loader.helpers import hf_rank, score_from_checkpoint_rank, state_dict_diffs

@@ -28,9 +28,9 @@ from services.common.registry import ShardRegistry
 from services.loader.catalog import ManifestCatalog
 from services.loader.layout import rank_model
 from services.loader.manifest import Manifest
-from services.loader.rank_loading import load_rank_shard, plan_for_checkpoint
+from services.worker.rank_loading import load_rank_shard, plan_for_checkpoint
 from services.loader.server import LoaderServicer, bindings
-from services.worker.parallel.launch import run_replica_group
+from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
 from tests.loader.conftest import copy_checkpoint

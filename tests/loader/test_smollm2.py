@@ -11,10 +11,10 @@ from tokenizers import Tokenizer
 
 from services.loader.layout import model_fingerprint, rank_model
 from services.loader.manifest import Manifest
-from services.loader.rank_loading import load_checkpoint_weights, plan_for_checkpoint
+from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.loader.staging import stage_model_files
 from services.loader.writer import ShardJob, write_shards
-from services.worker.parallel.launch import run_replica_group
+from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
 from tests.loader.helpers import hf_rank, plan_of, score_from_checkpoint_rank, state_dict_diffs

@@ -25,7 +25,7 @@ from services.common.registry import ShardRegistry
 from services.telemetry.effects import registry_group_id
 from services.telemetry.tracing import outgoing_metadata
 from services.worker.engine.runner import IDLE_HEARTBEAT_S
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.parallel.plan import ParallelPlan
 from services.worker.runtime import RankSpec
 from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
 

@@ -37,7 +37,7 @@ import time
 import openai
 import pytest
 
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.parallel.plan import ParallelPlan
 from services.worker.runtime import RankSpec
 from tests.router.processes import REPO, clean_env
 from tests.stack import free_port

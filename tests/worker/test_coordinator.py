@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.parallel.launch import ReplicaGroupFailed, run_replica_group
-from services.worker.parallel.plan import ParallelPlan
+from services.worker.launch import ReplicaGroupFailed, run_replica_group
+from services.modeling.parallel.plan import ParallelPlan
 from services.worker.runtime import RankRuntime, RankSpec
 from services.worker.scoring import prefill_logprobs
 from tests.worker.test_parallel_parity import make_tiny, random_ids
@@ -113,9 +113,9 @@ def _link_rank(rank: int, world_size: int, faults: str, out_dir: str, timeout_s:
     import torch.distributed as dist
 
     from services.common.collective_events import RingBufferSink
-    from services.worker.parallel.coordinator import Coordinator, ShardGroupUnhealthy
-    from services.worker.parallel.faults import FaultInjector
-    from services.worker.parallel.groups import ParallelGroups
+    from services.modeling.parallel.coordinator import Coordinator, ShardGroupUnhealthy
+    from services.modeling.parallel.faults import FaultInjector
+    from services.modeling.parallel.groups import ParallelGroups
 
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
     pp_group = dist.new_group([0, 1], backend="gloo")

@@ -10,7 +10,7 @@ from services.common.errors import InvalidArgument
 from services.worker.engine.group import EngineSpec, generate_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.sequence import SamplingParams
-from services.worker.parallel.launch import run_replica_group
+from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from tests.worker.oracle import reference_greedy
 from tests.worker.test_parallel_parity import ENGLISH

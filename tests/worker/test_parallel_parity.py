@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from services.worker.parallel.launch import run_replica_group
+from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
 from tests.worker.oracle import reference_logprobs

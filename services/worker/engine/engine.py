@@ -37,7 +37,7 @@ from services.worker.engine.runner import IDLE_HEARTBEAT_S, StageRunner
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.worker.engine.sequence import FinishReason, InvalidRequest, SamplingParams, Sequence
 from services.worker.engine.step import SeqStep, StepPlan, StepResult
-from services.worker.parallel.coordinator import ShardGroupUnhealthy
+from services.modeling.parallel.coordinator import ShardGroupUnhealthy
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.worker.models.config import canonical_dtype, torch_dtype
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.config import canonical_dtype, torch_dtype
+from services.modeling.parallel.plan import ParallelPlan
 
 GiB = 1024**3
 

@@ -15,7 +15,7 @@ import torch
 
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.step import SampledToken, StepPlan, StepResult
-from services.worker.models.attention import AttentionMetadata
+from services.modeling.attention import AttentionMetadata
 from services.worker.runtime import RankRuntime
 from services.worker.scoring import score_tokens
 

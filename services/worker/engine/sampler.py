@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from services.worker.engine.sequence import SamplingParams
-from services.worker.kernels import greedy_logsumexp
+from services.modeling.kernels import greedy_logsumexp
 
 _MASK64 = 2**64 - 1
 

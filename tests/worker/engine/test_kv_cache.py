@@ -19,12 +19,12 @@ from services.worker.engine.kv_cache import (
 )
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
 from services.worker.engine.sequence import SamplingParams, Sequence
-from services.worker.models.attention import AttentionMetadata
-from services.worker.models.config import ModelConfig
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.parallel.coordinator import Coordinator
-from services.worker.parallel.groups import ParallelGroups
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.attention import AttentionMetadata
+from services.modeling.config import ModelConfig
+from services.modeling.llama import LlamaForCausalLM
+from services.modeling.parallel.coordinator import Coordinator
+from services.modeling.parallel.groups import ParallelGroups
+from services.modeling.parallel.plan import ParallelPlan
 
 LLAMA3_70B = ModelConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, head_dim=128)

@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 
 from services.cli import main as cli_main
-from services.worker.models import gguf_import
-from services.worker.models.gguf_import import GGUFImportError, convert_gguf, reverse_rotary_permutation
-from services.worker.models.hf_tokenizer import BYTE_LEVEL_SPECIALS, bytes_to_unicode
-from services.worker.models.tiny import TinyModelSpec, TinyModelSpecError, write_tiny_model
+from services.modeling import gguf_import
+from services.modeling.gguf_import import GGUFImportError, convert_gguf, reverse_rotary_permutation
+from services.modeling.hf_tokenizer import BYTE_LEVEL_SPECIALS, bytes_to_unicode
+from services.modeling.tiny import TinyModelSpec, TinyModelSpecError, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -341,7 +341,7 @@ def test_smollm2_missing_package_names_the_pip_command(
 def test_model_writers_do_not_import_transformers() -> None:
     """transformers is a test oracle only; the CLI and the writers must run without it."""
     code = (
-        "import sys, services.cli.model, services.worker.models.tiny, services.worker.models.gguf_import; "
+        "import sys, services.cli.model, services.modeling.tiny, services.modeling.gguf_import; "
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

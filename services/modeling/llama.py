@@ -1,7 +1,7 @@
 """A Llama-family decoder built from tensor-parallel layers, one pipeline stage at a time.
 
 RMSNorm, rotary embeddings (with Llama-3 scaling), grouped-query attention and a SwiGLU MLP. The
-element-wise pieces run through ``services.worker.kernels`` (fused C++ kernels on CPU, the PyTorch
+element-wise pieces run through ``services.modeling.kernels`` (fused C++ kernels on CPU, the PyTorch
 reference elsewhere); the matmuls and attention are PyTorch's. Parameter names match the Hugging
 Face checkpoint after fusing q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; layers keep
 their *global* index (``model.layers.17``) so a stage owning layers 15..29 finds its weights by name.
@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.kernels import LayerOps, TorchOps, ops_for
-from services.worker.models.attention import AttentionMetadata, attention_no_cache, paged_attention
-from services.worker.models.config import ModelConfig
-from services.worker.models.rotary import RotaryEmbedding
-from services.worker.parallel.coordinator import Coordinator
-from services.worker.parallel.layers import (
+from services.modeling.kernels import LayerOps, TorchOps, ops_for
+from services.modeling.attention import AttentionMetadata, attention_no_cache, paged_attention
+from services.modeling.config import ModelConfig
+from services.modeling.rotary import RotaryEmbedding
+from services.modeling.parallel.coordinator import Coordinator
+from services.modeling.parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -30,7 +30,7 @@ from services.worker.parallel.layers import (
     VocabParallelEmbedding,
     replicated_loader,
 )
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.parallel.plan import ParallelPlan
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""The fused CPU kernels against their PyTorch reference (services/worker/kernels).
+"""The fused CPU kernels against their PyTorch reference (services/modeling/kernels).
 
 The kernels round where the reference rounds, so results agree to rounding: float32 to ~1e-6, and
 in 16-bit an element may differ by one unit in the last place when the float32 statistic of a
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.kernels import TorchOps, cpu_kernels, greedy_logsumexp, ops_for
-from services.worker.models.attention import AttentionMetadata
+from services.modeling.kernels import TorchOps, cpu_kernels, greedy_logsumexp, ops_for
+from services.modeling.attention import AttentionMetadata
 
 REF = TorchOps()
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.parallel.coordinator import Coordinator
+from services.modeling.parallel.coordinator import Coordinator
 
 WeightSource = Any  # torch.Tensor or safetensors PySafeSlice
 

@@ -1,9 +1,9 @@
-"""`make kernels` (python -m services.worker.kernels): build the CPU kernels now, not in the first worker."""
+"""`make kernels` (python -m services.modeling.kernels): build the CPU kernels now, not in the first worker."""
 
 import logging
 import sys
 
-from services.worker.kernels import cpu_kernels
+from services.modeling.kernels import cpu_kernels
 
 logging.basicConfig(level=logging.INFO)
 module = cpu_kernels()

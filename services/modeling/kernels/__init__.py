@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.worker.models.attention import AttentionMetadata, gather_decode_attention
+from services.modeling.attention import AttentionMetadata, gather_decode_attention
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from services.common.collective_events import CollectiveEvent, EventSink, RingBufferSink
-from services.worker.parallel.faults import FaultInjector
-from services.worker.parallel.groups import ParallelGroups
+from services.modeling.parallel.faults import FaultInjector
+from services.modeling.parallel.groups import ParallelGroups
 
 DEFAULT_TIMEOUT_S = 2.0
 STAGE_LINK_OPS = frozenset({"send", "recv"})  # retried once before the group is failed

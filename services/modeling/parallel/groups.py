@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.parallel.plan import ParallelPlan
 
 
 @dataclass

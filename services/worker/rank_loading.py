@@ -21,9 +21,9 @@ from services.loader.layout import RankLayout, unique_parameters
 from services.loader.manifest import Manifest
 from services.loader.staging import DEFAULT_ATTEMPTS, StageResult, default_cache_dir, stage_entry
 from services.loader.verify import check_entry_layout, check_plan, read_manifest, verify_rank_shard
-from services.worker.models.config import ModelConfig
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.parallel.plan import ParallelPlan
+from services.modeling.config import ModelConfig
+from services.modeling.llama import LlamaForCausalLM
+from services.modeling.parallel.plan import ParallelPlan
 
 
 def load_rank_shard(model: LlamaForCausalLM, manifest: Manifest, shard_path: str | Path, plan: ParallelPlan,

