@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
+from services.modeling.gguf_import import convert_smollm2
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct in HF layout under .models/ (converted from the wheel's GGUF once)."""
-    from services.modeling.gguf_import import convert_smollm2
-
     out = REPO / ".models" / "smollm2-bench"
     if not (out / "model.safetensors").exists():
         convert_smollm2(out, dtype="float32")

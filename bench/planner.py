@@ -38,6 +38,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common import smollm2_dir
+from services.planner.calibrate import calibrate
+from services.planner.cost_model import Candidate, CostModel, Workload
+from services.planner.specs import ModelSpec
+from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.kv_cache import CacheConfig
+from services.worker.engine.runner import follower_loop
+from services.worker.engine_timing import decode_intervals_s, engine_decode_steps_s
+from services.worker.launch import run_replica_group
+from services.worker.runtime import RankSpec
+
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS: tuple[tuple[int, int], ...] = ((1, 1), (3, 1), (1, 2))
 TOLERANCE = 0.25
@@ -168,10 +179,6 @@ def _decode_rank(rank: int, world_size: int, spec: Any, prompt: list[int], decod
                  requests: int) -> list[float] | None:
     """Rank entry point: one warm-up request, then ``requests`` greedy requests one at a time;
     the driver returns the seconds between consecutive tokens of all of them."""
-    from services.planner.calibrate_ranks import decode_intervals_s
-    from services.worker.engine.group import build_engine, start_rank
-    from services.worker.engine.runner import follower_loop
-
     runner, layout = start_rank(spec, rank)
     if rank != 0:
         follower_loop(runner)
@@ -190,12 +197,7 @@ def _decode_rank(rank: int, world_size: int, spec: Any, prompt: list[int], decod
 def measure_decode(model_dir: Path, tp: int, pp: int, *, dtype: str = "float32", decode_tokens: int = 32,
                    requests: int = 2) -> list[float]:
     """Inter-token latencies of ``requests`` batch-1 greedy requests on the real engine at (tp, pp)."""
-    from services.worker.engine.group import EngineSpec
-    from services.worker.engine.kv_cache import CacheConfig
-    from services.worker.launch import run_replica_group
-    from services.worker.runtime import RankSpec
-
-    spec = EngineSpec(RankSpec(str(model_dir), tp, pp, dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S),
+    spec = EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S),
                       cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES))
     prompt = list(range(10, 10 + PROMPT_TOKENS))
     return run_replica_group(tp * pp, _decode_rank, spec, prompt, decode_tokens, requests)
@@ -207,21 +209,17 @@ def measure_decode(model_dir: Path, tp: int, pp: int, *, dtype: str = "float32",
 def predict_decode(model_dir: Path, topology: Any, tp: int, pp: int, *, dtype: str = "float32",
                    decode_tokens: int = 32) -> float:
     """The cost model's decode step (TPOT at batch 1) for this layout on ``topology``."""
-    from services.planner.cost_model import Candidate, CostModel, Workload
-    from services.planner.specs import ModelSpec
-
     model = ModelSpec.from_config_file(model_dir)
     workload = Workload(kv_cap_bytes=KV_CACHE_BYTES, avg_context=PROMPT_TOKENS + decode_tokens // 2)
     return CostModel(model, topology, workload).tpot_s(Candidate(tp, pp, dtype), 1)
 
 
 def run_round(model_dir: Path, tp: int, pp: int, workdir: Path, *, decode_tokens: int, requests: int) -> Round:
-    from services.planner.calibrate import calibrate
-
     world = tp * pp
     clock = CpuClock.now()
     started = time.perf_counter()
-    calibrated = calibrate(workdir / f"topology-w{world}.yaml", world_size=world, ranks_per_node=world)
+    calibrated = calibrate(workdir / f"topology-w{world}.yaml", engine_decode_steps=engine_decode_steps_s,
+                           world_size=world, ranks_per_node=world)
     calibration_s = time.perf_counter() - started
     predicted = predict_decode(model_dir, calibrated.topology, tp, pp, decode_tokens=decode_tokens)
     started = time.perf_counter()
@@ -298,8 +296,6 @@ def topology_table(results: list[LayoutResult]) -> str:
 
 def write_results(results: list[LayoutResult], model_dir: Path, out: Path, *, rounds: int,
                   decode_tokens: int, requests: int, busy_before: float) -> dict[str, Any]:
-    from services.planner.specs import ModelSpec
-
     model = ModelSpec.from_config_file(model_dir)
     name = display_name(model_dir)
     data = {
@@ -353,13 +349,10 @@ def display_name(model_dir: Path) -> str:
 
 
 def resolve_model(name: str) -> Path:
-    """``smollm2``: the converted SmolLM2-135M (cached under .models/, as the tests use it)."""
+    """``smollm2``: the converted SmolLM2-135M (float32, cached under .models/)."""
     if name != "smollm2":
         return Path(name)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.model_fixtures import converted_smollm2
-
-    return converted_smollm2("float32")
+    return smollm2_dir()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +37,20 @@ from typing import Any
 
 import grpc
 
-from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.cli.up import (
+    resolve_model,  # tiny / smollm2 are made under .models/ if missing
+)
+from services.common.healthcheck import wait_serving as wait
+from services.common.proto import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.router.admission import AdmissionQueue
+from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet
+from services.router.routing import Router
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
@@ -138,10 +152,6 @@ def cpu_seconds(pid: int) -> float:
 def routing_decision_us(n_groups: int, repeats: int = 4_000, trials: int = 5) -> dict[str, float]:
     """Microseconds per reserve+release and per admit+release over ``n_groups`` healthy groups
     (best of ``trials`` runs of ``repeats``: the machine is shared, the minimum is the cost)."""
-    from services.router.admission import AdmissionQueue
-    from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet
-    from services.router.routing import Router
-
     replicas = ReplicaSet()
     for i in range(n_groups):
         view = ReplicaGroupView(address=f"10.0.0.{i}:50052", replica_group_id=f"rg-{i:03d}", model="m",
@@ -172,16 +182,12 @@ def free_port() -> int:
 
 
 def start(argv: list[str], log: Path):
-    import subprocess
-
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_serving(proc, address: str, log: Path, timeout_s: float = 300) -> None:
-    from services.common.healthcheck import wait_serving as wait
-
     problem = wait(proc, address, timeout_s=timeout_s)
     if problem:
         raise RuntimeError(f"{problem}:\n{log.read_text()[-3000:]}")
@@ -295,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    from services.cli.up import resolve_model  # tiny / smollm2 are made under .models/ if missing
 
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="bench-router-"))

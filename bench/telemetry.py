@@ -24,14 +24,33 @@ import json
 import os
 import platform
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
+
+import grpc
+import torch
+import torch.multiprocessing as mp
+
+from services.common.collective_events import CollectiveEvent
+from services.common.healthcheck import wait_serving
+from services.common.proto import telemetry_pb2
+from services.common.sampling import SamplingParams
+from services.modeling.tiny import TinyModelSpec, write_tiny_model
+from services.telemetry.client import ShipperConfig, TelemetryShipper
+from services.telemetry.pipeline import TelemetryPipeline
+from services.telemetry.windows import WindowConfig, WindowStore
+from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.runner import follower_loop
+from services.worker.launch import run_replica_group
+from services.worker.runtime import RankSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +63,6 @@ def synthetic_batches(n_batches: int, *, batch: int = 1000, groups: int = 4, ran
                       seed: int = 0) -> list[bytes]:
     """Serialized ReportRequests as ranks send them: each batch from one rank, a mix of ops with
     log-normal durations, timestamps now."""
-    from services.common.proto import telemetry_pb2
-
     rng = random.Random(seed)
     now = int(time.time() * 1e3)
     out = []
@@ -77,9 +94,6 @@ def cpus() -> list[int]:
 # -- ingest ----------------------------------------------------------------------------------------
 
 def ingest_in_process(payloads: list[bytes], seconds: float) -> dict[str, Any]:
-    from services.common.proto import telemetry_pb2
-    from services.telemetry.pipeline import TelemetryPipeline
-
     pipeline = TelemetryPipeline()
     parse = telemetry_pb2.ReportRequest.FromString
     events = 0
@@ -100,16 +114,12 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start_telemetry(log: Path, *flags: str, cpu: int | None = None) -> tuple[subprocess.Popen, str]:
-    from services.common.healthcheck import wait_serving
-
     port = _free_port()
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     with log.open("wb") as out:
@@ -125,12 +135,6 @@ def start_telemetry(log: Path, *flags: str, cpu: int | None = None) -> tuple[sub
 
 
 def ingest_over_grpc(payloads: list[bytes], seconds: float, workdir: Path, *, streams: int = 2) -> dict[str, Any]:
-    import threading
-
-    import grpc
-
-    from services.common.proto import telemetry_pb2
-
     all_cpus = cpus()
     server_cpu = all_cpus[0]
     client_cpus = set(all_cpus[1:]) or {server_cpu}
@@ -171,9 +175,6 @@ def ingest_over_grpc(payloads: list[bytes], seconds: float, workdir: Path, *, st
 # -- memory ----------------------------------------------------------------------------------------
 
 def memory_per_series(series: int, events_per_window: int, retain: int) -> dict[str, Any]:
-    from services.common.collective_events import CollectiveEvent
-    from services.telemetry.windows import WindowConfig, WindowStore
-
     rng = random.Random(1)
     origin = 1_700_000_000_000
     config = WindowConfig(window_s=10.0, retain_windows=retain)
@@ -214,11 +215,6 @@ def abba(phases: int) -> list[bool]:
 
 def overhead_rank(rank: int, world_size: int, spec, shipper_config, flag, batch: int, warmup: int, phases: int,
                   steps_per_phase: int):
-    from services.telemetry.client import TelemetryShipper
-    from services.worker.engine.group import build_engine, start_rank
-    from services.worker.engine.runner import follower_loop
-    from services.worker.engine.sequence import SamplingParams
-
     shipper = TelemetryShipper(shipper_config)
     sink = ToggleSink(shipper, flag)
     runner, layout = start_rank(spec, rank, sink=sink)
@@ -259,9 +255,6 @@ def _events_per_step(plan) -> int:
 def shipper_cost(address: str, n: int = 100_000) -> dict[str, float]:
     """CPU per event of ``record`` (the forward pass's share) and of shipping it (the background
     thread's conversion, serialization and gRPC), measured on this process's CPU clock."""
-    from services.common.collective_events import CollectiveEvent
-    from services.telemetry.client import ShipperConfig, TelemetryShipper
-
     now = int(time.time() * 1e3)
     events = [CollectiveEvent("rg-cost", "rg-cost:pp0-tp0", OPS[i % len(OPS)], 4096, 0.05, 2, now, False)
               for i in range(n)]
@@ -295,13 +288,6 @@ def paired_overhead(phases: list[tuple[bool, list[float]]], *, resamples: int = 
 
 def step_overhead(model_dir: str, workdir: Path, *, tp: int, batch: int, warmup: int, phases: int,
                   steps_per_phase: int) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    from services.telemetry.client import ShipperConfig
-    from services.worker.engine.group import EngineSpec
-    from services.worker.launch import run_replica_group
-    from services.worker.runtime import RankSpec
-
     proc, address = start_telemetry(workdir / "overhead.log")
     try:
         flag = mp.get_context("spawn").Value("b", 1, lock=False)
@@ -362,14 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         memory = memory_per_series(args.series, events_per_window=200, retain=6)
         model_dir = args.model
         if model_dir is None:
-            from services.modeling.tiny import TinyModelSpec, write_tiny_model
-
             model_dir = str(workdir / "tiny")
             write_tiny_model(TinyModelSpec(), Path(model_dir))
         overhead = step_overhead(model_dir, workdir, tp=args.tp, batch=args.batch, warmup=20, phases=args.phases,
                                  steps_per_phase=args.steps_per_phase)
 
-    import torch
 
     result = {
         "ingest_in_process": in_process,

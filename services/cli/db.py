@@ -6,6 +6,8 @@ import argparse
 
 from sqlalchemy.engine import make_url
 
+from services.common.registry import migrate, registry_url
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("db", help="shard registry schema (Alembic migrations)")
@@ -26,8 +28,6 @@ def _shown(url: str) -> str:
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    from services.common.registry import migrate, registry_url
-
     url = registry_url(args.url)
     migrate.upgrade(url)
     print(f"registry at {_shown(url)}: schema at revision {migrate.current_revision(url)} (head)")
@@ -35,8 +35,6 @@ def _upgrade(args: argparse.Namespace) -> int:
 
 
 def _current(args: argparse.Namespace) -> int:
-    from services.common.registry import migrate, registry_url
-
     url = registry_url(args.url)
     current = migrate.current_revision(url)
     head = migrate.head_revision()

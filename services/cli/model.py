@@ -8,6 +8,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.modeling.gguf_import import (
+    SmolLM2NotInstalled,
+    convert_gguf,
+    convert_smollm2,
+)
+from services.modeling.tiny import TinyModelSpec, write_tiny_model
+
 if TYPE_CHECKING:
     from services.modeling.tiny import WrittenModel
 
@@ -63,7 +70,6 @@ def _fail(kind: str, exc: Exception) -> int:
 
 def run_tiny(args: argparse.Namespace) -> int:
     # Deferred so that `shardline --help` and other subcommands do not pay for importing torch.
-    from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
     try:
         spec = TinyModelSpec(
@@ -87,8 +93,6 @@ def run_tiny(args: argparse.Namespace) -> int:
 
 
 def run_smollm2(args: argparse.Namespace) -> int:
-    from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
-
     try:
         written = convert_smollm2(args.out, dtype=args.dtype)
     # GGUFImportError and TokenizerBuildError are ValueErrors naming the key or tensor at fault.
@@ -98,8 +102,6 @@ def run_smollm2(args: argparse.Namespace) -> int:
 
 
 def run_from_gguf(args: argparse.Namespace) -> int:
-    from services.modeling.gguf_import import convert_gguf
-
     try:
         written = convert_gguf(args.file, args.out, dtype=args.dtype)
     except (FileNotFoundError, ValueError) as exc:

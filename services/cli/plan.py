@@ -13,8 +13,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+
+from services.planner import render
+from services.planner.capacity import AutoscalingPolicy, Demand, plan_capacity
+from services.planner.cost_model import Candidate, Workload
+from services.planner.search import PlanRequest, search
+from services.planner.specs import (
+    ModelSpec,
+    SpecError,
+    load_model_spec,
+    parse_dtypes,
+)
+from services.planner.topology import load_topology
 
 GIB = 1024**3
 
@@ -105,9 +118,6 @@ def _fail(what: str, exc: Exception) -> int:
 
 
 def _load(args: argparse.Namespace):  # -> tuple[ModelSpec, Topology, Workload, tuple[str, ...]]
-    from services.planner.cost_model import Workload
-    from services.planner.specs import ModelSpec, SpecError, load_model_spec, parse_dtypes
-    from services.planner.topology import load_topology
 
     if args.model and args.config:
         raise SpecError("give --model or --config, not both")
@@ -144,8 +154,6 @@ def _load(args: argparse.Namespace):  # -> tuple[ModelSpec, Topology, Workload, 
 
 
 def _request(args: argparse.Namespace):
-    from services.planner.search import PlanRequest
-
     model, topology, workload, dtypes = _load(args)
     return PlanRequest(
         model=model,
@@ -165,10 +173,6 @@ _ERRORS: tuple[type[Exception], ...] = (ValueError, OSError)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from services.planner import render
-    from services.planner.capacity import AutoscalingPolicy
-    from services.planner.search import search
-
     try:
         request = _request(args)
         result = search(request)
@@ -190,11 +194,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_capacity(args: argparse.Namespace) -> int:
-    from services.planner import render
-    from services.planner.capacity import Demand, plan_capacity
-    from services.planner.cost_model import Candidate
-    from services.planner.search import search
-
     try:
         request = _request(args)
         if args.tp is not None and args.pp is not None and len(request.dtypes) == 1:
@@ -222,12 +221,13 @@ def run_capacity(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    import json
-
+    # deferred: calibration runs ranks and the serving engine (torch); the planning commands don't
     from services.planner.calibrate import calibrate
+    from services.worker.engine_timing import engine_decode_steps_s
 
     try:
-        result = calibrate(args.out, world_size=args.world_size, backend=args.backend, name=args.name,
+        result = calibrate(args.out, engine_decode_steps=engine_decode_steps_s, world_size=args.world_size,
+                           backend=args.backend, name=args.name,
                            usd_per_hour=args.usd_per_hour, ranks_per_node=args.ranks_per_node)
     except (ValueError, OSError, RuntimeError) as exc:
         return _fail("plan calibrate", exc)

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import ShardlineError
 from services.modeling.config import ModelConfigError
-
-
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face model directory (or give --checkpoint)")
-    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
-    parser.add_argument("--checkpoint", default=None,
-                        help="manifest.json of a pre-sharded checkpoint (path or s3://…): the fast path")
-    parser.add_argument("--dtype", default=None,
-                        help="float32 | bfloat16 | float16 (default float32, or the checkpoint's dtype)")
-    parser.add_argument("--collective-timeout", type=float, default=2.0,
-                        help="seconds before a hung collective fails the group (default 2)")
-    parser.add_argument("--replica-group-id", default="local", help="name of this replica group")
+from services.worker.engine.bootstrap import encode_prompt
+from services.worker.launch import ReplicaGroupFailed, run_replica_group
+from services.worker.options import add_layout_arguments, rank_spec
+from services.worker.runtime import stage_tokenizer_dir
+from services.worker.scoring import score_rank
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,29 +30,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def encode_prompt(model_dir: str | None, text: str) -> list[int]:
-    from tokenizers import Tokenizer
+def parse_ids(value: str) -> list[int]:
+    """``"1, 2,3"`` -> ``[1, 2, 3]`` (blank entries skipped)."""
+    return [int(tok) for tok in value.split(",") if tok.strip()]
 
-    path = Path(model_dir or ".") / "tokenizer.json"
-    if not path.exists():
-        raise ModelConfigError(f"{path} not found: pass --ids, or give the model a tokenizer.json")
-    return Tokenizer.from_file(str(path)).encode(text).ids
+
+@dataclass
+class Failure:
+    code: int = 0
+
+    def __bool__(self) -> bool:
+        return self.code != 0
+
+
+@contextlib.contextmanager
+def exit_code_for(command: str) -> Iterator[Failure]:
+    """Runs a local-group command's body: bad input (exit 2) or a failed group (exit 1) is
+    printed as ``shardline COMMAND: message`` and recorded in the yielded Failure."""
+    failure = Failure()
+    try:
+        yield failure
+    except (ModelConfigError, ShardlineError, FileNotFoundError) as exc:
+        print(f"shardline {command}: {exc}", file=sys.stderr)
+        failure.code = 2
+    except ReplicaGroupFailed as exc:
+        print(f"shardline {command}: {exc}", file=sys.stderr)
+        failure.code = 1
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.worker.launch import ReplicaGroupFailed, run_replica_group
-    from services.worker.runtime import RankSpec
-    from services.worker.scoring import score_rank
-
-    try:
-        spec = RankSpec(args.model, args.tp, args.pp, args.dtype, args.replica_group_id, args.collective_timeout,
-                        args.checkpoint)
-        plan = spec.plan()
+    with exit_code_for("score") as failed:
+        spec = rank_spec(args)
+        plan = spec.plan
         if args.ids:
-            ids = [int(tok) for tok in args.ids.split(",") if tok.strip()]
+            ids = parse_ids(args.ids)
         else:
             text = args.text if args.text is not None else args.text_file.read_text()
-            ids = encode_prompt(spec.tokenizer_dir, text)
+            ids = encode_prompt(stage_tokenizer_dir(spec), text)
         if len(ids) < 2:
             raise ModelConfigError(f"need at least 2 tokens to score, got {len(ids)}")
         if len(ids) > plan.config.max_position_embeddings:
@@ -70,12 +77,8 @@ def run(args: argparse.Namespace) -> int:
             raise ModelConfigError(f"token ids {bad[:5]} outside the vocabulary [0, {plan.config.vocab_size})")
         result = run_replica_group(plan.world_size, score_rank, spec, ids,
                                    failure_grace_s=args.collective_timeout + 3.0)
-    except (ModelConfigError, ShardlineError, FileNotFoundError) as exc:
-        print(f"shardline score: {exc}", file=sys.stderr)
-        return 2
-    except ReplicaGroupFailed as exc:
-        print(f"shardline score: {exc}", file=sys.stderr)
-        return 1
+    if failed:
+        return failed.code
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

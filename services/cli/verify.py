@@ -7,6 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.loader.layout import model_fingerprint
+from services.loader.verify import read_manifest, verify_checkpoint
+from services.modeling.config import ModelConfig, ModelConfigError
+from services.modeling.parallel.plan import ParallelPlan
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("verify", help="verify a sharded checkpoint against its manifest and a plan")
@@ -23,12 +29,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-    from services.loader.layout import model_fingerprint
-    from services.loader.verify import read_manifest, verify_checkpoint
-    from services.modeling.config import ModelConfig, ModelConfigError
-    from services.modeling.parallel.plan import ParallelPlan
-
     def fail(exc: Exception, code: int) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc)}))

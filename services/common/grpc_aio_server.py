@@ -34,8 +34,15 @@ from grpc_health.v1 import health, health_pb2
 
 from services.common.config import ServerConfig
 from services.common.errors import ShardlineError
-from services.common.grpc_server import (SERVER_OPTIONS, BindError, ServiceBinding, host_port, register_services,
-                                         rewrap_handler, status_for)
+from services.common.grpc_server import (
+    SERVER_OPTIONS,
+    BindError,
+    ServiceBinding,
+    host_port,
+    register_services,
+    rewrap_handler,
+    status_for,
+)
 
 log = logging.getLogger(__name__)
 

@@ -70,7 +70,8 @@ def _well_known_include() -> str:
 
 def generate_into(out_root: Path, proto_root: Path = PROTO_ROOT) -> None:
     """Run protoc for every .proto under ``proto_root``, writing into ``out_root``."""
-    from grpc_tools import protoc  # build-time dependency; keep importing this module cheap
+    # deferred: the protoc compiler is a build-time dependency; importing this module stays cheap
+    from grpc_tools import protoc
 
     files = proto_files(proto_root)
     args = [

@@ -2,7 +2,7 @@
 
 import sys
 
-from services.loader import server
 from services.common.service_main import run_service
+from services.loader import server
 
 sys.exit(run_service("loader", server, sys.argv[1:], prog="python -m services.loader"))

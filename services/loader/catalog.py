@@ -29,7 +29,12 @@ from pathlib import Path
 
 from sqlalchemy.exc import OperationalError
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from services.common.registry import (
     CheckpointManifest,
     DuplicateManifest,

@@ -16,7 +16,7 @@ from torch import nn
 
 from services.loader.errors import ShardLayoutError
 from services.loader.manifest import TensorInfo
-from services.loader.safetensors_format import canonical_dtype_of, read_header
+from services.loader.safetensors_format import ITEMSIZE, canonical_dtype_of, read_header
 from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.parallel.groups import ParallelGroups
@@ -72,8 +72,6 @@ class RankLayout:
 
     @property
     def nbytes(self) -> int:
-        from services.loader.safetensors_format import ITEMSIZE
-
         total = 0
         for info in self.tensors.values():
             numel = 1

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.dtypes import DENSE_DTYPES
 from services.loader.errors import ManifestError, ObjectNotFound, ShardLayoutError
-from services.modeling.config import DTYPES, ModelConfigError, canonical_dtype
+from services.modeling.config import ModelConfigError, canonical_dtype
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -66,8 +67,8 @@ class TensorInfo:
     dtype: str
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ManifestError(f"tensor dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.dtype not in DENSE_DTYPES:
+            raise ManifestError(f"tensor dtype {self.dtype!r} is not one of {sorted(DENSE_DTYPES)}")
         if any((not isinstance(d, int)) or d < 0 for d in self.shape):
             raise ManifestError(f"tensor shape {self.shape!r} must be non-negative integers")
 

@@ -156,14 +156,16 @@ class S3Store(ObjectStore):
     @property
     def client(self) -> Any:
         if self._client is None:
-            import boto3  # imported lazily: local stores need no AWS SDK
+            # deferred: boto3 only for an s3:// store (local stores need no AWS SDK)
+            import boto3
 
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
             self._client = boto3.client("s3", endpoint_url=self.endpoint_url, region_name=region)
         return self._client
 
     def transient_errors(self) -> tuple[type[BaseException], ...]:
-        from botocore.exceptions import BotoCoreError  # transport errors; ClientError (4xx/5xx answers) is not one
+        # deferred: boto3 only for an s3:// store
+        from botocore.exceptions import BotoCoreError  # transport errors; not ClientError (4xx/5xx answers)
 
         return (BotoCoreError, ConnectionError, TimeoutError)
 
@@ -182,6 +184,7 @@ class S3Store(ObjectStore):
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def open(self, key: str) -> BinaryIO:
+        # deferred: boto3 only for an s3:// store
         from botocore.exceptions import ClientError
 
         try:
@@ -192,6 +195,7 @@ class S3Store(ObjectStore):
             raise
 
     def exists(self, key: str) -> bool:
+        # deferred: boto3 only for an s3:// store
         from botocore.exceptions import ClientError
 
         try:
@@ -213,6 +217,7 @@ class S3Store(ObjectStore):
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def size(self, key: str) -> int:
+        # deferred: boto3 only for an s3:// store
         from botocore.exceptions import ClientError
 
         try:

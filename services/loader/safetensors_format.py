@@ -17,10 +17,12 @@ from typing import BinaryIO
 
 import torch
 
-# safetensors dtype code <-> our canonical dtype names (services.modeling.config.DTYPES)
-SAFETENSORS_DTYPES: dict[str, str] = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+from services.common.dtypes import DENSE_DTYPES, DTYPES
+
+# safetensors dtype code <-> our canonical dtype names, and bytes per element
+SAFETENSORS_DTYPES: dict[str, str] = {name: DTYPES[name].safetensors_code for name in DENSE_DTYPES}
 DTYPE_OF_CODE: dict[str, str] = {code: name for name, code in SAFETENSORS_DTYPES.items()}
-ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE: dict[str, int] = {name: DTYPES[name].weight_bytes for name in DENSE_DTYPES}
 HEADER_ALIGNMENT = 8
 # A header bigger than this is not a shard header but garbage (or an attack on the parser).
 MAX_HEADER_BYTES = 100 * 1024 * 1024

@@ -18,6 +18,7 @@ from services.common.config import resolve
 from services.common.errors import InvalidArgument
 from services.common.grpc_server import ServiceBinding, serve_service
 from services.common.proto import common_pb2, loader_pb2, loader_pb2_grpc
+from services.common.proto_convert import DTYPE_FROM_PB, dtype_to_pb
 from services.common.registry import (
     CheckpointManifest,
     RegistryError,
@@ -25,14 +26,15 @@ from services.common.registry import (
     registry_url,
     to_project_dtype,
 )
-from services.loader.catalog import CatalogEntry, ManifestCatalog, canonical_manifest_uri
+from services.loader.catalog import (
+    CatalogEntry,
+    ManifestCatalog,
+    canonical_manifest_uri,
+)
 from services.loader.staging import CACHE_DIR_ENV, default_cache_dir, stage
 
 SERVICE = "loader"
 
-DTYPE_TO_PB = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
-               "float16": common_pb2.DTYPE_FLOAT16, "int8": common_pb2.DTYPE_INT8, "fp8": common_pb2.DTYPE_FP8}
-PB_TO_DTYPE = {value: name for name, value in DTYPE_TO_PB.items()}
 
 
 def summary_to_pb(record: CheckpointManifest, fingerprint: str = "") -> loader_pb2.ManifestSummary:
@@ -40,7 +42,7 @@ def summary_to_pb(record: CheckpointManifest, fingerprint: str = "") -> loader_p
         manifest_id=str(record.manifest_id), model_name=record.model_name,
         manifest_uri=record.manifest_uri or "", shard_uri_prefix=record.shard_uri_prefix,
         layout=common_pb2.ShardLayout(tp_degree=record.tp_degree or 0, pp_degree=record.pp_degree or 0,
-                                      dtype=DTYPE_TO_PB.get(to_project_dtype(record.dtype), common_pb2.DTYPE_UNSPECIFIED)),
+                                      dtype=dtype_to_pb(to_project_dtype(record.dtype))),
         total_bytes=record.total_bytes, shard_count=record.shard_count, model_fingerprint=fingerprint,
         created_at_ms=int(record.created_at.timestamp() * 1000))
 
@@ -87,10 +89,10 @@ class LoaderServicer(loader_pb2_grpc.LoaderServiceServicer):
     def ListManifests(
         self, request: loader_pb2.ListManifestsRequest, context: grpc.ServicerContext
     ) -> loader_pb2.ListManifestsResponse:
-        if request.dtype != common_pb2.DTYPE_UNSPECIFIED and request.dtype not in PB_TO_DTYPE:
+        if request.dtype != common_pb2.DTYPE_UNSPECIFIED and request.dtype not in DTYPE_FROM_PB:
             raise InvalidArgument(f"unknown dtype enum value {request.dtype}")
         records = self.catalog.list(model_name=request.model_name or None,
-                                    dtype=PB_TO_DTYPE.get(request.dtype))
+                                    dtype=DTYPE_FROM_PB.get(request.dtype))
         return loader_pb2.ListManifestsResponse(manifests=[summary_to_pb(r) for r in records])
 
     def Stage(self, request: loader_pb2.StageRequest, context: grpc.ServicerContext) -> loader_pb2.StageResponse:

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from services.loader.errors import ManifestError, ObjectNotFound, ShardChecksumError, ShardLayoutError
+from services.loader.errors import (
+    ManifestError,
+    ObjectNotFound,
+    ShardChecksumError,
+    ShardLayoutError,
+)
 from services.loader.layout import RankLayout
 from services.loader.manifest import (
     MANIFEST_NAME,

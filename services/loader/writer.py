@@ -27,8 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from services.loader.layout import RankLayout, model_fingerprint, rank_model, unique_parameters
+from services.loader.layout import (
+    RankLayout,
+    model_fingerprint,
+    rank_model,
+    unique_parameters,
+)
 from services.loader.manifest import (
     MANIFEST_NAME,
     MODEL_FILE_NAMES,
@@ -42,13 +48,13 @@ from services.loader.manifest import (
 from services.loader.object_store import ObjectStore, open_store
 from services.loader.safetensors_format import encode_header, tensor_bytes
 from services.modeling.config import ModelConfig, canonical_dtype
+from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import (
     STACKED_PARAMS_MAPPING,
     CheckpointError,
     CheckpointReader,
     checkpoint_assignments,
 )
-from services.modeling.parallel.plan import ParallelPlan
 
 ProgressFn = Callable[[int], None]
 
@@ -162,8 +168,6 @@ def copy_model_files(model_dir: Path, store: ObjectStore) -> tuple[ModelFile, ..
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
-    from tqdm import tqdm
-
     show = sys.stderr.isatty() if enabled is None else enabled
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="sharding", disable=not show,
                 file=sys.stderr)

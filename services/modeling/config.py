@@ -9,18 +9,10 @@ from typing import Any
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPE_ALIASES: dict[str, str] = {
-    "fp32": "float32",
-    "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-}
+from services.common.dtypes import DENSE_DTYPES, expected_dtypes, lookup_dtype
+
+# The dense dtypes a model can run in, as torch spells them (names from services.common.dtypes).
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DENSE_DTYPES}
 
 
 class ModelConfigError(ValueError):
@@ -28,17 +20,15 @@ class ModelConfigError(ValueError):
 
 
 def canonical_dtype(name: str) -> str:
-    """Map a dtype name or alias (fp16, bf16, fp32, torch.float16) to its canonical name."""
-    key = str(name).removeprefix("torch.").lower()
-    key = DTYPE_ALIASES.get(key, key)
-    if key not in DTYPES:
-        raise ModelConfigError(f"unsupported dtype {name!r}: expected one of {sorted(DTYPES)} "
-                               f"(aliases {sorted(DTYPE_ALIASES)})")
+    """Map a dense dtype name or alias (fp16, bf16, fp32, torch.float16) to its canonical name."""
+    key = lookup_dtype(name, DENSE_DTYPES)
+    if key is None:
+        raise ModelConfigError(f"unsupported dtype {name!r}: {expected_dtypes(DENSE_DTYPES)}")
     return key
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[canonical_dtype(name)]
+    return TORCH_DTYPES[canonical_dtype(name)]
 
 
 @dataclass(frozen=True)

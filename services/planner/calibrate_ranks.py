@@ -29,7 +29,6 @@ ranks do; a world of 3 on 2 cores is oversubscribed, and that is what gets measu
 from __future__ import annotations
 
 import json
-import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -37,6 +36,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 ALL_REDUCE_ELEMENTS = (1, 64, 1024, 4096, 65536, 262144, 1048576)  # float32: 4 B … 4 MiB
 SMALL_MESSAGE_BATCHES = 9  # batches of calls per small size: the median batch is the figure
@@ -61,6 +63,11 @@ class RankArgs:
     backend: str
     threads: int
     overhead_models: dict[int, str]  # layers → random model directory
+    # The serving engine's median decode step on each overhead model, keyed alike (called as
+    # ``engine_decode_steps(models, prompt_tokens=..., decode_tokens=...)``): the worker's
+    # ``services.worker.engine_timing.engine_decode_steps_s``, passed in by whoever calibrates,
+    # since the planner sits below the worker. A module-level function, so it pickles.
+    engine_decode_steps: Callable[..., dict[int, float]]
     overhead_layer_bytes: int  # weight bytes one of their layers streams
     out_path: str
     stream_bytes: int  # weights streamed per pass, across the ranks streaming at once
@@ -132,8 +139,6 @@ class WeightStream:
     GEMV (one parallel region) per matrix, the set too large to stay in cache."""
 
     def __init__(self, device: Any, total_bytes: int) -> None:
-        import torch
-
         count = max(1, -(-total_bytes // (GEMV_SHAPE[0] * GEMV_SHAPE[1] * 4)))
         self.weights = [torch.randn(*GEMV_SHAPE, device=device) for _ in range(count)]
         self.x = torch.randn(1, GEMV_SHAPE[1], device=device)
@@ -141,15 +146,11 @@ class WeightStream:
         self.nbytes = sum(w.numel() * w.element_size() for w in self.weights)
 
     def free_pass(self) -> None:
-        import torch
-
         for w in self.weights:
             torch.nn.functional.linear(self.x, w)
 
     def lockstep_pass(self) -> None:
         """Every matrix followed by a decode-sized all-reduce, as tensor-parallel ranks do."""
-        import torch
-        import torch.distributed as dist
 
         for w in self.weights:
             torch.nn.functional.linear(self.x, w)
@@ -172,8 +173,6 @@ def together(device: Any, sync: Callable[[], None], total_bytes: int, rounds: in
     matrix is the cost of one decode all-reduce between weight reads, which is how tensor
     parallelism uses it.
     """
-    import torch.distributed as dist
-
     stream = WeightStream(device, total_bytes)
     free: list[float] = []
     lockstep: list[float] = []
@@ -191,15 +190,11 @@ def together(device: Any, sync: Callable[[], None], total_bytes: int, rounds: in
 
 
 def sum_bandwidth(device: Any, sync: Callable[[], None], total_bytes: int) -> float:
-    import torch
-
     big = torch.ones(total_bytes // 4, dtype=torch.float32, device=device)
     return big.numel() * 4 / median_for(big.sum, 0.3, sync)
 
 
 def matmul_flops(device: Any, sync: Callable[[], None]) -> dict[str, float]:
-    import torch
-
     out: dict[str, float] = {}
     for name, dtype, n in (("float32", torch.float32, 512), ("bfloat16", torch.bfloat16, 512)):
         a = torch.randn(n, n, device=device).to(dtype)
@@ -208,63 +203,8 @@ def matmul_flops(device: Any, sync: Callable[[], None]) -> dict[str, float]:
     return out
 
 
-def decode_intervals_s(engine: Any, prompt: list[int], max_tokens: int) -> list[float]:
-    """Seconds between consecutive tokens of one greedy batch-1 request on a built engine (the
-    first token, which the prefill produces, starts the clock): its decode steps as a client sees
-    them. Drives the engine's loop itself to timestamp each token as it is produced."""
-    from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
-    from services.worker.engine.sequence import SamplingParams
-
-    handle = engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    stamps: list[float] = []
-    while True:
-        progressed = engine.step()
-        while True:
-            try:
-                event = handle.events.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(event, TokenEvent):
-                stamps.append(time.perf_counter())
-            elif isinstance(event, FinishEvent):
-                return [b - a for a, b in zip(stamps, stamps[1:])]
-            elif isinstance(event, ErrorEvent):
-                raise event.error
-        if not progressed:
-            time.sleep(0.0005)
-
-
-def engine_decode_steps_s(model_dirs: dict[int, str], *, rounds: int = 3) -> dict[int, float]:
-    """Median decode step of the real serving engine (one rank) on each model, keyed like
-    ``model_dirs``. The models' requests alternate, ``rounds`` each after a warm-up, so a burst
-    of other work on the host lands on every depth alike instead of skewing the slope."""
-    from services.worker.engine.group import EngineSpec, build_engine, start_rank
-    from services.worker.engine.kv_cache import CacheConfig
-    from services.worker.runtime import RankSpec
-
-    engines = {}
-    for key, model_dir in model_dirs.items():
-        spec = EngineSpec(RankSpec(model_dir), cache=CacheConfig(kv_cache_bytes=16 << 20))
-        runner, layout = start_rank(spec, 0)
-        engines[key] = build_engine(spec, runner, layout)
-    prompt = list(range(4, 4 + OVERHEAD_PROMPT_TOKENS))
-    intervals: dict[int, list[float]] = {key: [] for key in engines}
-    try:
-        for engine in engines.values():
-            decode_intervals_s(engine, prompt, 4)
-        for _ in range(rounds):
-            for key, engine in engines.items():
-                intervals[key] += decode_intervals_s(engine, prompt, OVERHEAD_DECODE_TOKENS)
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
-    return {key: statistics.median(values) for key, values in intervals.items()}
-
-
 def rank_main(rank: int, args: RankArgs) -> None:
     """Entry point of one calibration rank (torch.multiprocessing.start_processes)."""
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
     use_cuda = args.backend == "nccl"
@@ -293,15 +233,14 @@ def rank_main(rank: int, args: RankArgs) -> None:
 
 
 def _measure_compute(rank: int, args: RankArgs, device: Any, sync: Callable[[], None], mine: dict[str, Any]) -> None:
-    import torch.distributed as dist
-
     dist.barrier()
     if rank == 0:
         mine["alone"] = {
             "gemv_bytes_per_s": gemv_bandwidth(device, sync, args.stream_bytes),
             "memory_read_bytes_per_s": sum_bandwidth(device, sync, args.stream_bytes),
             "matmul_flops": matmul_flops(device, sync),
-            "decode_step_s": engine_decode_steps_s(args.overhead_models),
+            "decode_step_s": args.engine_decode_steps(args.overhead_models, prompt_tokens=OVERHEAD_PROMPT_TOKENS,
+                                                      decode_tokens=OVERHEAD_DECODE_TOKENS),
             # What the deepest overhead model's weights stream at: subtracted from its layers.
             "overhead_stream_bytes_per_s": gemv_bandwidth(
                 device, sync, max(args.overhead_models) * args.overhead_layer_bytes, seconds=0.3),
@@ -315,9 +254,6 @@ def _measure_compute(rank: int, args: RankArgs, device: Any, sync: Callable[[], 
 
 
 def _measure_links(rank: int, device: Any, sync: Callable[[], None]) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
     def timed(fn: Callable[[], object], numel: int) -> float:
         if numel <= 4096:
             return median_batch_mean(fn, SMALL_MESSAGE_BATCHES, SMALL_MESSAGE_BATCH, sync)
@@ -387,5 +323,5 @@ def summarize_ranks(ranks: list[dict[str, Any]], world_size: int) -> dict[str, A
     return figures
 
 
-__all__ = ["ALL_REDUCE_ELEMENTS", "RankArgs", "decode_intervals_s", "engine_decode_steps_s", "rank_main",
+__all__ = ["ALL_REDUCE_ELEMENTS", "RankArgs", "rank_main",
            "summarize_ranks"]

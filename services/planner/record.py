@@ -10,11 +10,17 @@ from __future__ import annotations
 import threading
 import uuid
 
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
-from services.common.registry import Conflict, InvalidValue, ReplicaGroup, ShardRegistry, registry_url
+from services.common.registry import (
+    Conflict,
+    InvalidValue,
+    ReplicaGroup,
+    ShardRegistry,
+    registry_url,
+)
 from services.planner.cost_model import Candidate, check_layout
 from services.planner.specs import PRESETS
 from services.planner.topology import GIB

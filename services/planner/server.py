@@ -20,6 +20,7 @@ from services.common.config import resolve
 from services.common.errors import InvalidArgument
 from services.common.grpc_server import ServiceBinding, serve_service
 from services.common.proto import common_pb2, planner_pb2, planner_pb2_grpc
+from services.common.proto_convert import DTYPE_FROM_PB, DTYPE_TO_PB
 from services.planner import render
 from services.planner.capacity import Demand, plan_capacity
 from services.planner.cost_model import Candidate, Workload
@@ -27,21 +28,13 @@ from services.planner.record import PlanRecorder
 from services.planner.search import Assessment, PlanRequest, explain, search
 from services.planner.specs import DTYPES, ModelSpec, UnknownModelError
 from services.planner.specs import PRESETS as MODEL_PRESETS
-from services.planner.topology import GIB, PRESETS as TOPOLOGY_PRESETS
-from services.planner.topology import Topology, TopologyError, load_topology
+from services.planner.topology import GIB, Topology, TopologyError, load_topology
+from services.planner.topology import PRESETS as TOPOLOGY_PRESETS
 
 SERVICE = "planner"
 DEFAULT_TOPOLOGY = "a100-80g-8x"  # the CLI's default
 DEFAULT_RESERVE_BYTES = 3 * GIB
 
-DTYPE_NAMES: dict[int, str] = {
-    common_pb2.DTYPE_FLOAT32: "float32",
-    common_pb2.DTYPE_BFLOAT16: "bfloat16",
-    common_pb2.DTYPE_FLOAT16: "float16",
-    common_pb2.DTYPE_INT8: "int8",
-    common_pb2.DTYPE_FP8: "fp8",
-}
-DTYPE_ENUMS: dict[str, int] = {name: value for value, name in DTYPE_NAMES.items()}
 OBJECTIVES: dict[int, str] = {
     planner_pb2.OBJECTIVE_UNSPECIFIED: "balanced",
     planner_pb2.OBJECTIVE_BALANCED: "balanced",
@@ -54,7 +47,7 @@ OBJECTIVES: dict[int, str] = {
 
 
 def dtype_from_pb(value: int, field: str) -> str:
-    name = DTYPE_NAMES.get(value)
+    name = DTYPE_FROM_PB.get(value)
     if name is None:
         raise InvalidArgument(f"{field}: expected a dtype (DTYPE_FLOAT32 … DTYPE_FP8), got {value}")
     return name
@@ -151,7 +144,7 @@ def model_to_pb(model: ModelSpec) -> planner_pb2.ModelSummary:
 
 def candidate_to_pb(a: Assessment) -> planner_pb2.Candidate:
     c, e = a.candidate, a.estimate
-    pb = planner_pb2.Candidate(tp=c.tp, pp=c.pp, dtype=DTYPE_ENUMS[c.dtype], gpus=c.gpus, feasible=a.feasible,
+    pb = planner_pb2.Candidate(tp=c.tp, pp=c.pp, dtype=DTYPE_TO_PB[c.dtype], gpus=c.gpus, feasible=a.feasible,
                                rejected_reason=a.rejected_reason or "", verdict=a.verdict, chosen=a.chosen,
                                shortfall_bytes=a.shortfall_bytes or 0, blast_radius_gpus=c.gpus)
     if e is None:  # the layout cannot shard this model at all: no figures

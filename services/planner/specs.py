@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from services.common.dtypes import DTYPE_ALIASES, DTYPES, DType, lookup_dtype
 from services.common.errors import InvalidArgument, NotFound
 
 
@@ -40,60 +41,10 @@ class UnknownModelError(NotFound, SpecError):
 # dtypes
 
 
-@dataclass(frozen=True)
-class DType:
-    """How one serving dtype stores weights and activations.
-
-    ``weight_bytes`` is the storage per element of a decoder linear weight (q/k/v/o, gate/up/down).
-    Weight-only quantized dtypes (``int8``, ``fp8``) also keep one scale per output channel
-    (``scale_bytes`` each, float32) and leave the embedding, lm_head and norms in the
-    activation dtype, as vLLM and TGI do. ``activation_bytes`` is the element size of
-    activations, of the all-reduce and send/recv messages, and of the KV cache.
-    """
-
-    name: str
-    weight_bytes: int
-    activation_bytes: int
-    scale_bytes: int = 0
-    compute: str = "16bit"  # which peak FLOP/s of the topology applies: "16bit" or "fp32"
-
-    @property
-    def quantized(self) -> bool:
-        return self.scale_bytes > 0
-
-    @property
-    def short_name(self) -> str:
-        """The short spelling used in names and paths (``fp16``, ``bf16``, ``fp32``, ``int8``)."""
-        return _SHORT_NAMES.get(self.name, self.name)
-
-
-DTYPES: dict[str, DType] = {
-    "float16": DType("float16", weight_bytes=2, activation_bytes=2),
-    "bfloat16": DType("bfloat16", weight_bytes=2, activation_bytes=2),
-    "float32": DType("float32", weight_bytes=4, activation_bytes=4, compute="fp32"),
-    "int8": DType("int8", weight_bytes=1, activation_bytes=2, scale_bytes=4),
-    "fp8": DType("fp8", weight_bytes=1, activation_bytes=2, scale_bytes=4),
-}
-"""Canonical dtype names, in the order ``--dtype any`` searches them (and ties prefer)."""
-
-DTYPE_ALIASES: dict[str, str] = {
-    "fp16": "float16",
-    "half": "float16",
-    "bf16": "bfloat16",
-    "fp32": "float32",
-    "float": "float32",
-    "fp8_e4m3": "fp8",
-    "float8_e4m3fn": "fp8",
-}
-
-_SHORT_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-
-
 def canonical_dtype(name: str) -> str:
     """Map a dtype name or alias (``fp16``, ``BF16``) to its canonical name (``float16``)."""
-    key = name.strip().lower()
-    key = DTYPE_ALIASES.get(key, key)
-    if key not in DTYPES:
+    key = lookup_dtype(name)
+    if key is None:
         known = ", ".join([*DTYPES, *DTYPE_ALIASES])
         raise SpecError(f"unknown dtype {name!r}; expected one of: {known}")
     return key

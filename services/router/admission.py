@@ -22,7 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.errors import InvalidArgument, ResourceExhausted, ShardlineError, Unavailable
+from services.common.errors import (
+    InvalidArgument,
+    ResourceExhausted,
+    ShardlineError,
+    Unavailable,
+)
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Reservation, Router, fits_group, kv_estimate
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from services.common.detokenizer import Detokenizer, TokenTexts
 from services.common.errors import InvalidArgument, NotFound
 from services.router.chat import ChatMessage, render_chat
-from services.router.detok import Detokenizer, TokenTexts
 
 
 class ModelDirError(ValueError):

@@ -24,10 +24,11 @@ from services.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.admission import RequestCancelled
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
-from services.router.types import DEFAULT_MAX_TOKENS, Finished, GenerationRequest, SamplingSpec, TokenOut
+from services.router.types import Finished, GenerationRequest, TokenOut
 
 # A chat request without max_tokens may use the rest of the context, up to this many tokens:
 # the router reserves KV for max_tokens up front, so "the whole context" would reserve it all.
@@ -123,9 +124,9 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         raise BadRequest(f"best_of must be 1, got {body.get('best_of')!r}", "best_of")
 
 
-def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int) -> SamplingSpec:
+def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", (list,), [])
-    return SamplingSpec(
+    return SamplingParams(
         temperature=_get(body, "temperature", (int, float), 1.0),
         top_p=_get(body, "top_p", (int, float), 1.0),
         top_k=max(0, _get(body, "top_k", (int,), 0)),  # vLLM spells "off" as -1
@@ -135,7 +136,7 @@ def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int) -> Sampli
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
-    ).validate()
+    )
 
 
 @dataclass(frozen=True)

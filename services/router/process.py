@@ -13,14 +13,26 @@ import argparse
 from services.common.config import resolve
 from services.common.errors import InvalidArgument
 from services.common.health import HealthStore, make_health_store
-from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, AdmissionQueue, QueueConfig
+from services.common.sampling import SamplingParams
+from services.router.admission import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_WAIT_S,
+    AdmissionQueue,
+    QueueConfig,
+)
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelCatalog, load_served_model
+from services.router.discovery import RegistryDiscovery
+from services.router.http_api import HttpServer, create_app
 from services.router.metrics import RouterMetrics
-from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
+from services.router.replicas import (
+    DEFAULT_POLL_INTERVAL_S,
+    GroupPoller,
+    ReplicaGroupView,
+    ReplicaSet,
+)
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
-from services.router.types import SamplingSpec
 from services.router.worker_client import UpstreamStream, WorkerClient
 
 
@@ -47,7 +59,7 @@ class RouterProcess:
         self._stopped = False
         self._closed = False
 
-    def _open_upstream(self, address: str, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
+    def _open_upstream(self, address: str, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        trace_context: tuple[tuple[str, str], ...]) -> UpstreamStream:
         return self.clients[address].generate(request_id, prompt_ids, sampling, trace_context)
 
@@ -71,15 +83,11 @@ class RouterProcess:
         poller.start()
 
     def start_discovery(self, registry_url: str) -> None:
-        from services.router.discovery import RegistryDiscovery
-
         self.discovery = RegistryDiscovery(registry_url, self.core.replicas, self.add_worker).start()
 
     async def start_http(self, host: str, port: int) -> int:
         """Serve the OpenAI-compatible API on the running loop; returns the bound port. Raises
         OSError when the port cannot be bound."""
-        from services.router.http_api import HttpServer, create_app
-
         self.http = await HttpServer(create_app(self.core, self.auth), host, port).start()
         return self.http.port
 

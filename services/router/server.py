@@ -23,36 +23,38 @@ from services.common.grpc_aio_server import serve_until_signal
 from services.common.grpc_server import ServiceBinding
 from services.common.logging import configure_logging
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
-from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, RequestCancelled
+from services.common.proto_convert import (
+    FINISH_REASON_TO_PB,
+    dtype_to_pb,
+    sampling_from_pb,
+)
+from services.router.admission import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_WAIT_S,
+    RequestCancelled,
+)
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelDirError
 from services.router.process import RouterProcess, build_process
-from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
+from services.router.replicas import (
+    DEFAULT_POLL_INTERVAL_S,
+    GroupStatus,
+    ReplicaGroupView,
+)
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
 from services.router.types import (
-    DEFAULT_MAX_TOKENS,
     Finished,
-    FinishReason,
     GenerationRequest,
-    SamplingSpec,
     TokenOut,
     trace_context_of,
 )
+from services.telemetry.federation import register_upstreams
 
 SERVICE = "router"
 DEFAULT_HTTP_PORT = 8000
 log = logging.getLogger(__name__)
 
-FINISH_TO_PB = {
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.EOS_TOKEN: common_pb2.FINISH_REASON_EOS_TOKEN,
-    FinishReason.STOP_SEQUENCE: common_pb2.FINISH_REASON_STOP_SEQUENCE,
-    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
-    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
-}
 STATUS_TO_PB = {s: common_pb2.ReplicaGroupStatus.Value(f"REPLICA_GROUP_STATUS_{s.name}") for s in GroupStatus}
-DTYPE_TO_PB = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
-               "float16": common_pb2.DTYPE_FLOAT16, "int8": common_pb2.DTYPE_INT8, "fp8": common_pb2.DTYPE_FP8}
 
 
 # ---- protobuf <-> domain ------------------------------------------------------------------
@@ -60,13 +62,7 @@ DTYPE_TO_PB = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE
 
 def request_from_pb(pb: router_pb2.RouterGenerateRequest,
                     trace_context: tuple[tuple[str, str], ...] = ()) -> GenerationRequest:
-    s = pb.sampling
-    sampling = SamplingSpec(
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), logprobs=s.logprobs, ignore_eos=s.ignore_eos)
+    sampling = sampling_from_pb(pb.sampling)
     which = pb.WhichOneof("prompt")
     return GenerationRequest(
         model=pb.model, request_id=pb.request_id, sampling=sampling,
@@ -91,7 +87,7 @@ def token_response(request_id: str, replica_group_id: str, token: TokenOut) -> r
 def finished_to_pb(finished: Finished) -> common_pb2.GenerationFinished:
     t = finished.timings
     pb = common_pb2.GenerationFinished(
-        finish_reason=FINISH_TO_PB[finished.reason],
+        finish_reason=FINISH_REASON_TO_PB[finished.reason],
         usage=common_pb2.Usage(prompt_tokens=finished.prompt_tokens, completion_tokens=finished.completion_tokens),
         timings=common_pb2.Timings(queue_ns=t.queue_ns, time_to_first_token_ns=t.time_to_first_token_ns,
                                    decode_ns=t.decode_ns, total_ns=t.total_ns))
@@ -104,7 +100,7 @@ def group_to_pb(view: ReplicaGroupView) -> router_pb2.ReplicaGroupInfo:
     return router_pb2.ReplicaGroupInfo(
         replica_group_id=view.replica_group_id, model=view.model, address=view.address,
         layout=common_pb2.ShardLayout(tp_degree=view.tp_degree, pp_degree=view.pp_degree,
-                                      dtype=DTYPE_TO_PB.get(view.dtype, common_pb2.DTYPE_UNSPECIFIED)),
+                                      dtype=dtype_to_pb(view.dtype)),
         kv_bytes_used=view.kv_bytes_used, kv_bytes_capacity=view.kv_bytes_capacity,
         kv_bytes_reserved=view.kv_bytes_reserved, kv_bytes_per_token=view.kv_bytes_per_token,
         status=STATUS_TO_PB[view.status], running=view.running, waiting=view.waiting,
@@ -208,8 +204,6 @@ def serve(args: argparse.Namespace) -> int:
     upstreams = list(args.telemetry_metrics_url or [])
     upstreams += [u for u in resolve("telemetry_metrics_url", None, "").split(",") if u.strip()]
     if upstreams:
-        from services.telemetry.federation import register_upstreams
-
         register_upstreams(upstreams)
     workers = list(args.worker or [])
     workers += [w.strip() for w in resolve("workers", None, "").split(",") if w.strip()]

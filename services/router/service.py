@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from services.common.errors import InvalidArgument
+from services.common.sampling import FinishReason, SamplingParams
 from services.router.admission import AdmissionQueue, RequestCancelled
 from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
@@ -37,14 +38,17 @@ from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Reservation, Router
 from services.router.types import (
     Finished,
-    FinishReason,
     GenerationRequest,
-    SamplingSpec,
     Timings,
     TokenAlternative,
     TokenOut,
 )
-from services.router.worker_client import UpstreamFinished, UpstreamStream, WorkerFailed, WorkerRejected
+from services.router.worker_client import (
+    UpstreamFinished,
+    UpstreamStream,
+    WorkerFailed,
+    WorkerRejected,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ DEFAULT_MAX_CONTINUATIONS = 2
 
 
 # (address, request_id, prompt ids, sampling, trace context) -> the request's stream on that worker
-OpenUpstream = Callable[[str, str, list[int], SamplingSpec, tuple[tuple[str, str], ...]], UpstreamStream]
+OpenUpstream = Callable[[str, str, list[int], SamplingParams, tuple[tuple[str, str], ...]], UpstreamStream]
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Prepared:
 
     model: ServedModel
     prompt_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     request_id: str
     token_texts: bool = False
     trace_context: tuple[tuple[str, str], ...] = ()
@@ -83,7 +87,7 @@ class RouterCore:
     def prepare(self, request: GenerationRequest, *, token_texts: bool = False) -> Prepared:
         """Validate and tokenize; raises NotFound / InvalidArgument (nothing is reserved yet)."""
         model = self.catalog.get(request.model)
-        sampling = request.sampling.validate()
+        sampling = request.sampling
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
             if not ids:
@@ -197,7 +201,7 @@ class Generation:
             self.cancel()  # the thread sees it and leaves the queue
             raise
 
-    def _open(self, prompt_ids: list[int], sampling: SamplingSpec) -> None:
+    def _open(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         reservation = self.reservation
         assert reservation is not None
         self.replica_group_id = reservation.group.replica_group_id
@@ -345,7 +349,7 @@ class Generation:
         if failovers > self.core.max_continuations:
             raise exc
 
-    async def _continue(self, prompt_ids: list[int], sampling: SamplingSpec, *, continued_from: int) -> None:
+    async def _continue(self, prompt_ids: list[int], sampling: SamplingParams, *, continued_from: int) -> None:
         self._upstream = None
         self.reservation = await self._admit(len(prompt_ids), sampling.max_tokens)
         self._continued_from = continued_from

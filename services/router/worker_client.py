@@ -25,21 +25,23 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ShardlineError, Unavailable
+from services.common.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ShardlineError,
+    Unavailable,
+)
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.proto_convert import (
+    DTYPE_FROM_PB,
+    finish_reason_from_pb,
+    sampling_to_pb,
+)
+from services.common.sampling import FinishReason, SamplingParams
 from services.router.admission import RequestCancelled
 from services.router.replicas import WorkerStats
-from services.router.types import FinishReason, SamplingSpec
 
-DTYPE_NAMES = {common_pb2.DTYPE_FLOAT32: "float32", common_pb2.DTYPE_BFLOAT16: "bfloat16",
-               common_pb2.DTYPE_FLOAT16: "float16", common_pb2.DTYPE_INT8: "int8", common_pb2.DTYPE_FP8: "fp8"}
-FINISH_FROM_PB = {
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    common_pb2.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
-    common_pb2.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
-    common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
-    common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
-}
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                    ("grpc.http2.max_pings_without_data", 0)]
 
@@ -69,16 +71,6 @@ class UpstreamFinished:
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None
-
-
-def sampling_to_pb(spec: SamplingSpec) -> common_pb2.SamplingParameters:
-    pb = common_pb2.SamplingParameters(
-        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, max_tokens=spec.max_tokens,
-        stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids), logprobs=spec.logprobs,
-        ignore_eos=spec.ignore_eos)
-    if spec.seed is not None:
-        pb.seed = spec.seed
-    return pb
 
 
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
@@ -185,7 +177,7 @@ class WorkerRelay:
     def live(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
         relay_id = next(self._ids)
         stream = self._streams[relay_id] = UpstreamStream(self, relay_id)
@@ -254,7 +246,7 @@ class WorkerRelay:
 
 def finished_from_pb(finished: common_pb2.GenerationFinished) -> UpstreamFinished:
     return UpstreamFinished(
-        FINISH_FROM_PB.get(finished.finish_reason, FinishReason.ERROR),
+        finish_reason_from_pb(finished.finish_reason),
         finished.usage.prompt_tokens, finished.usage.completion_tokens,
         finished.stop_sequence if finished.HasField("stop_sequence") else None)
 
@@ -278,7 +270,7 @@ class WorkerClient:
             raise Unavailable(f"Stats of {self.address}: {exc.code().name}: {exc.details()}") from None
         return WorkerStats(
             replica_group_id=r.replica_group_id, model_name=r.model_name, tp_degree=r.layout.tp_degree,
-            pp_degree=r.layout.pp_degree, dtype=DTYPE_NAMES.get(r.layout.dtype, ""),
+            pp_degree=r.layout.pp_degree, dtype=DTYPE_FROM_PB.get(r.layout.dtype, ""),
             kv_bytes_used=r.kv_bytes_used, kv_bytes_capacity=r.kv_bytes_capacity,
             kv_bytes_per_token=r.kv_bytes_per_token, max_model_len=r.max_model_len, running=r.running,
             waiting=r.waiting, blocks_used=r.blocks_used, blocks_total=r.blocks_total, draining=r.draining)
@@ -290,7 +282,7 @@ class WorkerClient:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
+    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                  trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
         """Start a request on the worker's Relay stream (on the router's event loop, which the
         stream then belongs to; opened on first use and again after it broke);

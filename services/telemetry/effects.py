@@ -24,7 +24,12 @@ import uuid
 
 from services.common.health import HealthStore, rank_field
 from services.common.health.base import DEGRADED, HEALTHY, UNHEALTHY
-from services.common.registry import IllegalTransition, NotFound, RegistryError, ShardRegistry
+from services.common.registry import (
+    IllegalTransition,
+    NotFound,
+    RegistryError,
+    ShardRegistry,
+)
 from services.telemetry.rules import Alert, AlertKind, GroupStatus, gpu_coords
 
 log = logging.getLogger(__name__)
@@ -35,7 +40,7 @@ _REGISTRY_STATUS = {GroupStatus.UNHEALTHY: "draining", GroupStatus.DRAINING: "dr
 
 def registry_group_id(replica_group_id: str) -> uuid.UUID:
     """Registry ids are UUIDs; a group name maps to the same UUID5 the worker registers it under
-    (``services.worker.serving._as_uuid``; kept in step by tests/telemetry)."""
+    (``services.worker.driver._as_uuid``; kept in step by tests/telemetry)."""
     try:
         return uuid.UUID(replica_group_id)
     except ValueError:

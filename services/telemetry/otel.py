@@ -129,10 +129,12 @@ class Metrics:
         self.metrics_port: int | None = None
         self._http = None
         if options.metrics_port is not None:
+            # deferred: an exporter only when one is configured
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
             readers.append(self._reader(PrometheusMetricReader, disable_target_info=True))
         if options.otlp_endpoint:
+            # deferred: an exporter only when one is configured
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
             exporter = OTLPMetricExporter(endpoint=options.otlp_endpoint, insecure=True)
@@ -144,6 +146,7 @@ class Metrics:
         self.provider = MeterProvider(metric_readers=readers, resource=self.resource)
         self.meter: Meter = self.provider.get_meter("shardline")
         if options.metrics_port is not None:
+            # deferred: the Prometheus registry only when /metrics is served
             from prometheus_client import start_http_server
 
             try:

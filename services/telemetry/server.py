@@ -14,13 +14,25 @@ import time
 from collections.abc import Iterator
 
 import grpc
+from opentelemetry.metrics import Observation
 
 from services.common.config import resolve
 from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service
+from services.common.health import make_health_store
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
+from services.common.registry import ShardRegistry
 from services.telemetry.convert import alert_to_pb, window_to_pb
+from services.telemetry.effects import GroupStatusEffects
+from services.telemetry.otel import (
+    MetricsOptions,
+    MetricsPortError,
+    collective_metrics,
+    configure_metrics,
+    otlp_endpoint_from_env,
+)
 from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
 from services.telemetry.rules import RuleConfig
+from services.telemetry.tracing import configure_tracing
 from services.telemetry.windows import WindowConfig
 
 SERVICE = "telemetry"
@@ -109,15 +121,10 @@ def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
 
 
 def build_pipeline(args: argparse.Namespace) -> TelemetryPipeline:
-    from services.telemetry.effects import GroupStatusEffects
-
     redis_url = resolve("redis_url", args.redis_url, "") or None
     registry_url = resolve("registry_url", args.registry_url, "") or None
     effects = None
     if redis_url or registry_url:
-        from services.common.health import make_health_store
-        from services.common.registry import ShardRegistry
-
         health = make_health_store(redis_url) if redis_url else None
         registry = ShardRegistry(registry_url, migrate_schema=True) if registry_url else None
         effects = GroupStatusEffects(health=health, registry=registry)
@@ -126,9 +133,6 @@ def build_pipeline(args: argparse.Namespace) -> TelemetryPipeline:
 
 def setup_observability(args: argparse.Namespace, service: str):
     """Metrics (/metrics, OTLP) and traces for one service process, from its flags and env."""
-    from services.telemetry.otel import MetricsOptions, configure_metrics, otlp_endpoint_from_env
-    from services.telemetry.tracing import configure_tracing
-
     port = resolve("metrics_port", args.metrics_port, -1)
     otlp = args.otlp_endpoint or otlp_endpoint_from_env()
     host = resolve("host", getattr(args, "host", None), "127.0.0.1")
@@ -138,8 +142,6 @@ def setup_observability(args: argparse.Namespace, service: str):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from services.telemetry.otel import MetricsPortError, collective_metrics
-
     pipeline = build_pipeline(args)
     servicer = TelemetryServicer(pipeline)
     # /metrics is up before health says SERVING: whoever waits for SERVING can scrape at once
@@ -172,7 +174,5 @@ def serve(args: argparse.Namespace) -> int:
                          on_stopping=on_stopping)
 
 
-def _observation(value: int):
-    from opentelemetry.metrics import Observation
-
+def _observation(value: int) -> Observation:
     return Observation(value)

@@ -38,12 +38,14 @@ def configure_tracing(service: str, otlp_endpoint: str | None = None, *, exporte
     or None (and leaves the no-op tracer) when neither is given."""
     if not otlp_endpoint and exporter is None:
         return None
+    # deferred: the tracing SDK only when tracing is configured
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     provider = TracerProvider(resource=Resource.create({"service.name": f"shardline-{service}"}))
     if otlp_endpoint:
+        # deferred: an exporter only when one is configured
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True),
@@ -99,7 +101,9 @@ def start_server_span(span_name: str, carrier: Mapping[str, str]) -> Span:
 
 
 class StepTracer:
-    """Makes ``engine.step`` spans under the trace of every traced request in a step."""
+    """Makes ``engine.step`` spans under the trace of every traced request in a step: an engine
+    step listener (``LLMEngine.step_listeners``). A submission binds the submitting thread's
+    current span to the new sequence; the step's plan and result time each step."""
 
     def __init__(self, *, max_step_spans: int = MAX_STEP_SPANS_PER_REQUEST) -> None:
         self.max_step_spans = max_step_spans
@@ -112,10 +116,13 @@ class StepTracer:
             with self._lock:
                 self._requests[seq_id] = [span_context, 0]
 
-    def forget(self, keep: Callable[[int], bool]) -> None:
-        with self._lock:
-            for seq_id in [s for s in self._requests if not keep(s)]:
-                del self._requests[seq_id]
+    def on_submit(self, handle) -> None:
+        self.bind(handle.seq_id, trace.get_current_span().get_span_context())
+
+    def on_request_done(self, seq_id: int) -> None:
+        if self._requests:
+            with self._lock:
+                self._requests.pop(seq_id, None)
 
     @property
     def traced(self) -> int:
@@ -125,7 +132,7 @@ class StepTracer:
         if self._requests and any(s.seq_id in self._requests for s in plan.seqs):
             self._started[plan.step_id] = time.time_ns()
 
-    def on_step_done(self, plan) -> None:
+    def on_step_done(self, plan, result=None) -> None:
         start = self._started.pop(plan.step_id, None)
         if start is None:
             return
@@ -148,32 +155,7 @@ class StepTracer:
 
 
 def attach_step_tracer(engine, step_tracer: StepTracer | None = None) -> StepTracer:
-    """Hook a :class:`StepTracer` into an ``LLMEngine``: ``submit`` binds the caller's current
-    span to the new sequence; the engine's plan/result methods time each step.
-
-    This wraps three engine methods on the instance, because the engine has no step-observer
-    hook yet; an ``LLMEngine.step_listeners`` list calling ``on_step_scheduled(plan)`` and
-    ``on_step_done(plan)`` would replace it.
-    """
+    """Register a :class:`StepTracer` as one of an ``LLMEngine``'s step listeners."""
     st = step_tracer or StepTracer()
-    submit, plan_of, apply_result = engine.submit, engine._plan_of, engine._apply_result
-
-    def traced_submit(*args, **kwargs):
-        handle = submit(*args, **kwargs)
-        st.bind(handle.seq_id, trace.get_current_span().get_span_context())
-        return handle
-
-    def traced_plan_of(out):
-        plan = plan_of(out)
-        st.on_step_scheduled(plan)
-        return plan
-
-    def traced_apply_result(plan, result):
-        apply_result(plan, result)
-        st.on_step_done(plan)
-        if st.traced:
-            live = engine._requests
-            st.forget(lambda seq_id: seq_id in live)
-
-    engine.submit, engine._plan_of, engine._apply_result = traced_submit, traced_plan_of, traced_apply_result
+    engine.step_listeners.append(st)
     return st

@@ -2,7 +2,7 @@
 
 import sys
 
-from services.worker import server
 from services.common.service_main import run_service
+from services.worker import server
 
 sys.exit(run_service("worker", server, sys.argv[1:], prog="python -m services.worker"))

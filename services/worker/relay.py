@@ -27,9 +27,9 @@ from typing import Any
 from opentelemetry.trace import use_span
 
 from services.common.errors import InvalidArgument, ShardlineError
+from services.common.sampling import SamplingParams
 from services.telemetry.tracing import start_server_span
 from services.worker.engine.engine import LLMEngine, RequestHandle, TokenEvent
-from services.worker.engine.sequence import SamplingParams
 
 SPAN_NAME = "shardline.worker/Relay"
 _END = object()  # no more batches: the input ended and no request is live, or the session closed

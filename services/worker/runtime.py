@@ -9,12 +9,15 @@ from pathlib import Path
 import torch
 
 from services.common.collective_events import EventSink, RingBufferSink
+from services.loader.layout import model_fingerprint
+from services.loader.staging import stage_model_files
 from services.modeling.config import ModelConfig, ModelConfigError
 from services.modeling.llama import LlamaForCausalLM
-from services.modeling.weights import CheckpointReader, load_weights
 from services.modeling.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
 from services.modeling.parallel.groups import ParallelGroups, init_parallel_groups
 from services.modeling.parallel.plan import ParallelPlan
+from services.modeling.weights import CheckpointReader, load_weights
+from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 
 # Loading takes different times on different ranks; the first meeting after it may wait that long.
 LOAD_BARRIER_TIMEOUT_S = 600.0
@@ -22,41 +25,40 @@ LOAD_BARRIER_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What a rank is asked to run (picklable: it crosses the process spawn)."""
+    """What a rank is asked to run (picklable: it crosses the process spawn). The parallel plan
+    is resolved once, when the spec is made (reading config.json or the checkpoint's manifest),
+    so a bad layout fails there and nothing re-reads it later."""
 
     model_dir: str | None
-    tp_degree: int = 1
-    pp_degree: int = 1
-    dtype: str | None = None  # None: float32 from an HF directory, the checkpoint's own dtype
-    replica_group_id: str = "local"
-    collective_timeout_s: float = DEFAULT_TIMEOUT_S
-    checkpoint: str | None = None  # manifest URI of a pre-sharded checkpoint (the fast path)
+    tp_degree: int = field(default=1, kw_only=True)
+    pp_degree: int = field(default=1, kw_only=True)
+    dtype: str | None = field(default=None, kw_only=True)  # None: float32 from an HF directory, the checkpoint's
+    replica_group_id: str = field(default="local", kw_only=True)
+    collective_timeout_s: float = field(default=DEFAULT_TIMEOUT_S, kw_only=True)
+    checkpoint: str | None = field(default=None, kw_only=True)  # manifest URI of a pre-sharded checkpoint
+    plan: ParallelPlan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.model_dir and not self.checkpoint:
             raise ModelConfigError("give a model directory (--model) or a pre-sharded checkpoint (--checkpoint)")
-
-    def plan(self) -> ParallelPlan:
         if self.checkpoint:
-            from services.worker.rank_loading import plan_for_checkpoint
-
-            return plan_for_checkpoint(self.checkpoint, tp_degree=self.tp_degree, pp_degree=self.pp_degree,
+            plan = plan_for_checkpoint(self.checkpoint, tp_degree=self.tp_degree, pp_degree=self.pp_degree,
                                        dtype=self.dtype)
-        return ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree,
-                            self.dtype or "float32")
+        else:
+            plan = ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree,
+                                self.dtype or "float32")
+        object.__setattr__(self, "plan", plan)
 
-    @property
-    def tokenizer_dir(self) -> str | None:
-        """Where tokenizer.json lives: the model directory, else the checkpoint's verified model
-        files (beside a local manifest, or staged from the object store)."""
-        if self.model_dir:
-            return self.model_dir
-        if self.checkpoint:
-            from services.loader.staging import stage_model_files
 
-            staged = stage_model_files(self.checkpoint)
-            return str(staged) if staged is not None else None
-        return None
+def stage_tokenizer_dir(spec: RankSpec) -> str | None:
+    """Where tokenizer.json lives: the model directory, else the checkpoint's verified model
+    files (beside a local manifest, or downloaded from the object store into the stage cache)."""
+    if spec.model_dir:
+        return spec.model_dir
+    if spec.checkpoint:
+        staged = stage_model_files(spec.checkpoint)
+        return str(staged) if staged is not None else None
+    return None
 
 
 @dataclass
@@ -75,7 +77,7 @@ class RankRuntime:
 
     @classmethod
     def start(cls, spec: RankSpec, rank: int, *, sink: EventSink | None = None) -> RankRuntime:
-        plan = spec.plan()
+        plan = spec.plan
         groups = init_parallel_groups(plan, rank=rank)
         sink = sink if sink is not None else RingBufferSink()
         coordinator = Coordinator(groups, replica_group_id=spec.replica_group_id,
@@ -83,9 +85,6 @@ class RankRuntime:
         rss_before = _current_rss_bytes()
         model = LlamaForCausalLM(plan, coordinator, device=groups.device)
         if spec.checkpoint:
-            from services.loader.layout import model_fingerprint
-            from services.worker.rank_loading import load_checkpoint_weights
-
             loaded = load_checkpoint_weights(
                 model, plan, rank, spec.checkpoint,
                 expected_fingerprint=model_fingerprint(spec.model_dir) if spec.model_dir else None)

@@ -2,7 +2,7 @@
 
 Served by the group's driver (global rank 0). A thin servicer: protobuf in, a call into the
 engine, protobuf out; domain errors become statuses in ``services.common.grpc_server``. The
-driver process also launches the group's other ranks (``services.worker.serving``). ``Relay``
+driver process also launches the group's other ranks (``services.worker.driver``). ``Relay``
 multiplexes many generations on one stream, one message per engine step
 (``services.worker.relay``); a thread per stream reads its submits and cancels.
 """
@@ -21,53 +21,54 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from services.common.config import resolve
-from services.common.errors import FailedPrecondition, InvalidArgument, ShardlineError, Unavailable
-from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service, status_for
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ShardlineError,
+    Unavailable,
+)
+from services.common.grpc_server import (
+    GrpcServer,
+    ServiceBinding,
+    serve_service,
+    status_for,
+)
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.proto_convert import (
+    FINISH_REASON_TO_PB,
+    dtype_to_pb,
+    sampling_from_pb,
+)
+from services.telemetry.client import ShipperConfig
+from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
+from services.worker.driver import ReplicaDriver, ServingOptions
+from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
+from services.worker.options import (
+    add_engine_arguments,
+    add_layout_arguments,
+    engine_spec,
+)
+from services.worker.relay import RelaySession
 
 SERVICE = "worker"
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "eos_token": common_pb2.FINISH_REASON_EOS_TOKEN,
-    "stop_sequence": common_pb2.FINISH_REASON_STOP_SEQUENCE,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-DTYPES = {"float32": common_pb2.DTYPE_FLOAT32, "bfloat16": common_pb2.DTYPE_BFLOAT16,
-          "float16": common_pb2.DTYPE_FLOAT16}
 # Trailing metadata of a stream that failed mid-way: the ids already streamed, so a router can
 # continue the request on another group.
 GENERATED_IDS_KEY = "shardline-generated-token-ids"
 
 
-def sampling_from_pb(pb: common_pb2.SamplingParameters):
-    from services.worker.engine.sequence import SamplingParams
-
-    return SamplingParams(
-        temperature=pb.temperature if pb.HasField("temperature") else 1.0,
-        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
-        top_k=pb.top_k,
-        seed=pb.seed if pb.HasField("seed") else None,
-        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else 16,
-        stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), logprobs=pb.logprobs,
-        ignore_eos=pb.ignore_eos)
-
-
 def finished_pb(event) -> common_pb2.GenerationFinished:
     """An engine FinishEvent as the final message's payload."""
     return common_pb2.GenerationFinished(
-        finish_reason=FINISH_REASONS[event.reason.value],
+        finish_reason=FINISH_REASON_TO_PB[event.reason],
         usage=common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
         timings=common_pb2.Timings(time_to_first_token_ns=max(0, event.first_token_ns), total_ns=event.total_ns))
 
 
 def relay_response_pb(batch: list) -> worker_pb2.RelayResponse:
     """One engine step's events of a Relay stream's requests (``services.worker.relay``)."""
-    from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
-
     response = worker_pb2.RelayResponse()
     add = response.events.add
     for relay_id, event in batch:
@@ -96,14 +97,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """gRPC face of a replica group's engine (set once the group has loaded)."""
 
     def __init__(self) -> None:
-        self.group = None  # services.worker.serving.ServingGroup
+        self.driver: ReplicaDriver | None = None
         self.ready = threading.Event()
 
     @property
     def engine(self):
-        if not self.ready.is_set() or self.group is None:
+        if not self.ready.is_set() or self.driver is None:
             raise Unavailable("the worker is still loading its shards")
-        return self.group.engine
+        return self.driver.engine
 
     def _prompt_ids(self, request, field: str) -> list[int]:
         which = request.WhichOneof(field)
@@ -123,8 +124,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @traced_stream("shardline.worker/Generate")
     def Generate(self, request: worker_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[worker_pb2.GenerateResponse]:
-        from services.worker.engine.engine import ErrorEvent, FinishEvent
-
         engine = self.engine
         ids = self._prompt_ids(request, "prompt")
         handle = engine.submit(ids, sampling_from_pb(request.sampling), request_id=request.request_id)
@@ -145,8 +144,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def Relay(self, request_iterator: Iterable[worker_pb2.RelayRequest],
               context: grpc.ServicerContext) -> Iterator[worker_pb2.RelayResponse]:
-        from services.worker.relay import RelaySession
-
         session = RelaySession(self.engine)
         context.add_callback(session.close)  # the call ended or broke: its requests are cancelled
         threading.Thread(target=self._read_relay, args=(request_iterator, session), name="relay-reader",
@@ -200,10 +197,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         engine = self.engine
         plan = engine.runner.rt.plan
         return worker_pb2.StatsResponse(
-            replica_group_id=self.group.replica_group_id,
+            replica_group_id=self.driver.replica_group_id,
             layout=common_pb2.ShardLayout(tp_degree=plan.tp_degree, pp_degree=plan.pp_degree,
-                                          dtype=DTYPES.get(plan.dtype, common_pb2.DTYPE_UNSPECIFIED)),
-            model_name=self.group.options.model_name or plan.config.name, **engine.stats())
+                                          dtype=dtype_to_pb(plan.dtype)),
+            model_name=self.driver.options.model_name or plan.config.name, **engine.stats())
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResponse:
         engine = self.engine
@@ -216,10 +213,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.cli.generate import add_engine_arguments
-    from services.cli.score import add_layout_arguments
-    from services.telemetry.server import add_metrics_arguments
-
     add_layout_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--advertise-address", default=None,
@@ -239,11 +232,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from services.cli.generate import engine_spec
-    from services.telemetry.client import ShipperConfig
-    from services.telemetry.server import setup_observability
-    from services.worker.serving import ServingGroup, ServingOptions
-
     args.model = resolve("model", args.model, "") or None
     args.checkpoint = resolve("checkpoint", args.checkpoint, "") or None
     if not args.model and not args.checkpoint:
@@ -253,8 +241,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.replica_group_id == "local":
         args.replica_group_id = f"rg-{uuid.uuid4().hex[:8]}"
     servicer = WorkerServicer()
-    spec = engine_spec(args)
-    spec.rank.plan()  # bad layouts fail here, before anything starts
+    spec = engine_spec(args)  # a bad layout fails here, before anything starts
     try:
         telemetry = ShipperConfig.from_settings(args.telemetry, args.telemetry_sample)
     except ValueError as exc:  # a bad sampling spec or buffer size
@@ -268,15 +255,15 @@ def serve(args: argparse.Namespace) -> int:
                                  model_name=args.served_model_name or "",
                                  telemetry=telemetry)
         setup_observability(args, SERVICE)
-        servicer.group = ServingGroup(spec, options)
-        servicer.group.start()
+        servicer.driver = ReplicaDriver(spec, options)
+        servicer.driver.start()
         servicer.ready.set()
         server.set_serving(True)
         threading.Thread(target=_watch, args=(servicer, server), daemon=True).start()
 
     def on_stopping(server: GrpcServer) -> None:
-        if servicer.group is not None:
-            servicer.group.stop()
+        if servicer.driver is not None:
+            servicer.driver.stop()
 
     binding = ServiceBinding(full_name=worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
                              servicer=servicer, add_to_server=worker_pb2_grpc.add_WorkerServiceServicer_to_server)
@@ -292,7 +279,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _watch(servicer: WorkerServicer, server: GrpcServer) -> None:
     """Health turns NOT_SERVING as soon as the group fails."""
-    while servicer.group is not None and servicer.group.healthy:
+    while servicer.driver is not None and servicer.driver.healthy:
         time.sleep(0.2)
-    if servicer.group is not None and servicer.group.engine is not None and servicer.group.engine.failure:
+    if servicer.driver is not None and servicer.driver.engine is not None and servicer.driver.engine.failure:
         server.set_serving(False)

@@ -18,10 +18,17 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from services.common import errors
-from services.common.config import DEFAULT_PORTS, ServerConfig, add_server_arguments, resolve
+from services.common.config import (
+    DEFAULT_PORTS,
+    ServerConfig,
+    add_server_arguments,
+    resolve,
+)
 from services.common.grpc_server import STATUS_FOR_ERROR, ServiceBinding, start_server
 from services.common.proto import (
     loader_pb2,

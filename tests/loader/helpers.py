@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 
 from services.loader.layout import rank_model
-from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.modeling.config import ModelConfig
 from services.modeling.llama import LlamaForCausalLM
-from services.modeling.weights import CheckpointReader, load_weights
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.parallel.groups import init_parallel_groups
 from services.modeling.parallel.plan import ParallelPlan
+from services.modeling.weights import CheckpointReader, load_weights
+from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.worker.runtime import LOAD_BARRIER_TIMEOUT_S, RankRuntime
 from services.worker.scoring import ScoreResult, prefill_logprobs
 
@@ -77,8 +77,8 @@ def score_from_staged_rank(rank: int, world_size: int, checkpoint: str, staged_p
                            pp: int, token_ids: list[int]) -> ScoreResult | None:
     """A rank that loads the shard a LoaderService ``Stage`` call put on this node
     (``staged_paths[rank]``), verified again against the manifest and the plan, then scores."""
-    from services.worker.rank_loading import load_rank_shard
     from services.loader.verify import read_manifest
+    from services.worker.rank_loading import load_rank_shard
 
     manifest, _ = read_manifest(checkpoint)
     plan = plan_for_checkpoint(checkpoint, tp_degree=tp, pp_degree=pp)

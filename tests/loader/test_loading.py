@@ -9,11 +9,20 @@ import pytest
 from services.loader.errors import ShardLayoutError
 from services.loader.layout import model_fingerprint, rank_model
 from services.loader.manifest import Manifest
-from services.worker.rank_loading import load_checkpoint_weights, load_rank_shard, plan_for_checkpoint
 from services.worker.launch import run_replica_group
+from services.worker.rank_loading import (
+    load_checkpoint_weights,
+    load_rank_shard,
+    plan_for_checkpoint,
+)
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
-from tests.loader.helpers import hf_rank, plan_of, score_from_checkpoint_rank, state_dict_diffs
+from tests.loader.helpers import (
+    hf_rank,
+    plan_of,
+    score_from_checkpoint_rank,
+    state_dict_diffs,
+)
 
 TOKEN_IDS = [1, 17, 300, 42, 9, 511, 256, 3, 77, 128]
 
@@ -60,7 +69,7 @@ def test_load_rank_shard_directly(tiny_dir: Path, sharded) -> None:
 @pytest.mark.parametrize("tp, pp", [(2, 2), (4, 1)])
 def test_scores_are_identical(tiny_dir: Path, sharded, tmp_path: Path, tp: int, pp: int) -> None:
     ckpt = sharded(tiny_dir, tp, pp)
-    spec = RankSpec(str(tiny_dir), tp, pp, "float32", collective_timeout_s=10.0)
+    spec = RankSpec(str(tiny_dir), tp_degree=tp, pp_degree=pp, dtype="float32", collective_timeout_s=10.0)
     from_hf = run_replica_group(tp * pp, score_rank, spec, TOKEN_IDS, failure_grace_s=15.0)
     from_ckpt = run_replica_group(tp * pp, score_from_checkpoint_rank, str(ckpt / "manifest.json"), tp, pp,
                                   str(tmp_path / "cache"), TOKEN_IDS, failure_grace_s=15.0)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.loader.errors import ManifestError
 from services.loader.manifest import (
     FORMAT_VERSION,
     Manifest,
@@ -16,7 +17,6 @@ from services.loader.manifest import (
     expected_metadata,
     shard_file_name,
 )
-from services.loader.errors import ManifestError
 
 SHA = "ab" * 32
 

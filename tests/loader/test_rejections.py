@@ -16,11 +16,16 @@ from pathlib import Path
 import pytest
 
 from services.cli import main as cli_main
-from services.loader.errors import ManifestError, ObjectNotFound, ShardChecksumError, ShardLayoutError
+from services.loader.errors import (
+    ManifestError,
+    ObjectNotFound,
+    ShardChecksumError,
+    ShardLayoutError,
+)
 from services.loader.layout import model_fingerprint
 from services.loader.manifest import TensorInfo
-from services.worker.rank_loading import load_checkpoint_weights
 from services.loader.safetensors_format import encode_header, read_header
+from services.worker.rank_loading import load_checkpoint_weights
 from tests.loader.conftest import copy_checkpoint
 from tests.loader.helpers import plan_of, sentinel_rank, untouched
 

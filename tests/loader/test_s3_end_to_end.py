@@ -11,9 +11,9 @@ from services.cli import main as cli_main
 from services.loader.errors import ShardChecksumError
 from services.loader.layout import rank_model
 from services.loader.object_store import open_store
-from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.loader.staging import stage
 from services.worker.launch import run_replica_group
+from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
 from tests.loader.helpers import hf_rank, score_from_checkpoint_rank, state_dict_diffs
@@ -42,7 +42,7 @@ def test_shard_to_s3_stage_load_and_score(tiny_dir: Path, s3_bucket: str, tmp_pa
         load_checkpoint_weights(model, plan, rank, f"{prefix}/manifest.json", cache_dir=cache)
         assert state_dict_diffs(model, hf_rank(tiny_dir, plan, rank)) == []
 
-    spec = RankSpec(str(tiny_dir), 2, 2, "float32", collective_timeout_s=10.0)
+    spec = RankSpec(str(tiny_dir), tp_degree=2, pp_degree=2, dtype="float32", collective_timeout_s=10.0)
     from_hf = run_replica_group(4, score_rank, spec, TOKEN_IDS, failure_grace_s=15.0)
     from_s3 = run_replica_group(4, score_from_checkpoint_rank, f"{prefix}/manifest.json", 2, 2,
                                 str(tmp_path / "rank-cache"), TOKEN_IDS, failure_grace_s=15.0)

@@ -28,9 +28,9 @@ from services.common.registry import ShardRegistry
 from services.loader.catalog import ManifestCatalog
 from services.loader.layout import rank_model
 from services.loader.manifest import Manifest
-from services.worker.rank_loading import load_rank_shard, plan_for_checkpoint
 from services.loader.server import LoaderServicer, bindings
 from services.worker.launch import run_replica_group
+from services.worker.rank_loading import load_rank_shard, plan_for_checkpoint
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
 from tests.loader.conftest import copy_checkpoint
@@ -209,7 +209,7 @@ def test_s3_shard_register_stage_load_and_score(loader: Loader, tiny_dir: Path, 
         staged[rank] = response.local_path
     assert loader.stage(f"{prefix}/manifest.json", 1, 1).cache_hit
 
-    spec = RankSpec(str(tiny_dir), 2, 2, "float32", collective_timeout_s=10.0)
+    spec = RankSpec(str(tiny_dir), tp_degree=2, pp_degree=2, dtype="float32", collective_timeout_s=10.0)
     from_hf = run_replica_group(4, score_rank, spec, TOKEN_IDS, failure_grace_s=15.0)
     from_staged = run_replica_group(4, score_from_staged_rank, f"{prefix}/manifest.json", staged, 2, 2, TOKEN_IDS,
                                     failure_grace_s=15.0)

@@ -11,13 +11,18 @@ from tokenizers import Tokenizer
 
 from services.loader.layout import model_fingerprint, rank_model
 from services.loader.manifest import Manifest
-from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.loader.staging import stage_model_files
 from services.loader.writer import ShardJob, write_shards
 from services.worker.launch import run_replica_group
+from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
-from tests.loader.helpers import hf_rank, plan_of, score_from_checkpoint_rank, state_dict_diffs
+from tests.loader.helpers import (
+    hf_rank,
+    plan_of,
+    score_from_checkpoint_rank,
+    state_dict_diffs,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +60,7 @@ def test_smollm2_tp3_pp2_scores_identically(smollm2_dir: Path, smollm2_ckpt: Pat
     assert ids == Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).encode(TEXT).ids
     assert len(ids) > 10
 
-    spec = RankSpec(str(smollm2_dir), TP, PP, "float32", collective_timeout_s=30.0)
+    spec = RankSpec(str(smollm2_dir), tp_degree=TP, pp_degree=PP, dtype="float32", collective_timeout_s=30.0)
     from_hf = run_replica_group(TP * PP, score_rank, spec, ids, failure_grace_s=30.0)
     from_ckpt = run_replica_group(TP * PP, score_from_checkpoint_rank, str(smollm2_ckpt / "manifest.json"), TP, PP,
                                   str(tmp_path / "cache"), ids, failure_grace_s=30.0)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.modeling.kernels import TorchOps, cpu_kernels, greedy_logsumexp, ops_for
 from services.modeling.attention import AttentionMetadata
+from services.modeling.kernels import TorchOps, cpu_kernels, greedy_logsumexp, ops_for
 
 REF = TorchOps()
 

@@ -21,6 +21,7 @@ from services.planner.cost_model import Candidate, CostModel, Workload
 from services.planner.search import PlanRequest, search
 from services.planner.specs import PRESETS
 from services.planner.topology import GIB, Topology, load_topology
+from services.worker.engine_timing import engine_decode_steps_s
 
 SIZES = [4, 256, 4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 BENCH_ROUNDS = 3  # calibrate + measure each layout this often; the medians are compared
@@ -58,7 +59,7 @@ def test_fit_rejects_degenerate_samples() -> None:
 def test_calibrate_two_ranks_writes_a_topology_the_planner_accepts(tmp_path: Path) -> None:
     out = tmp_path / "topology.yaml"
     started = time.perf_counter()
-    result = calibrate(out, world_size=2)
+    result = calibrate(out, engine_decode_steps=engine_decode_steps_s, world_size=2)
     elapsed = time.perf_counter() - started
     assert elapsed < 60, f"calibration took {elapsed:.1f} s"
 

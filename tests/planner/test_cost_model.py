@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.planner.comm import Link, pp_boundary_links, ring_all_reduce_s, send_recv_s, tp_links
+from services.planner.comm import (
+    Link,
+    pp_boundary_links,
+    ring_all_reduce_s,
+    send_recv_s,
+    tp_links,
+)
 from services.planner.cost_model import (
     Candidate,
     CostModel,
@@ -17,7 +23,8 @@ from services.planner.cost_model import (
     stage_layer_counts,
 )
 from services.planner.specs import PRESETS, ModelSpec
-from services.planner.topology import GIB, PRESETS as TOPOLOGIES, Topology
+from services.planner.topology import GIB, Topology
+from services.planner.topology import PRESETS as TOPOLOGIES
 
 LLAMA70 = PRESETS["llama3-70b"]
 A100 = TOPOLOGIES["a100-80g-8x"]

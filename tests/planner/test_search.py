@@ -14,7 +14,8 @@ from services.planner.search import (
     search,
 )
 from services.planner.specs import PRESETS, parse_dtypes
-from services.planner.topology import GIB, PRESETS as TOPOLOGIES
+from services.planner.topology import GIB
+from services.planner.topology import PRESETS as TOPOLOGIES
 
 LLAMA70 = PRESETS["llama3-70b"]
 A100 = TOPOLOGIES["a100-80g-8x"]

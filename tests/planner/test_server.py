@@ -11,8 +11,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from tests.stack import fresh_database
 import yaml
 from sqlalchemy.engine import make_url
 
@@ -22,6 +20,7 @@ from services.common.proto import common_pb2, planner_pb2, planner_pb2_grpc
 from services.common.registry import ShardRegistry
 from services.planner import server as planner_server
 from services.planner.topology import GIB
+from tests.stack import fresh_database
 
 FP16 = common_pb2.DTYPE_FLOAT16
 

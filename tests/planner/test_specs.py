@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.planner.specs import (
-    PRESETS,
     DTYPES,
+    PRESETS,
     ModelSpec,
     SpecError,
     canonical_dtype,

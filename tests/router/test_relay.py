@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import Unavailable
+from services.common.sampling import FinishReason, SamplingParams
 from services.router.admission import AdmissionQueue, QueueConfig, RequestCancelled
 from services.router.catalog import ModelCatalog, load_served_model
 from services.router.routing import Router
 from services.router.service import RouterCore
-from services.router.types import Finished, FinishReason, GenerationRequest, SamplingSpec, TokenOut
+from services.router.types import Finished, GenerationRequest, TokenOut
 from services.router.worker_client import UpstreamFinished, UpstreamToken, WorkerFailed
 from tests.router.test_routing import replica_set, view
 
@@ -57,7 +58,7 @@ class Workers:
 
     def __init__(self, **behaviour: dict) -> None:
         self.behaviour = behaviour  # address -> Script keyword arguments
-        self.opened: list[tuple[str, list[int], SamplingSpec, tuple]] = []
+        self.opened: list[tuple[str, list[int], SamplingParams, tuple]] = []
         self.streams: list[Script] = []
 
     def __call__(self, address, request_id, prompt_ids, sampling, trace_context):
@@ -80,7 +81,7 @@ def core_over(catalog: ModelCatalog, workers: Workers, *views, max_wait_s: float
 
 
 def request(max_tokens: int = 5, prompt: tuple[int, ...] = (5, 6, 7)) -> GenerationRequest:
-    return GenerationRequest(model="m", prompt_ids=prompt, sampling=SamplingSpec(max_tokens=max_tokens),
+    return GenerationRequest(model="m", prompt_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens),
                              trace_context=TRACE)
 
 

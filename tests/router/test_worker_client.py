@@ -13,9 +13,15 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.sampling import FinishReason, SamplingParams
 from services.router.admission import RequestCancelled
-from services.router.types import FinishReason, SamplingSpec
-from services.router.worker_client import UpstreamFinished, UpstreamToken, WorkerClient, WorkerFailed, WorkerRejected
+from services.router.worker_client import (
+    UpstreamFinished,
+    UpstreamToken,
+    WorkerClient,
+    WorkerFailed,
+    WorkerRejected,
+)
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -132,11 +138,11 @@ async def events_of(stream) -> list:
 
 def test_events_in_domain_terms_and_the_trace_context_in_the_submit():
     async def body(client: WorkerClient, worker: FakeWorker) -> None:
-        stream = client.generate("r1", [5, 6, 7], SamplingSpec(logprobs=1), (("traceparent", TRACEPARENT),))
+        stream = client.generate("r1", [5, 6, 7], SamplingParams(logprobs=1), (("traceparent", TRACEPARENT),))
         events = await events_of(stream)
         assert events[:-1] == [UpstreamToken(100 + i, -0.25, ((7, -0.5),)) for i in range(3)]
         assert events[-1] == UpstreamFinished(FinishReason.LENGTH, 3, 3, None)
-        await events_of(client.generate("r2", [5], SamplingSpec()))
+        await events_of(client.generate("r2", [5], SamplingParams()))
         first, second = worker.submits
         assert first.trace_context["traceparent"] == TRACEPARENT and "traceparent" not in second.trace_context
         assert first.request.request_id == "r1" and list(first.request.token_ids.ids) == [5, 6, 7]
@@ -147,15 +153,15 @@ def test_events_in_domain_terms_and_the_trace_context_in_the_submit():
 
 def test_concurrent_requests_share_the_stream():
     async def body(client: WorkerClient, worker: FakeWorker) -> None:
-        streams = [client.generate(f"r{i}", [10 + i] * (i + 2), SamplingSpec()) for i in range(5)]
+        streams = [client.generate(f"r{i}", [10 + i] * (i + 2), SamplingParams()) for i in range(5)]
         results = await asyncio.gather(*(events_of(s) for s in streams))
         for i, events in enumerate(results):
             assert [e.token_id for e in events[:-1]] == [100 + j for j in range(i + 2)]
             assert events[-1].completion_tokens == i + 2
         assert worker.streams == 1 and len(worker.submits) == 5
         # one message with the events of four requests: each gets its own
-        held = [client.generate(f"h{i}", [70], SamplingSpec()) for i in range(3)]
-        results = await asyncio.gather(*(events_of(s) for s in [*held, client.generate("h", [71], SamplingSpec())]))
+        held = [client.generate(f"h{i}", [70], SamplingParams()) for i in range(3)]
+        results = await asyncio.gather(*(events_of(s) for s in [*held, client.generate("h", [71], SamplingParams())]))
         assert [[e.token_id for e in events[:-1]] for events in results] == \
             [[200 + s.relay_id] for s in held] + [[200 + held[-1].relay_id + 1]]
         assert all(events[-1].completion_tokens == 1 for events in results)
@@ -165,16 +171,16 @@ def test_concurrent_requests_share_the_stream():
 
 def test_failures_become_the_routers_errors():
     async def body(client: WorkerClient, worker: FakeWorker) -> None:
-        stream = client.generate("r1", [1, 2], SamplingSpec())
+        stream = client.generate("r1", [1, 2], SamplingParams())
         assert [(await stream.next()).token_id for _ in range(2)] == [40, 41]
         with pytest.raises(WorkerFailed, match="rank 1 of rg-x failed") as failed:
             await stream.next()
         assert failed.value.token_ids == [40, 41]
         with pytest.raises(WorkerRejected, match="draining"):
-            await client.generate("r2", [2], SamplingSpec()).next()
+            await client.generate("r2", [2], SamplingParams()).next()
         with pytest.raises(InvalidArgument, match="prompt too long"):
-            await client.generate("r3", [3], SamplingSpec()).next()
-        assert len(await events_of(client.generate("r4", [8, 8], SamplingSpec()))) == 3  # the stream lives on
+            await client.generate("r3", [3], SamplingParams()).next()
+        assert len(await events_of(client.generate("r4", [8, 8], SamplingParams()))) == 3  # the stream lives on
         assert worker.streams == 1
 
     run_with_worker(body)
@@ -182,7 +188,7 @@ def test_failures_become_the_routers_errors():
 
 def test_a_cancel_reaches_the_worker_and_a_pending_read_ends_as_cancelled():
     async def body(client: WorkerClient, worker: FakeWorker) -> None:
-        stream = client.generate("r1", [4], SamplingSpec())
+        stream = client.generate("r1", [4], SamplingParams())
         assert (await stream.next()).token_id == 9
         read = asyncio.ensure_future(stream.next())
         await asyncio.sleep(0.05)
@@ -192,7 +198,7 @@ def test_a_cancel_reaches_the_worker_and_a_pending_read_ends_as_cancelled():
         await asyncio.wait_for(worker.cancel_seen.wait(), 5)
         assert worker.cancelled == [stream.relay_id]
         stream.cancel()  # again: nothing more is sent
-        finished = await events_of(client.generate("r2", [6, 6], SamplingSpec()))
+        finished = await events_of(client.generate("r2", [6, 6], SamplingParams()))
         assert len(finished) == 3 and worker.cancelled == [stream.relay_id]
 
     run_with_worker(body)
@@ -200,15 +206,15 @@ def test_a_cancel_reaches_the_worker_and_a_pending_read_ends_as_cancelled():
 
 def test_a_broken_stream_fails_its_requests_and_the_next_request_opens_a_new_one():
     async def body(client: WorkerClient, worker: FakeWorker) -> None:
-        holding = client.generate("r1", [4], SamplingSpec())
+        holding = client.generate("r1", [4], SamplingParams())
         assert (await holding.next()).token_id == 9
-        breaking = client.generate("r2", [90], SamplingSpec())
+        breaking = client.generate("r2", [90], SamplingParams())
         assert (await breaking.next()).token_id == 9
         for stream in (holding, breaking):
             with pytest.raises(WorkerFailed, match="relay stream UNAVAILABLE: connection reset") as failed:
                 await stream.next()
             assert failed.value.token_ids == []
-        assert len(await events_of(client.generate("r3", [6, 6], SamplingSpec()))) == 3
+        assert len(await events_of(client.generate("r3", [6, 6], SamplingParams()))) == 3
         assert worker.streams == 2
 
     run_with_worker(body)

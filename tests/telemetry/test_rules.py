@@ -168,7 +168,7 @@ def wait_for(predicate, timeout_s: float = 5.0):
 
 
 def test_registry_ids_match_the_workers(registry):
-    from services.worker.serving import _as_uuid
+    from services.worker.driver import _as_uuid
 
     assert registry_group_id("rg-abc") == _as_uuid("rg-abc")
     gid = uuid.uuid4()

@@ -16,18 +16,27 @@ from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.health import make_health_store
 from services.common.proto import common_pb2, telemetry_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry import ShardRegistry
+from services.modeling.parallel.plan import ParallelPlan
 from services.telemetry.effects import registry_group_id
 from services.telemetry.tracing import outgoing_metadata
 from services.worker.engine.runner import IDLE_HEARTBEAT_S
-from services.modeling.parallel.plan import ParallelPlan
 from services.worker.runtime import RankSpec
-from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
+from tests.telemetry.procs import (
+    query_counts,
+    scrape,
+    start_service,
+    telemetry_stub,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +139,7 @@ def test_collective_counts_match_what_the_requests_needed(tiny_model_dir, tmp_pa
 def _count_and_trace(tiny_model_dir, tmp_path, group, telemetry, collector, otlp_address) -> None:
     worker = start_service("worker", tmp_path / "worker.log", "--model", str(tiny_model_dir),
                            *worker_flags(group, telemetry.address, 2, 2, "--otlp-endpoint", otlp_address))
-    plan = RankSpec(str(tiny_model_dir), tp_degree=2, pp_degree=2).plan()
+    plan = RankSpec(str(tiny_model_dir), tp_degree=2, pp_degree=2).plan
     requests = [([5, 6, 7, 8, 9], 6), (list(range(20, 57)), 3), ([11], 9)]  # (prompt, max_tokens)
     calls = [generate, generate, relay_generate]  # the last as a router sends it, on a Relay stream
     router = TracerProvider().get_tracer("test-router")  # the test plays the router

@@ -105,7 +105,7 @@ def complete(client: openai.OpenAI, prompt: list[int], max_tokens: int):
 
 def test_router_metrics_count_the_collectives_the_requests_needed(stack):
     ports, model_dir, log = stack
-    plan = RankSpec(str(model_dir), tp_degree=TP, pp_degree=PP, dtype="float32").plan()
+    plan = RankSpec(str(model_dir), tp_degree=TP, pp_degree=PP, dtype="float32").plan
     assert [len(plan.stage_layers(s)) for s in range(PP)] == [2, 2]  # the tiny model's 4 layers, split
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="none", max_retries=0)
     groups = set()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.launch import ReplicaGroupFailed, run_replica_group
 from services.modeling.parallel.plan import ParallelPlan
+from services.worker.launch import ReplicaGroupFailed, run_replica_group
 from services.worker.runtime import RankRuntime, RankSpec
 from services.worker.scoring import prefill_logprobs
 from tests.worker.test_parallel_parity import make_tiny, random_ids
@@ -58,7 +58,7 @@ def expected_events(plan: ParallelPlan, rank: int) -> dict[str, int]:
 def test_every_collective_of_a_tp2_pp2_prefill_is_recorded(tiny_model_dir, tmp_path):
     spec = RankSpec(str(tiny_model_dir), tp_degree=2, pp_degree=2)
     run_replica_group(4, _counting_rank, spec, random_ids(70, 512), str(tmp_path))
-    plan = spec.plan()
+    plan = spec.plan
     for rank in range(4):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["counts"] == expected_events(plan, rank), rank

@@ -8,16 +8,12 @@ registry keeps the seed's short names in its ``dtype`` columns, guarded by the C
 
 from __future__ import annotations
 
+from services.common.dtypes import DTYPES
+
 from .errors import InvalidValue
 
 # registry short name -> project name; the order is the CHECK constraint's order
-REGISTRY_DTYPES: dict[str, str] = {
-    "fp16": "float16",
-    "bf16": "bfloat16",
-    "fp32": "float32",
-    "int8": "int8",
-    "fp8": "fp8",
-}
+REGISTRY_DTYPES: dict[str, str] = {d.short_name: d.name for d in DTYPES.values()}
 PROJECT_DTYPES: dict[str, str] = {project: short for short, project in REGISTRY_DTYPES.items()}
 
 

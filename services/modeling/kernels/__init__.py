@@ -100,6 +100,7 @@ class TorchOps:
 def cpu_kernels():
     """The built C++ module, or None (no compiler, build failure): the reference is used then."""
     try:
+        # deferred: the C++ toolchain wrapper only when the kernels are built
         from torch.utils.cpp_extension import load
 
         # one build per checkout: ninja rebuilds when the source path changes, so two checkouts

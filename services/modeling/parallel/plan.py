@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.modeling.config import ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
+from services.modeling.config import (
+    ModelConfig,
+    ModelConfigError,
+    canonical_dtype,
+    torch_dtype,
+)
 
 
 def layer_split(num_layers: int, pp_degree: int) -> list[range]:

@@ -12,7 +12,8 @@ Threads: ``submit``/``abort`` may be called from any thread (gRPC handlers); eve
 on the loop thread. A request's events go to its handle's ``events`` sink (a queue of its own,
 or one the caller passes, e.g. a Relay stream's batcher); after each step's events (and after a
 failure's error events) the loop calls every ``output_listeners`` entry, so a consumer can send
-one step's events of many requests together.
+one step's events of many requests together. ``step_listeners`` (:class:`StepListener`) observe
+submissions, each step's plan and result, and the end of each request: tracing is one.
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
+from services.common.detokenizer import Detokenizer, TokenTexts
 from services.common.errors import Unavailable
+from services.common.sampling import FinishReason, InvalidRequest, SamplingParams
+from services.modeling.parallel.coordinator import ShardGroupUnhealthy
 from services.worker.engine.block_manager import BlockAllocator
-from services.worker.engine.detokenizer import IncrementalDetokenizer
 from services.worker.engine.kv_cache import KVCacheLayout
 from services.worker.engine.runner import IDLE_HEARTBEAT_S, StageRunner
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from services.worker.engine.sequence import FinishReason, InvalidRequest, SamplingParams, Sequence
+from services.worker.engine.sequence import Sequence
 from services.worker.engine.step import SeqStep, StepPlan, StepResult
-from services.modeling.parallel.coordinator import ShardGroupUnhealthy
+from services.worker.scoring import score_tokens
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +75,29 @@ class EventSink(Protocol):
     def put(self, event: Any, /) -> None: ...
 
 
+class StepListener(Protocol):
+    """Observes the engine without changing it. ``on_submit`` runs on the submitting thread
+    (after the request is queued), the others on the engine's loop thread."""
+
+    def on_submit(self, handle: RequestHandle) -> None: ...
+
+    def on_step_scheduled(self, plan: StepPlan) -> None: ...
+
+    def on_step_done(self, plan: StepPlan, result: StepResult) -> None: ...
+
+    def on_request_done(self, seq_id: int) -> None: ...
+
+
 class RequestHandle:
     """A submitted request: its events arrive on ``events`` (TokenEvent…, then Finish or Error)."""
 
-    def __init__(self, engine: LLMEngine, seq: Sequence, request_id: str, tokenizer: Tokenizer | None,
+    def __init__(self, engine: LLMEngine, seq: Sequence, request_id: str, detok: Detokenizer | None,
                  events: EventSink | None = None) -> None:
         self.engine = engine
         self.seq = seq
         self.request_id = request_id
         self.events: EventSink = events if events is not None else queue.SimpleQueue()
-        self.detok = IncrementalDetokenizer(tokenizer, seq.sampling_params.stop) if tokenizer else None
+        self.detok = detok
         self.submitted_ns = time.monotonic_ns()
         self.first_token_ns = 0
 
@@ -106,6 +122,7 @@ class LLMEngine:
         self.runner = runner
         self.layout = layout
         self.tokenizer = tokenizer
+        self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         cfg = runner.rt.plan.config
         self.scheduler = Scheduler(BlockAllocator(layout.num_blocks, layout.block_size), scheduler_config,
                                    eos_token_ids=cfg.eos_token_ids)
@@ -127,6 +144,7 @@ class LLMEngine:
         # called on the loop thread once a step's events are out; any thread may append/remove
         # (atomic list operations: the loop calls a snapshot)
         self.output_listeners: list[Callable[[], None]] = []
+        self.step_listeners: list[StepListener] = []
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
@@ -144,9 +162,13 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params)
         self.scheduler.check_request(seq)
-        handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", self.tokenizer, events)
+        detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
+                 if self.tokenizer is not None else None)
+        handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", detok, events)
         with self._lock:
             self._requests[seq.seq_id] = handle
+        for listener in tuple(self.step_listeners):
+            listener.on_submit(handle)
         self._commands.put(("add", seq))
         self._wakeup.set()
         return handle
@@ -287,14 +309,11 @@ class LLMEngine:
                     self.scheduler.add(arg)
             elif kind == "abort":
                 self.scheduler.abort(arg)
-                with self._lock:
-                    self._requests.pop(arg, None)
+                self._remove(arg)
             elif kind == "score":
                 self._score(*arg)
 
     def _score(self, token_ids: list[int], done: queue.SimpleQueue) -> None:
-        from services.worker.scoring import score_tokens
-
         while self._in_flight:  # results come back in order: finish the micro-batches first
             result = self.coordinator.recv_object(src=self.groups.last_stage_leader)
             self._apply_result(self._in_flight.popleft(), result)
@@ -313,7 +332,17 @@ class LLMEngine:
             steps.append(SeqStep(s.seq_id, s.token_ids, s.positions, s.slot_mapping, s.block_table, s.context_len,
                                  s.do_sample, p.temperature, p.top_p, p.top_k, p.seed, seq.num_output_tokens,
                                  p.logprobs))
-        return StepPlan(out.step_id, "run", steps)
+        plan = StepPlan(out.step_id, "run", steps)
+        for listener in tuple(self.step_listeners):
+            listener.on_step_scheduled(plan)
+        return plan
+
+    def _remove(self, seq_id: int) -> None:
+        with self._lock:
+            removed = self._requests.pop(seq_id, None)
+        if removed is not None:
+            for listener in tuple(self.step_listeners):
+                listener.on_request_done(seq_id)
 
     def _apply_result(self, plan: StepPlan, result: StepResult) -> None:
         sampled = {s.seq_id: None for s in plan.seqs}
@@ -341,12 +370,13 @@ class LLMEngine:
             handle.events.put(TokenEvent(tok.token_id, text, tok.logprob, tok.top_logprobs))
             if seq_id in finished:
                 seq = finished[seq_id]
-                with self._lock:
-                    self._requests.pop(seq_id, None)
+                self._remove(seq_id)
                 handle.events.put(FinishEvent(
                     seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
                     handle.detok.text if handle.detok else "",
                     handle.first_token_ns - handle.submitted_ns, now_ns - handle.submitted_ns))
+        for listener in tuple(self.step_listeners):
+            listener.on_step_done(plan, result)
         self._outputs_done()
 
     def _outputs_done(self) -> None:
@@ -360,5 +390,7 @@ class LLMEngine:
         with self._lock:
             handles, self._requests = list(self._requests.values()), {}
         for handle in handles:
+            for listener in tuple(self.step_listeners):
+                listener.on_request_done(handle.seq_id)
             handle.events.put(ErrorEvent(Unavailable(str(exc)), list(handle.seq.output_token_ids)))
         self._outputs_done()

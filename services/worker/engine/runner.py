@@ -13,9 +13,11 @@ import time
 
 import torch
 
+from services.modeling.attention import AttentionMetadata
+from services.modeling.config import torch_dtype
+from services.worker.engine.kv_cache import KVCacheLayout, allocate_kv_cache
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.step import SampledToken, StepPlan, StepResult
-from services.modeling.attention import AttentionMetadata
 from services.worker.runtime import RankRuntime
 from services.worker.scoring import score_tokens
 
@@ -25,14 +27,13 @@ IDLE_HEARTBEAT_S = 0.5
 
 
 class StageRunner:
-    def __init__(self, rt: RankRuntime, *, num_blocks: int, block_size: int) -> None:
-        from services.worker.engine.kv_cache import allocate_kv_cache
-
+    def __init__(self, rt: RankRuntime, layout: KVCacheLayout) -> None:
         self.rt = rt
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.kv_cache_bytes = allocate_kv_cache(rt.model, num_blocks, block_size, rt.plan.torch_dtype,
-                                                rt.device)
+        self.block_size = layout.block_size
+        self.num_blocks = layout.num_blocks
+        # the layout's dtype (the cache config's, else the plan's) both sized and allocates the cache
+        self.kv_cache_bytes = allocate_kv_cache(rt.model, layout.num_blocks, layout.block_size,
+                                                torch_dtype(layout.dtype), rt.device)
         self.sampler = Sampler()
         self.samples_here = rt.groups.global_rank == rt.groups.last_stage_leader
 

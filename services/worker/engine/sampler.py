@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from services.worker.engine.sequence import SamplingParams
+from services.common.sampling import SamplingParams
 from services.modeling.kernels import greedy_logsumexp
 
 _MASK64 = 2**64 - 1

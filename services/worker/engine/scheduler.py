@@ -50,8 +50,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from services.common.sampling import FinishReason, InvalidRequest
 from services.worker.engine.block_manager import BlockAllocator
-from services.worker.engine.sequence import FinishReason, InvalidRequest, Sequence, SequenceStatus
+from services.worker.engine.sequence import Sequence, SequenceStatus
 
 
 class SchedulerError(RuntimeError):

@@ -6,10 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.sampling import SamplingParams
+from services.modeling.attention import AttentionMetadata
+from services.modeling.config import ModelConfig
+from services.modeling.llama import LlamaForCausalLM
+from services.modeling.parallel.coordinator import Coordinator
+from services.modeling.parallel.groups import ParallelGroups
+from services.modeling.parallel.plan import ParallelPlan
 from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.kv_cache import (
-    GiB,
     CacheConfig,
+    GiB,
     KVCacheLayout,
     KVCacheTooSmall,
     allocate_kv_cache,
@@ -18,13 +25,7 @@ from services.worker.engine.kv_cache import (
     num_blocks_for_budget,
 )
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
-from services.worker.engine.sequence import SamplingParams, Sequence
-from services.modeling.attention import AttentionMetadata
-from services.modeling.config import ModelConfig
-from services.modeling.llama import LlamaForCausalLM
-from services.modeling.parallel.coordinator import Coordinator
-from services.modeling.parallel.groups import ParallelGroups
-from services.modeling.parallel.plan import ParallelPlan
+from services.worker.engine.sequence import Sequence
 
 LLAMA3_70B = ModelConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, head_dim=128)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from services.common.sampling import SamplingParams
 from services.worker.engine.sampler import RowParams, Sampler, SamplerError, mix_seed
-from services.worker.engine.sequence import SamplingParams
 
 VOCAB = 300
 

@@ -6,15 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common.sampling import FinishReason, InvalidRequest, SamplingParams
 from services.worker.engine.block_manager import BlockAllocator
-from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
-from services.worker.engine.sequence import (
-    FinishReason,
-    InvalidRequest,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
+from services.worker.engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    SchedulerOutput,
 )
+from services.worker.engine.sequence import Sequence, SequenceStatus
 
 EOS = 2
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.worker.engine.sequence import InvalidRequest, SamplingParams, Sequence, SequenceStatus
+from services.common.sampling import InvalidRequest, SamplingParams
+from services.worker.engine.sequence import Sequence, SequenceStatus
 
 
 def test_defaults_follow_the_proto() -> None:

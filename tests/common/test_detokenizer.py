@@ -1,4 +1,4 @@
-"""The router's detokenizer gives exactly the worker's deltas (fast path or not)."""
+"""The shared detokenizer gives exactly the two-window scheme's deltas (fast path or not)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,50 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from services.router.detok import Detokenizer, TokenTexts
-from services.worker.engine.detokenizer import IncrementalDetokenizer
+from services.common.detokenizer import REPLACEMENT, Detokenizer, TokenTexts
 
 TEXTS = ["Hello, world! The café serves crème brûlée.", "日本語のテキスト、そして絵文字 🎉🚀👍🏽 and more",
          "  leading spaces\tand\ttabs\n\nnew lines", "ﬁ ligature, Ω, ∑, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
          "a b c 1 2 3 ..."]
+
+
+class IncrementalDetokenizer:
+    """The two-window scheme on every token, with no fast path: the reference the deltas must equal."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; returns (new text, whether a stop string ended the text)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+            return "", False
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._append(delta)
+
+    def _append(self, delta: str) -> tuple[str, bool]:
+        if self.stop:
+            start = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
+            candidate = self.text + delta
+            hits = [i for i in (candidate.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                delta = candidate[len(self.text):cut] if cut >= len(self.text) else ""
+                self.text = candidate[:cut]
+                return delta, True
+        self.text += delta
+        return delta, False
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2"])
@@ -42,7 +80,7 @@ def streams(tokenizer: Tokenizer, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("stop", [(), (" the", "é"), ("🎉", "\n\n", "xyz")])
-def test_deltas_equal_the_workers(tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+def test_deltas_equal_the_two_window_scheme(tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
     texts = TokenTexts(tokenizer)
     assert texts.enabled  # both models are byte-level BPE: the fast path is what is tested
     fast_tokens = 0

@@ -1,9 +1,9 @@
-"""The router's incremental detokenizer: the worker's text deltas, cheaply for the common token.
+"""Incremental detokenization: text deltas that never split a multi-byte character, cheaply for
+the common token. The worker's engine and the router both use it, so their texts agree.
 
-The deltas are exactly those of :class:`services.worker.engine.detokenizer.IncrementalDetokenizer`
-(vLLM's scheme: decode the window of tokens already shown and the window including the new one,
-emit the difference unless it ends in an incomplete character), which decodes two windows per
-token. For a byte-level BPE tokenizer (the Llama-3 / SmolLM2 / GPT-2 family) most tokens do not
+Decoding token by token breaks characters whose UTF-8 bytes span several byte-level tokens. As
+vLLM does, decode the window of tokens already shown and the window including the new one, and
+emit the difference unless it ends in an incomplete character (U+FFFD): two decodes per token. For a byte-level BPE tokenizer (the Llama-3 / SmolLM2 / GPT-2 family) most tokens do not
 need it: the decoder maps each token to its bytes (a skipped special token to none) and decodes
 the concatenation as UTF-8 with U+FFFD for invalid sequences, so when a token's bytes are valid
 UTF-8 on their own (they then start at a character boundary), decoding ``window + token`` gives

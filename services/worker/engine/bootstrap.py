@@ -13,12 +13,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from services.common.collective_events import EventSink
+from services.common.sampling import SamplingParams
+from services.modeling.config import ModelConfigError
 from services.worker.engine.engine import ErrorEvent, FinishEvent, LLMEngine, TokenEvent
 from services.worker.engine.kv_cache import CacheConfig, KVCacheLayout
 from services.worker.engine.runner import StageRunner, follower_loop
 from services.worker.engine.scheduler import SchedulerConfig
-from services.worker.engine.sequence import SamplingParams
-from services.worker.runtime import RankRuntime, RankSpec
+from services.worker.runtime import RankRuntime, RankSpec, stage_tokenizer_dir
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB per rank on CPU; GPUs default to the plan's 20 GiB
 
@@ -27,9 +28,9 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB per rank on CPU; GPUs default to t
 class EngineSpec:
     rank: RankSpec
     cache: CacheConfig = field(default_factory=lambda: CacheConfig(kv_cache_bytes=CPU_DEFAULT_KV_CACHE_BYTES))
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = field(default=256, kw_only=True)
+    max_batched_tokens: int = field(default=2048, kw_only=True)
+    max_model_len: int | None = field(default=None, kw_only=True)  # None: the model's max_position_embeddings
 
     def scheduler_config(self, layout: KVCacheLayout, max_position: int) -> SchedulerConfig:
         max_len = min(self.max_model_len or max_position, max_position)
@@ -44,16 +45,25 @@ def load_tokenizer(model_dir: str | None) -> Tokenizer | None:
     return Tokenizer.from_file(str(path)) if path.exists() else None
 
 
+def encode_prompt(model_dir: str | None, text: str) -> list[int]:
+    """``text`` in the model's tokenizer.json (for the CLI's --prompt/--text)."""
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise ModelConfigError(f"{Path(model_dir or '.') / 'tokenizer.json'} not found: pass --ids, "
+                               f"or give the model a tokenizer.json")
+    return tokenizer.encode(text).ids
+
+
 def start_rank(spec: EngineSpec, rank: int, *, sink: EventSink | None = None) -> tuple[StageRunner, KVCacheLayout]:
     rt = RankRuntime.start(spec.rank, rank, sink=sink)
     layout = KVCacheLayout.for_plan(rt.plan, spec.cache)
-    runner = StageRunner(rt, num_blocks=layout.num_blocks, block_size=layout.block_size)
+    runner = StageRunner(rt, layout)
     return runner, layout
 
 
 def build_engine(spec: EngineSpec, runner: StageRunner, layout: KVCacheLayout) -> LLMEngine:
     cfg = runner.rt.plan.config
-    return LLMEngine(runner, layout, tokenizer=load_tokenizer(spec.rank.tokenizer_dir),
+    return LLMEngine(runner, layout, tokenizer=load_tokenizer(stage_tokenizer_dir(spec.rank)),
                      scheduler_config=spec.scheduler_config(layout, cfg.max_position_embeddings))
 
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_field
 from services.common.registry.repository import ShardRegistry
-from services.worker.engine.engine import LLMEngine
-from services.worker.engine.group import EngineSpec, build_engine, start_rank
-from services.worker.engine.runner import follower_loop
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
+from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.runner import follower_loop
 from services.worker.launch import Followers
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class ServingOptions:
     telemetry: ShipperConfig | None = None  # ship CollectiveEvents to a telemetry service
 
 
-class ServingGroup:
+class ReplicaDriver:
     def __init__(self, spec: EngineSpec, options: ServingOptions) -> None:
         self.spec = spec
         self.options = options
@@ -62,7 +62,7 @@ class ServingGroup:
         self.shipper: TelemetryShipper | None = None
 
     def start(self) -> LLMEngine:
-        plan = self.spec.rank.plan()
+        plan = self.spec.rank.plan
         if plan.world_size > 1:
             self.followers = Followers(plan.world_size, follower_rank, self.spec, self.options.telemetry)
         if self.options.telemetry is not None:
@@ -89,7 +89,7 @@ class ServingGroup:
             self._report_failure(self.engine.failure)
 
     def _rank_statuses(self, status: str) -> dict[str, str]:
-        plan = self.spec.rank.plan()
+        plan = self.spec.rank.plan
         return {rank_field(tp, pp): status for pp in range(plan.pp_degree) for tp in range(plan.tp_degree)}
 
     def _register(self, weight_bytes: int) -> None:
@@ -98,7 +98,7 @@ class ServingGroup:
             self.health = make_health_store(opts.health_url)
         if not opts.registry_url:
             return
-        plan = self.spec.rank.plan()
+        plan = self.spec.rank.plan
         self.registry = ShardRegistry(opts.registry_url, migrate_schema=True)
         group_uuid = _as_uuid(self.replica_group_id)
         self.registry.create_replica_group(opts.model_name or plan.config.name, plan.tp_degree, plan.pp_degree,
@@ -127,7 +127,7 @@ class ServingGroup:
                     self.health.heartbeat(self.replica_group_id, statuses)
                     self.health.set_kv_utilization(self.replica_group_id, util)
                 if self.registry is not None:
-                    plan = self.spec.rank.plan()
+                    plan = self.spec.rank.plan
                     for pp in range(plan.pp_degree):
                         for tp in range(plan.tp_degree):
                             self.registry.heartbeat(f"{self.replica_group_id}:pp{pp}-tp{tp}", stats["kv_bytes_used"])

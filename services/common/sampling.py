@@ -1,0 +1,100 @@
+"""The request vocabulary the router and the worker share: sampling settings with their one
+validator and limits, and why a generation finished.
+
+A request the router accepts is one the worker accepts: both build :class:`SamplingParams`,
+whose ``__post_init__`` is the only place the rules live.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from services.common.errors import InvalidArgument
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (vLLM's default cap)
+MAX_SEED = 2**64 - 1  # the proto's uint64
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, as common.proto documents
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
+
+class InvalidRequest(InvalidArgument):
+    """A request's field is out of range; the message names the field, the rule and the value.
+    Maps to gRPC INVALID_ARGUMENT / HTTP 400."""
+
+
+class FinishReason(Enum):
+    """Why generation stopped; the same cases as the proto's ``FinishReason``."""
+
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    EOS_TOKEN = "eos_token"  # an EOS token or one of the request's stop_token_ids
+    STOP_SEQUENCE = "stop_sequence"  # a stop string matched
+    CANCELLED = "cancelled"  # client cancel / abort
+    ERROR = "error"
+
+    @property
+    def openai(self) -> str:
+        """OpenAI's ``finish_reason``: EOS and stop strings are both "stop"."""
+        return _OPENAI_FINISH.get(self, "abort")
+
+
+_OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop"}
+
+
+def is_integer(value: object) -> bool:
+    """An int that is not a bool (JSON's true is no token id)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (defaults as the proto documents them).
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 disables top-k; ``top_p`` 1 disables nucleus
+    sampling; ``seed`` None draws from the sampler's own generator (not reproducible);
+    ``logprobs`` is how many top alternatives to return per token (0 = only the sampled one's).
+    Construction validates every field and raises :class:`InvalidRequest` naming it.
+    """
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # accept lists for the tuple fields, keep the dataclass hashable
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not (0 < p <= 1):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {p!r}")
+        if not is_integer(self.top_k) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not is_integer(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if not is_integer(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequest(f"stop strings must be non-empty strings, got {s!r}")
+        for tok in self.stop_token_ids:
+            if not is_integer(tok) or tok < 0:
+                raise InvalidRequest(f"stop_token_ids must be integers >= 0, got {tok!r}")
+        if not is_integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

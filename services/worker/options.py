@@ -1,0 +1,53 @@
+"""The worker's command-line flags and the specs built from them.
+
+``shardline serve worker``, ``shardline generate`` and ``shardline score`` take the same layout
+flags (model, TP, PP, dtype, checkpoint) and the first two the same engine flags (KV cache,
+scheduler limits), so they are declared once here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.worker.engine.bootstrap import EngineSpec
+from services.worker.engine.kv_cache import CacheConfig
+from services.worker.runtime import RankSpec
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model directory (or give --checkpoint)")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="manifest.json of a pre-sharded checkpoint (path or s3://…): the fast path")
+    parser.add_argument("--dtype", default=None,
+                        help="float32 | bfloat16 | float16 (default float32, or the checkpoint's dtype)")
+    parser.add_argument("--collective-timeout", type=float, default=2.0,
+                        help="seconds before a hung collective fails the group (default 2)")
+    parser.add_argument("--replica-group-id", default="local", help="name of this replica group")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0,
+                        help="KV cache budget per rank in GiB (default 1; the plan's 20 GiB on GPUs)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    parser.add_argument("--max-batched-tokens", type=int, default=2048,
+                        help="token budget per step (chunked prefill)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion (default: the model's max_position_embeddings)")
+
+
+def rank_spec(args: argparse.Namespace) -> RankSpec:
+    """The layout flags as a spec; resolves the plan (a bad layout raises here)."""
+    return RankSpec(args.model, tp_degree=args.tp, pp_degree=args.pp, dtype=args.dtype,
+                    replica_group_id=args.replica_group_id, collective_timeout_s=args.collective_timeout,
+                    checkpoint=args.checkpoint)
+
+
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
+    return EngineSpec(rank_spec(args), cache, max_num_seqs=args.max_num_seqs,
+                      max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len)
