@@ -9,11 +9,7 @@ from services.cli.score import exit_code_for, parse_ids
 from services.common.sampling import SamplingParams
 from services.worker.engine.bootstrap import encode_prompt, generate_rank
 from services.worker.launch import run_replica_group
-from services.worker.options import (
-    add_engine_arguments,
-    add_layout_arguments,
-    engine_spec,
-)
+from services.worker.options import add_engine_arguments, add_layout_arguments, engine_spec
 from services.worker.runtime import stage_tokenizer_dir
 
 

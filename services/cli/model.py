@@ -8,11 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.modeling.gguf_import import (
-    SmolLM2NotInstalled,
-    convert_gguf,
-    convert_smollm2,
-)
+from services.modeling.gguf_import import SmolLM2NotInstalled, convert_gguf, convert_smollm2
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
 if TYPE_CHECKING:

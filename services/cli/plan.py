@@ -21,12 +21,7 @@ from services.planner import render
 from services.planner.capacity import AutoscalingPolicy, Demand, plan_capacity
 from services.planner.cost_model import Candidate, Workload
 from services.planner.search import PlanRequest, search
-from services.planner.specs import (
-    ModelSpec,
-    SpecError,
-    load_model_spec,
-    parse_dtypes,
-)
+from services.planner.specs import ModelSpec, SpecError, load_model_spec, parse_dtypes
 from services.planner.topology import load_topology
 
 GIB = 1024**3

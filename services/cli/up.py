@@ -31,16 +31,8 @@ from services.common.config import DEFAULT_PORTS
 from services.common.proto import common_pb2, router_pb2
 from services.common.registry.engine import registry_url
 from services.common.registry.repository import ShardRegistry
-from services.common.supervisor import (
-    ManagedProcess,
-    StackError,
-    StackStopped,
-    Supervisor,
-)
-from services.modeling.gguf_import import (
-    SmolLM2NotInstalled,
-    convert_smollm2,
-)
+from services.common.supervisor import ManagedProcess, StackError, StackStopped, Supervisor
+from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
 BACKGROUND = ("telemetry", "loader", "planner")

@@ -1,9 +1,10 @@
 """Domain exceptions that cross service boundaries.
 
-Domain modules raise these (they never import grpc); the gRPC layer turns each class into its
-status code with one table (``services.common.grpc_server.STATUS_FOR_ERROR``) and the HTTP
-front door into 400/429/503/401/404/409. Raise the most specific subclass and put the expected and
-actual values in the message: the message is what the client sees.
+Domain modules raise these (they never import grpc). Each class names, once, what a client is
+told: its gRPC status (``grpc_status``, a ``grpc.StatusCode`` name, turned into the code by
+``services.common.grpc_server``) and its HTTP status and OpenAI error type (the router's front
+door). A subclass inherits them. Raise the most specific subclass and put the expected and actual
+values in the message: the message is what the client sees.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 class ShardlineError(Exception):
     """Base of every error a client may be shown. Never raised itself."""
 
+    grpc_status = "INTERNAL"
+    http_status = 500
+    openai_type = "server_error"
+
 
 class InvalidArgument(ShardlineError, ValueError):
     """A request field is wrong (empty prompt, top_p outside (0, 1], prompt beyond the context).
@@ -19,27 +24,60 @@ class InvalidArgument(ShardlineError, ValueError):
     Also a ValueError, so code that validates with ``except ValueError`` keeps working.
     """
 
+    grpc_status = "INVALID_ARGUMENT"
+    http_status = 400
+    openai_type = "invalid_request_error"
+
 
 class ResourceExhausted(ShardlineError):
     """The request is valid but cannot be taken now: queue full, or deadline passed in queue."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+    http_status = 429
+    openai_type = "rate_limit_error"
 
 
 class Unavailable(ShardlineError):
     """No healthy replica group (or backing service) can serve the request; retrying may work."""
 
+    grpc_status = "UNAVAILABLE"
+    http_status = 503
+    openai_type = "service_unavailable_error"
+
 
 class Unauthenticated(ShardlineError):
     """The API key is missing or wrong."""
+
+    grpc_status = "UNAUTHENTICATED"
+    http_status = 401
+    openai_type = "authentication_error"
 
 
 class NotFound(ShardlineError, LookupError):
     """The named thing does not exist: unknown model, manifest, replica group."""
 
+    grpc_status = "NOT_FOUND"
+    http_status = 404
+    openai_type = "not_found_error"
+
 
 class AlreadyExists(ShardlineError):
     """The thing a request would create exists already: a replica group id, a manifest URI."""
+
+    grpc_status = "ALREADY_EXISTS"
+    http_status = 409
+    openai_type = "conflict_error"
 
 
 class FailedPrecondition(ShardlineError):
     """The system is not in a state that allows the operation, e.g. a checkpoint whose layout
     does not match the plan, or an illegal replica-group status transition."""
+
+    grpc_status = "FAILED_PRECONDITION"
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
+# Every class a client may be shown, most general first.
+ERROR_CLASSES: tuple[type[ShardlineError], ...] = (
+    InvalidArgument, ResourceExhausted, Unavailable, Unauthenticated, NotFound, AlreadyExists, FailedPrecondition)

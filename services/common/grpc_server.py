@@ -31,30 +31,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ServerConfig
-from services.common.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    ShardlineError,
-    Unauthenticated,
-    Unavailable,
-)
+from services.common.errors import ERROR_CLASSES, InvalidArgument, ShardlineError
 from services.common.logging import configure_logging
 
 log = logging.getLogger(__name__)
 
 # The only place a domain exception becomes a gRPC status (shared/DESIGN.md §7).
 STATUS_FOR_ERROR: dict[type[ShardlineError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-}
+    cls: grpc.StatusCode[cls.grpc_status] for cls in ERROR_CLASSES}
 
 
 # Clients keep long-lived streams open (a router's Relay stream to each worker) and ping them
@@ -154,11 +138,6 @@ def _wrap_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]])
 
     return wrapped
 
-
-def unimplemented(context: grpc.ServicerContext, rpc: str, issue: int) -> NoReturn:
-    """Answer UNIMPLEMENTED for an RPC whose behaviour a later issue builds, saying which."""
-    context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is not built yet: issue {issue} builds it")
-    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,7 @@ from pathlib import Path
 
 from sqlalchemy.exc import OperationalError
 
-from services.common.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.registry import (
     CheckpointManifest,
     DuplicateManifest,

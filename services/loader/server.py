@@ -19,18 +19,8 @@ from services.common.errors import InvalidArgument
 from services.common.grpc_server import ServiceBinding, serve_service
 from services.common.proto import common_pb2, loader_pb2, loader_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB, dtype_to_pb
-from services.common.registry import (
-    CheckpointManifest,
-    RegistryError,
-    ShardRegistry,
-    registry_url,
-    to_project_dtype,
-)
-from services.loader.catalog import (
-    CatalogEntry,
-    ManifestCatalog,
-    canonical_manifest_uri,
-)
+from services.common.registry import CheckpointManifest, RegistryError, ShardRegistry, registry_url, to_project_dtype
+from services.loader.catalog import CatalogEntry, ManifestCatalog, canonical_manifest_uri
 from services.loader.staging import CACHE_DIR_ENV, default_cache_dir, stage
 
 SERVICE = "loader"

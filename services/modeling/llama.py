@@ -14,14 +14,9 @@ stages through the coordinator.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from services.modeling.attention import (
-    AttentionMetadata,
-    attention_no_cache,
-    paged_attention,
-)
+from services.modeling.attention import AttentionMetadata, attention_no_cache, paged_attention
 from services.modeling.config import ModelConfig
 from services.modeling.kernels import LayerOps, TorchOps, ops_for
 from services.modeling.parallel.coordinator import Coordinator
@@ -112,15 +107,15 @@ class LlamaDecoderLayer(nn.Module):
             ops.add_rms_norm_(h, residual, self.input_layernorm.weight, eps)  # residual += h; h = norm
             x = h
         heads, kv_heads = attn.heads, attn.kv_heads
-        qkv = F.linear(x, attn.qkv_proj.weight).view(x.shape[0], heads + 2 * kv_heads, attn.head_dim)
+        qkv = attn.qkv_proj.forward(x).view(x.shape[0], heads + 2 * kv_heads, attn.head_dim)
         ops.rotary_(qkv, *rope, heads + kv_heads)  # q and k, in place
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         # o_proj and down_proj end in the coordinator's all-reduce when TP > 1; ``.forward`` skips
-        # nn.Module.__call__'s hook handling (no hooks here), a few microseconds per call and layer
+        # nn.Module.__call__'s hook handling (there are no hooks), a few microseconds per call
         x = attn.o_proj.forward(attn.attend(q, k, v, meta, ops))
         ops.add_rms_norm_(x, residual, self.post_attention_layernorm.weight, eps)
         mlp = self.mlp
-        return mlp.down_proj.forward(ops.silu_and_mul(F.linear(x, mlp.gate_up_proj.weight))), residual
+        return mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(x))), residual
 
 
 class LlamaModel(nn.Module):

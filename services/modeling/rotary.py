@@ -39,11 +39,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Precomputed float32 cos/sin tables indexed by absolute position."""
 
@@ -57,11 +52,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: [tokens, heads, d], ``k``: [tokens, kv_heads, d], ``positions``: [tokens]."""
-        cos, sin = self.tables(positions, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Half-width cos/sin rows for ``positions``, [tokens, 1, d/2]: computed once per step and
         shared by every layer (the two halves of the reference's tables are equal)."""
@@ -72,11 +62,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions, :half].unsqueeze(1).to(dtype)
         sin = self.sin[positions, :half].unsqueeze(1).to(dtype)
         return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x·cos + rotate_half(x)·sin`` on half-width tables: ``[x1·c − x2·s, x2·c + x1·s]``.
-    Bit-identical to the reference's form (``a + (−b)·s`` and ``a − b·s`` round the same)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

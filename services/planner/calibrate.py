@@ -49,12 +49,7 @@ import torch
 import torch.multiprocessing as mp
 
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
-from services.planner.calibrate_ranks import (
-    RankArgs,
-    rank_main,
-    stream_bytes_for_host,
-    summarize_ranks,
-)
+from services.planner.calibrate_ranks import RankArgs, rank_main, stream_bytes_for_host, summarize_ranks
 from services.planner.specs import ModelSpec
 from services.planner.topology import GIB, Topology
 

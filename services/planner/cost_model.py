@@ -75,13 +75,7 @@ from services.planner.comm import (
     send_recv_s,
     tp_links,
 )
-from services.planner.specs import (
-    DType,
-    ModelSpec,
-    canonical_dtype,
-    ceil_div,
-    get_dtype,
-)
+from services.planner.specs import DType, ModelSpec, canonical_dtype, ceil_div, get_dtype
 from services.planner.topology import GIB, Topology
 
 # A sampled token on its way back to the driver: a pickled StepResult entry (seq id, token id,

@@ -14,13 +14,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
-from services.common.registry import (
-    Conflict,
-    InvalidValue,
-    ReplicaGroup,
-    ShardRegistry,
-    registry_url,
-)
+from services.common.registry import Conflict, InvalidValue, ReplicaGroup, ShardRegistry, registry_url
 from services.planner.cost_model import Candidate, check_layout
 from services.planner.specs import PRESETS
 from services.planner.topology import GIB

@@ -18,12 +18,7 @@ import yaml
 
 from services.planner.capacity import AutoscalingPolicy, CapacityPlan
 from services.planner.cost_model import Candidate, CostEstimate, Workload
-from services.planner.search import (
-    Assessment,
-    PlanRequest,
-    PlanResult,
-    explanation_order,
-)
+from services.planner.search import Assessment, PlanRequest, PlanResult, explanation_order
 from services.planner.specs import DTYPES, ModelSpec, get_dtype
 from services.planner.topology import GIB, Topology
 

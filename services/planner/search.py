@@ -27,14 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.planner.cost_model import (
-    Candidate,
-    CostEstimate,
-    CostModel,
-    LayoutError,
-    Workload,
-    check_layout,
-)
+from services.planner.cost_model import Candidate, CostEstimate, CostModel, LayoutError, Workload, check_layout
 from services.planner.specs import DTYPES, ModelSpec, canonical_dtype
 from services.planner.topology import GIB, Topology
 

@@ -22,12 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.errors import (
-    InvalidArgument,
-    ResourceExhausted,
-    ShardlineError,
-    Unavailable,
-)
+from services.common.errors import InvalidArgument, ResourceExhausted, ShardlineError, Unavailable
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Reservation, Router, fits_group, kv_estimate
 
@@ -38,6 +33,9 @@ _WAKE_S = 0.1  # waiters also wake on this period, so a cancel is seen without a
 
 class RequestCancelled(ShardlineError):
     """The client went away (cancelled or disconnected) before the request finished."""
+
+    http_status = 499  # nginx's "client closed request": nobody is left to read it
+    openai_type = "request_cancelled"
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    ShardlineError,
-    Unauthenticated,
-    Unavailable,
-)
+from services.common.errors import InvalidArgument, ShardlineError
 from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from services.router.admission import RequestCancelled
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
 from services.router.types import Finished, GenerationRequest, TokenOut
@@ -43,26 +33,15 @@ class BadRequest(InvalidArgument):
         self.param = param
 
 
-# (HTTP status, OpenAI error type) per domain error, most specific first.
-HTTP_ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
-    (InvalidArgument, 400, "invalid_request_error"),
-    (FailedPrecondition, 400, "invalid_request_error"),
-    (AlreadyExists, 409, "conflict_error"),
-    (Unauthenticated, 401, "authentication_error"),
-    (NotFound, 404, "not_found_error"),
-    (ResourceExhausted, 429, "rate_limit_error"),
-    (Unavailable, 503, "service_unavailable_error"),
-    (RequestCancelled, 499, "request_cancelled"),
-)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids",
                    "logprobs", "ignore_eos", "prompt", "messages", "model")
 
 
 def error_status(exc: BaseException) -> tuple[int, str]:
-    for cls, status, kind in HTTP_ERRORS:
-        if isinstance(exc, cls):
-            return status, kind
-    return 500, "server_error"
+    """The HTTP status and OpenAI error type the error's class names (500 for anything else)."""
+    if isinstance(exc, ShardlineError):
+        return exc.http_status, exc.openai_type
+    return ShardlineError.http_status, ShardlineError.openai_type
 
 
 def error_code(exc: BaseException, status: int) -> str | None:

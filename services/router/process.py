@@ -14,23 +14,13 @@ from services.common.config import resolve
 from services.common.errors import InvalidArgument
 from services.common.health import HealthStore, make_health_store
 from services.common.sampling import SamplingParams
-from services.router.admission import (
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_WAIT_S,
-    AdmissionQueue,
-    QueueConfig,
-)
+from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, AdmissionQueue, QueueConfig
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelCatalog, load_served_model
 from services.router.discovery import RegistryDiscovery
 from services.router.http_api import HttpServer, create_app
 from services.router.metrics import RouterMetrics
-from services.router.replicas import (
-    DEFAULT_POLL_INTERVAL_S,
-    GroupPoller,
-    ReplicaGroupView,
-    ReplicaSet,
-)
+from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
 from services.router.worker_client import UpstreamStream, WorkerClient

@@ -23,31 +23,14 @@ from services.common.grpc_aio_server import serve_until_signal
 from services.common.grpc_server import ServiceBinding
 from services.common.logging import configure_logging
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
-from services.common.proto_convert import (
-    FINISH_REASON_TO_PB,
-    dtype_to_pb,
-    sampling_from_pb,
-)
-from services.router.admission import (
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_WAIT_S,
-    RequestCancelled,
-)
+from services.common.proto_convert import FINISH_REASON_TO_PB, dtype_to_pb, sampling_from_pb
+from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, RequestCancelled
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelDirError
 from services.router.process import RouterProcess, build_process
-from services.router.replicas import (
-    DEFAULT_POLL_INTERVAL_S,
-    GroupStatus,
-    ReplicaGroupView,
-)
+from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
-from services.router.types import (
-    Finished,
-    GenerationRequest,
-    TokenOut,
-    trace_context_of,
-)
+from services.router.types import Finished, GenerationRequest, TokenOut, trace_context_of
 from services.telemetry.federation import register_upstreams
 
 SERVICE = "router"

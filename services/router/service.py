@@ -36,19 +36,8 @@ from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Reservation, Router
-from services.router.types import (
-    Finished,
-    GenerationRequest,
-    Timings,
-    TokenAlternative,
-    TokenOut,
-)
-from services.router.worker_client import (
-    UpstreamFinished,
-    UpstreamStream,
-    WorkerFailed,
-    WorkerRejected,
-)
+from services.router.types import Finished, GenerationRequest, Timings, TokenAlternative, TokenOut
+from services.router.worker_client import UpstreamFinished, UpstreamStream, WorkerFailed, WorkerRejected
 
 log = logging.getLogger(__name__)
 

@@ -25,19 +25,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import (
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    ShardlineError,
-    Unavailable,
-)
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ShardlineError, Unavailable
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.proto_convert import (
-    DTYPE_FROM_PB,
-    finish_reason_from_pb,
-    sampling_to_pb,
-)
+from services.common.proto_convert import DTYPE_FROM_PB, finish_reason_from_pb, sampling_to_pb
 from services.common.sampling import FinishReason, SamplingParams
 from services.router.admission import RequestCancelled
 from services.router.replicas import WorkerStats

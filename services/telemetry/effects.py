@@ -24,12 +24,7 @@ import uuid
 
 from services.common.health import HealthStore, rank_field
 from services.common.health.base import DEGRADED, HEALTHY, UNHEALTHY
-from services.common.registry import (
-    IllegalTransition,
-    NotFound,
-    RegistryError,
-    ShardRegistry,
-)
+from services.common.registry import IllegalTransition, NotFound, RegistryError, ShardRegistry
 from services.telemetry.rules import Alert, AlertKind, GroupStatus, gpu_coords
 
 log = logging.getLogger(__name__)

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from services.telemetry.otel import (
-    current_metrics,
-    register_engine_gauges,
-    register_shipper_counters,
-)
+from services.telemetry.otel import current_metrics, register_engine_gauges, register_shipper_counters
 from services.telemetry.tracing import StepTracer, attach_step_tracer
 
 

@@ -19,14 +19,7 @@ from dataclasses import dataclass, field
 
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
 from services.telemetry.rules import Alert, RuleConfig, RuleEngine
-from services.telemetry.windows import (
-    EventLike,
-    Series,
-    SeriesTotals,
-    WindowConfig,
-    WindowStore,
-    WindowSummary,
-)
+from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowConfig, WindowStore, WindowSummary
 
 log = logging.getLogger(__name__)
 

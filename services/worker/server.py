@@ -21,34 +21,16 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from services.common.config import resolve
-from services.common.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    ShardlineError,
-    Unavailable,
-)
-from services.common.grpc_server import (
-    GrpcServer,
-    ServiceBinding,
-    serve_service,
-    status_for,
-)
+from services.common.errors import FailedPrecondition, InvalidArgument, ShardlineError, Unavailable
+from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service, status_for
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.proto_convert import (
-    FINISH_REASON_TO_PB,
-    dtype_to_pb,
-    sampling_from_pb,
-)
+from services.common.proto_convert import FINISH_REASON_TO_PB, dtype_to_pb, sampling_from_pb
 from services.telemetry.client import ShipperConfig
 from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
 from services.worker.driver import ReplicaDriver, ServingOptions
 from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
-from services.worker.options import (
-    add_engine_arguments,
-    add_layout_arguments,
-    engine_spec,
-)
+from services.worker.options import add_engine_arguments, add_layout_arguments, engine_spec
 from services.worker.relay import RelaySession
 
 SERVICE = "worker"

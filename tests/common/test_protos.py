@@ -13,14 +13,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 
 from services.common import protogen
-from services.common.proto import (
-    common_pb2,
-    loader_pb2,
-    planner_pb2,
-    router_pb2,
-    telemetry_pb2,
-    worker_pb2,
-)
+from services.common.proto import common_pb2, loader_pb2, planner_pb2, router_pb2, telemetry_pb2, worker_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 

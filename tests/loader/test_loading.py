@@ -10,19 +10,10 @@ from services.loader.errors import ShardLayoutError
 from services.loader.layout import model_fingerprint, rank_model
 from services.loader.manifest import Manifest
 from services.worker.launch import run_replica_group
-from services.worker.rank_loading import (
-    load_checkpoint_weights,
-    load_rank_shard,
-    plan_for_checkpoint,
-)
+from services.worker.rank_loading import load_checkpoint_weights, load_rank_shard, plan_for_checkpoint
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
-from tests.loader.helpers import (
-    hf_rank,
-    plan_of,
-    score_from_checkpoint_rank,
-    state_dict_diffs,
-)
+from tests.loader.helpers import hf_rank, plan_of, score_from_checkpoint_rank, state_dict_diffs
 
 TOKEN_IDS = [1, 17, 300, 42, 9, 511, 256, 3, 77, 128]
 

@@ -10,13 +10,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.loader.errors import ManifestError
-from services.loader.manifest import (
-    FORMAT_VERSION,
-    Manifest,
-    check_plain_file_name,
-    expected_metadata,
-    shard_file_name,
-)
+from services.loader.manifest import FORMAT_VERSION, Manifest, check_plain_file_name, expected_metadata, shard_file_name
 
 SHA = "ab" * 32
 

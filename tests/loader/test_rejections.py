@@ -16,12 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import main as cli_main
-from services.loader.errors import (
-    ManifestError,
-    ObjectNotFound,
-    ShardChecksumError,
-    ShardLayoutError,
-)
+from services.loader.errors import ManifestError, ObjectNotFound, ShardChecksumError, ShardLayoutError
 from services.loader.layout import model_fingerprint
 from services.loader.manifest import TensorInfo
 from services.loader.safetensors_format import encode_header, read_header

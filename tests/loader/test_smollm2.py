@@ -17,12 +17,7 @@ from services.worker.launch import run_replica_group
 from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
-from tests.loader.helpers import (
-    hf_rank,
-    plan_of,
-    score_from_checkpoint_rank,
-    state_dict_diffs,
-)
+from tests.loader.helpers import hf_rank, plan_of, score_from_checkpoint_rank, state_dict_diffs
 
 pytestmark = pytest.mark.slow
 

@@ -22,11 +22,7 @@ from safetensors import safe_open
 
 from services.cli import main as cli_main
 from services.modeling import gguf_import
-from services.modeling.gguf_import import (
-    GGUFImportError,
-    convert_gguf,
-    reverse_rotary_permutation,
-)
+from services.modeling.gguf_import import GGUFImportError, convert_gguf, reverse_rotary_permutation
 from services.modeling.hf_tokenizer import BYTE_LEVEL_SPECIALS, bytes_to_unicode
 from services.modeling.tiny import TinyModelSpec, TinyModelSpecError, write_tiny_model
 

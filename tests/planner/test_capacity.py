@@ -8,12 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.planner.capacity import (
-    AutoscalingPolicy,
-    CapacityError,
-    Demand,
-    plan_capacity,
-)
+from services.planner.capacity import AutoscalingPolicy, CapacityError, Demand, plan_capacity
 from services.planner.cost_model import Candidate, CostModel, Workload
 from services.planner.specs import PRESETS
 from services.planner.topology import PRESETS as TOPOLOGIES

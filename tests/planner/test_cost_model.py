@@ -6,13 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.planner.comm import (
-    Link,
-    pp_boundary_links,
-    ring_all_reduce_s,
-    send_recv_s,
-    tp_links,
-)
+from services.planner.comm import Link, pp_boundary_links, ring_all_reduce_s, send_recv_s, tp_links
 from services.planner.cost_model import (
     Candidate,
     CostModel,

@@ -6,13 +6,7 @@ import pytest
 
 from services.planner import render
 from services.planner.cost_model import LayoutError, Workload
-from services.planner.search import (
-    NoFeasiblePlanError,
-    PlannerError,
-    PlanRequest,
-    enumerate_candidates,
-    search,
-)
+from services.planner.search import NoFeasiblePlanError, PlannerError, PlanRequest, enumerate_candidates, search
 from services.planner.specs import PRESETS, parse_dtypes
 from services.planner.topology import GIB
 from services.planner.topology import PRESETS as TOPOLOGIES

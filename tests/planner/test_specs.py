@@ -7,15 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.specs import (
-    DTYPES,
-    PRESETS,
-    ModelSpec,
-    SpecError,
-    canonical_dtype,
-    load_model_spec,
-    parse_dtypes,
-)
+from services.planner.specs import DTYPES, PRESETS, ModelSpec, SpecError, canonical_dtype, load_model_spec, parse_dtypes
 
 
 def test_llama3_70b_parameters_are_computed_from_the_shape() -> None:

@@ -6,13 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.topology import (
-    GIB,
-    PRESETS,
-    Topology,
-    TopologyError,
-    load_topology,
-)
+from services.planner.topology import GIB, PRESETS, Topology, TopologyError, load_topology
 
 
 def test_a100_preset_is_the_seeds_node() -> None:

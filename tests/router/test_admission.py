@@ -8,12 +8,7 @@ import time
 import pytest
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.router.admission import (
-    AdmissionQueue,
-    QueueConfig,
-    RequestCancelled,
-    context_error,
-)
+from services.router.admission import AdmissionQueue, QueueConfig, RequestCancelled, context_error
 from services.router.replicas import GroupStatus, ReplicaGroupView
 from services.router.routing import Router
 from tests.router.test_routing import BPT, replica_set, view

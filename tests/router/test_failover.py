@@ -8,13 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.proto import (
-    common_pb2,
-    router_pb2,
-    router_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
+from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.router.processes import start_service, stop, wait_serving
 
 

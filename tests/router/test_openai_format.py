@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import (
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-)
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 from services.router import openai_format as oa
 from services.router.catalog import ModelCatalog, load_served_model
 from services.router.chat import ChatMessage, parse_messages

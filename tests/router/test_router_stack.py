@@ -18,13 +18,7 @@ import redis
 from tokenizers import Tokenizer
 
 from services.common.health import HealthStore, make_health_store, rank_fields
-from services.common.proto import (
-    common_pb2,
-    router_pb2,
-    router_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
+from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.router.processes import start_service, stop, wait_serving
 from tests.stack import free_port
 

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.replicas import (
-    GroupStatus,
-    ReplicaGroupView,
-    ReplicaSet,
-    WorkerStats,
-)
+from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet, WorkerStats
 from services.router.routing import Router, fits_group, kv_estimate, pick
 
 BPT = 2048  # KV bytes per token of the tiny model at TP2 (per rank)

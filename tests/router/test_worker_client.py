@@ -15,13 +15,7 @@ from services.common.errors import InvalidArgument
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.sampling import FinishReason, SamplingParams
 from services.router.admission import RequestCancelled
-from services.router.worker_client import (
-    UpstreamFinished,
-    UpstreamToken,
-    WorkerClient,
-    WorkerFailed,
-    WorkerRejected,
-)
+from services.router.worker_client import UpstreamFinished, UpstreamToken, WorkerClient, WorkerFailed, WorkerRejected
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]

@@ -9,22 +9,14 @@ from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.metrics.v1 import (
-    metrics_service_pb2,
-    metrics_service_pb2_grpc,
-)
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.collective_events import CollectiveEvent
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.federation import UpstreamMetricsCollector
-from services.telemetry.otel import (
-    Metrics,
-    MetricsOptions,
-    collective_metrics,
-    register_engine_gauges,
-)
+from services.telemetry.otel import Metrics, MetricsOptions, collective_metrics, register_engine_gauges
 from services.telemetry.pipeline import TelemetryPipeline
 from tests.stack import free_port
 from tests.telemetry.procs import wait_until

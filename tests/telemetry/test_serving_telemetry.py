@@ -16,10 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import (
-    trace_service_pb2,
-    trace_service_pb2_grpc,
-)
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.health import make_health_store
@@ -30,13 +27,7 @@ from services.telemetry.effects import registry_group_id
 from services.telemetry.tracing import outgoing_metadata
 from services.worker.engine.runner import IDLE_HEARTBEAT_S
 from services.worker.runtime import RankSpec
-from tests.telemetry.procs import (
-    query_counts,
-    scrape,
-    start_service,
-    telemetry_stub,
-    wait_until,
-)
+from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -9,20 +9,9 @@ import pytest
 
 from services.common.collective_events import CollectiveEvent
 from services.common.proto import telemetry_pb2
-from services.telemetry.client import (
-    BadSampleSpec,
-    ShipperConfig,
-    TelemetryShipper,
-    parse_sample_rates,
-)
+from services.telemetry.client import BadSampleSpec, ShipperConfig, TelemetryShipper, parse_sample_rates
 from tests.stack import free_port
-from tests.telemetry.procs import (
-    query_counts,
-    scrape,
-    start_service,
-    telemetry_stub,
-    wait_until,
-)
+from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
 
 
 def events(group: str, n: int, op: str = "all_reduce", *, timed_out: bool = False, gpu: str = "") -> list:

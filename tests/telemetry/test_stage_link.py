@@ -25,19 +25,8 @@ from services.common.healthcheck import check
 from services.common.proto import common_pb2, telemetry_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry import ShardRegistry
 from services.telemetry.effects import registry_group_id
-from tests.telemetry.procs import (
-    query_counts,
-    scrape,
-    start_service,
-    telemetry_stub,
-    wait_until,
-)
-from tests.telemetry.test_serving_telemetry import (
-    alerts_reader,
-    generate,
-    kill_stopped_children,
-    worker_flags,
-)
+from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
+from tests.telemetry.test_serving_telemetry import alerts_reader, generate, kill_stopped_children, worker_flags
 
 TIMEOUT_S = 1.0
 PROMPT = [3, 1, 4, 1, 5]

@@ -14,12 +14,7 @@ import grpc
 import pytest
 
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.worker.test_worker_service import (
-    sampling,
-    start_worker,
-    stop_worker,
-    wait_blocks_free,
-)
+from tests.worker.test_worker_service import sampling, start_worker, stop_worker, wait_blocks_free
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,7 @@ from .errors import (
     ManifestNotFound,
     ShardNotFound,
 )
-from .lifecycle import (
-    ALLOWED_TRANSITIONS,
-    DEAD,
-    GROUP_STATUSES,
-    PROVISIONING,
-    SHARD_STATUSES,
-)
+from .lifecycle import ALLOWED_TRANSITIONS, DEAD, GROUP_STATUSES, PROVISIONING, SHARD_STATUSES
 from .models import CheckpointManifestRow, GpuShardRow, ReplicaGroupRow
 from .records import CheckpointManifest, GpuShard, ReplicaGroup
 

@@ -7,8 +7,9 @@ writer both go through these loaders: one source of truth for the slicing rules.
 
 With ``p`` TP ranks and ``X`` the input rows:
 
-* ColumnParallelLinear   ``Y = X A``, ``A = [A_1 … A_p]`` split by output columns; rank i computes
-  ``Y_i = X A_i``. No communication.
+* Column-parallel        ``Y = X A``, ``A = [A_1 … A_p]`` split by output columns; rank i computes
+  ``Y_i = X A_i``. No communication. MergedColumnParallelLinear (gate/up) and QKVParallelLinear
+  (q/k/v, split by heads) fuse several such projections of one input into one matmul.
 * RowParallelLinear      ``Y = X A``, ``A = [A_1; …; A_p]`` split by input rows and ``X = [X_1 … X_p]``;
   rank i computes ``X_i A_i`` and an all-reduce sums the partials.
 * VocabParallelEmbedding rows ``[i·V/p, (i+1)·V/p)`` of the table on rank i; ids outside that range
@@ -69,27 +70,6 @@ class TPLayer(nn.Module):
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
         raise NotImplementedError
-
-
-class ColumnParallelLinear(TPLayer):
-    """``weight`` rows ``[tp_rank·out/p, (tp_rank+1)·out/p)``; output stays sharded."""
-
-    def __init__(self, in_features: int, out_features: int, coordinator: Coordinator, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        super().__init__(coordinator)
-        if out_features % self.tp_degree:
-            raise ValueError(f"tp_degree={self.tp_degree} does not divide out_features={out_features}")
-        self.in_features, self.out_features = in_features, out_features
-        self.out_local = out_features // self.tp_degree
-        self.weight = self._param(self.out_local, in_features, dtype=dtype, device=device)
-
-    def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
-        _expect_shape(source, (self.out_features, self.in_features), "column-parallel weight")
-        start = self.tp_rank * self.out_local
-        _copy(target, source[start:start + self.out_local], "column-parallel weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
 
 class MergedColumnParallelLinear(TPLayer):
@@ -162,9 +142,9 @@ class QKVParallelLinear(TPLayer):
         start = self.kv_head_start * d
         _copy(target[offset:offset + self.kv_size], source[start:start + self.kv_size], f"{shard_id}_proj")
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.weight)
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[tokens, q_size + 2·kv_size]``: this rank's q, k and v side by side."""
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(TPLayer):

@@ -6,12 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.modeling.config import (
-    ModelConfig,
-    ModelConfigError,
-    canonical_dtype,
-    torch_dtype,
-)
+from services.modeling.config import ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
 
 
 def layer_split(num_layers: int, pp_degree: int) -> list[range]:
@@ -89,10 +84,3 @@ class ParallelPlan:
     def kv_heads_per_rank(self) -> int:
         """KV heads a rank stores: kv/tp, or 1 (replicated) when TP exceeds the KV heads."""
         return max(1, self.config.num_key_value_heads // self.tp_degree)
-
-    def describe_split(self) -> str:
-        sizes = [len(r) for r in self.layer_ranges]
-        if len(set(sizes)) == 1:
-            return f"{self.pp_degree} stage(s) of {sizes[0]} layers"
-        heavy = [s for s, n in enumerate(sizes) if n == max(sizes)]
-        return f"uneven split {sizes}: stage(s) {heavy} got {max(sizes)} layers, the rest {min(sizes)}"

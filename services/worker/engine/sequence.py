@@ -13,12 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from services.common.sampling import (
-    FinishReason,
-    InvalidRequest,
-    SamplingParams,
-    is_integer,
-)
+from services.common.sampling import FinishReason, InvalidRequest, SamplingParams, is_integer
 
 
 class SequenceStatus(Enum):

@@ -8,12 +8,7 @@ from hypothesis import strategies as st
 
 from services.common.sampling import FinishReason, InvalidRequest, SamplingParams
 from services.worker.engine.block_manager import BlockAllocator
-from services.worker.engine.scheduler import (
-    Scheduler,
-    SchedulerConfig,
-    SchedulerError,
-    SchedulerOutput,
-)
+from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
 from services.worker.engine.sequence import Sequence, SequenceStatus
 
 EOS = 2
