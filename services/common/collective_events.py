@@ -1,4 +1,4 @@
-"""CollectiveEvent: one record per collective or point-to-point op (the seed's telemetry event).
+"""CollectiveEvent: one record per collective or point-to-point op (the coordinator's telemetry).
 
 The fields and their order match ``telemetry.proto``'s ``CollectiveEvent`` message; the worker's
 coordinator produces these and the telemetry service consumes them. Domain code never sees

@@ -36,7 +36,7 @@ from services.common.logging import configure_logging
 
 log = logging.getLogger(__name__)
 
-# The only place a domain exception becomes a gRPC status (shared/DESIGN.md §7).
+# The only place a domain exception becomes a gRPC status, so every service maps an error alike.
 STATUS_FOR_ERROR: dict[type[ShardlineError], grpc.StatusCode] = {
     cls: grpc.StatusCode[cls.grpc_status] for cls in ERROR_CLASSES}
 

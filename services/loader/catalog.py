@@ -13,7 +13,7 @@
 Hashing every byte is left to staging, which does it on the way onto a node anyway; registering
 a 140 GB checkpoint reads one small file plus a HEAD per object.
 
-The registry keeps the seed's columns (model name, dtype, shard URI prefix, total bytes, shard
+The registry keeps the original columns (model name, dtype, shard URI prefix, total bytes, shard
 count) plus the canonical manifest URI and degrees; a record is never patched, so registering the
 same URI again returns the record (``created=False``) if it still describes the same checkpoint,
 and refuses if the checkpoint at that URI has changed.

@@ -1,4 +1,4 @@
-"""A tiny random Llama in Hugging Face layout, for tests and demos (shared/DESIGN.md §3).
+"""A tiny random Llama in Hugging Face layout, for tests and demos.
 
 `write_tiny_model(TinyModelSpec(...), out_dir)` writes config.json, model.safetensors,
 generation_config.json, tokenizer.json and tokenizer_config.json. Weights come from a seeded

@@ -7,14 +7,14 @@
     replicas            = ⌈demand tokens/s / tokens/s per replica⌉
     nodes               = ⌈replicas / replicas_per_node⌉  (or replicas · nodes_per_replica)
 
-Seed example (Llama-3-70B, TP4/PP2, fp16, 20 GiB KV cap, 2,048 avg context, 40 tok/s/seq):
+Worked example (Llama-3-70B, TP4/PP2, fp16, 20 GiB KV cap, 2,048 avg context, 40 tok/s/seq):
 256 · 40 = 10,240 tok/s per replica; 400 req/s · 300 tokens = 120,000 tok/s → ⌈11.72⌉ = 12.
 
 By Little's law the same number is ⌈sequences in flight / c⌉ with sequences in flight =
 req_per_s · output_tokens / r, so sizing on tokens/s and sizing on KV occupancy agree.
 
 Autoscaling scales on KV-cache utilization: out above 80 %, in below 35 %. The floor is a third
-of the replicas the demand needs (off-peak traffic) and the ceiling twice (bursts), the seed's
+of the replicas the demand needs (off-peak traffic) and the ceiling twice (bursts), e.g.
 4 and 24 around 12; ``replicas_below_scale_out`` is how many keep utilization under 80 % at the
 stated demand, i.e. ⌈exact replicas / 0.80⌉.
 """
@@ -57,7 +57,7 @@ class Demand:
 
 @dataclass(frozen=True)
 class AutoscalingPolicy:
-    """The seed's autoscaling block: scale on KV-cache utilization between two thresholds."""
+    """shard-plan.yaml's autoscaling block: scale on KV-cache utilization between two thresholds."""
 
     min_replicas: int
     max_replicas: int

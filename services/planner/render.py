@@ -1,4 +1,4 @@
-"""Plan and capacity output: a table that explains itself, the seed's shard-plan.yaml, or JSON.
+"""Plan and capacity output: a table that explains itself, a shard-plan.yaml deploy config, or JSON.
 
 JSON (one object): ``model`` (with ``parameters`` and unsharded ``kv_bytes_per_token``),
 ``topology``, ``request``, ``objective``, ``chosen`` and ``candidates`` (every candidate, each with
@@ -194,7 +194,7 @@ def shard_plan_dict(
     *,
     manifest_uri: str | None = None,
 ) -> dict[str, Any]:
-    """The seed's shard-plan.yaml: ``replica_group`` and ``autoscaling``, plus ``predicted``."""
+    """A shard-plan.yaml deploy config: ``replica_group`` and ``autoscaling``, plus ``predicted``."""
     short = get_dtype(candidate.dtype).short_name
     spans_nodes = candidate.tp > topology.nvlink_domain_size or est.tp_link == "network"
     kv_cap_gb: float = workload.kv_cap_bytes / GIB
@@ -229,7 +229,7 @@ def shard_plan_dict(
 
 def shard_plan_yaml(request: PlanRequest, chosen: Assessment, *, manifest_uri: str | None = None,
                     min_replicas: int | None = None, max_replicas: int | None = None) -> str:
-    """The chosen plan as the seed's shard-plan.yaml. Without a demand to size for, autoscaling
+    """The chosen plan as a shard-plan.yaml deploy config. Without a demand to size for, autoscaling
     spans one replica up to a node's worth (as `shardline plan --format yaml` writes it)."""
     est = chosen.estimate
     assert est is not None, "a chosen plan has an estimate"

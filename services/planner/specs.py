@@ -239,7 +239,7 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("smollm2-135m", num_layers=30, hidden_size=576, num_attention_heads=9,
                   num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
                   tie_word_embeddings=True),
-        # The `shardline model tiny` default shape (DESIGN §3): TP 1/2/4 and PP 1/2/4 divide it.
+        # The `shardline model tiny` default shape: TP 1/2/4 and PP 1/2/4 divide it (tests run them all).
         ModelSpec("tiny", num_layers=4, hidden_size=256, num_attention_heads=8,
                   num_key_value_heads=4, intermediate_size=512, vocab_size=512),
     )

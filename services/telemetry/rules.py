@@ -1,10 +1,10 @@
-"""Alert rules: the seed's failure table, applied to collective telemetry.
+"""Alert rules: each collective failure mode, how it shows and what to do, from collective telemetry.
 
 - all-reduce timeout in a TP group (wait() exceeds the timeout): any event with ``timed_out``
   -> COLLECTIVE_TIMEOUT; every rank ``unhealthy`` in the health store, the group drained.
 - NVLink degrading to PCIe (p99 spike without a hang): a rank's all-reduce p99 above k x the
   group's baseline for N windows -> SLOW_RANK naming the rank; the group ``degraded``.
-- InfiniBand flap at a pipeline boundary (send/recv timeout; the seed: retry once, drain the
+- InfiniBand flap at a pipeline boundary (send/recv timeout; the recovery: retry once, drain the
   replica if it fails again). The coordinator owns the retry: a send/recv whose first wait runs
   out is waited on once more, and each wait is its own event. So a ``send``/``recv`` event with
   ``timed_out`` is a flap -> STAGE_LINK_FLAP naming the rank, the group ``degraded`` (it goes on

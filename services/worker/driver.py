@@ -2,7 +2,7 @@
 
 Start-up loads every rank (followers in spawned processes), builds the engine on the driver and
 runs its loop on a thread. While it serves, a heartbeat thread reports each rank and the KV
-utilization to the health store and the registry (shared/DESIGN.md §5). When a collective fails
+utilization to the health store and the registry (a silent rank's entry expires). When a collective fails
 the engine stops, the group is marked unhealthy in the health store and dead in the registry,
 and open streams end with UNAVAILABLE carrying the tokens already produced.
 """

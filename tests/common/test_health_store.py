@@ -178,7 +178,7 @@ def test_concurrent_heartbeats_from_many_threads(store: HealthStore) -> None:
     assert store.is_healthy("g1", expected=rank_fields(4, 4)) is True
 
 
-# ---- Redis specifics: the seed's raw layout ----------------------------------------------------
+# ---- Redis specifics: the original raw layout --------------------------------------------------
 
 
 def test_redis_keys_follow_the_seed_layout(redis_url: str) -> None:
@@ -194,7 +194,7 @@ def test_redis_keys_follow_the_seed_layout(redis_url: str) -> None:
         assert raw.zscore(f"{prefix}replica_kv_util", "replica-03") == 0.82
         store.mark_group("replica-03", "unhealthy")
         assert 29_000 < raw.pttl(key) <= 30_000  # HSET by mark_group kept the TTL
-        # a hash written by hand, seed style, is read too (it lives as long as its EXPIRE)
+        # a hash written by hand, PP=1 names, is read too (it lives as long as its EXPIRE)
         raw.hset(f"{prefix}shardhealth:replica-04", mapping={"tp_rank_0": "healthy", "tp_rank_1": "healthy"})
         raw.expire(f"{prefix}shardhealth:replica-04", 30)
         assert store.group_health("replica-04") == {"pp0_tp0": "healthy", "pp0_tp1": "healthy"}

@@ -1,4 +1,4 @@
-"""The protobuf contracts: generated code is current, the seed's CollectiveEvent is intact, and
+"""The protobuf contracts: generated code is current, CollectiveEvent keeps its 8 fields, and
 the conventions (a `///` comment on every field, prefixed enums, the streaming shapes) hold."""
 
 from __future__ import annotations

@@ -410,7 +410,7 @@ def test_database_rejects_bad_dtype_status_and_duplicate_rank(registry: ShardReg
         with pytest.raises(IntegrityError), registry.engine.begin() as conn:
             conn.execute(insert_group, {"id": uuid.uuid4(), "dtype": dtype, "status": status})
     good = uuid.uuid4()
-    with registry.engine.begin() as conn:  # the seed's own columns suffice: extensions default
+    with registry.engine.begin() as conn:  # the original columns suffice: extensions default
         conn.execute(insert_group, {"id": good, "dtype": "int8", "status": "healthy"})
     group = registry.get_group(good)
     assert (group.dtype, group.status, group.name) == ("int8", "healthy", None)

@@ -146,7 +146,7 @@ def test_time_model_at_batch_one() -> None:
 
 
 def test_money_follows_the_seeds_arithmetic() -> None:
-    # With the seed's 40 tok/s per sequence, TP8/PP1 fp16: 256 · 40 = 10,240 tok/s on 8 GPUs.
+    # At the 40 tok/s per sequence target, TP8/PP1 fp16: 256 · 40 = 10,240 tok/s on 8 GPUs.
     e = estimate(8, 1, seq_tokens_per_s=40.0)
     assert e.tokens_per_s_per_replica == 10_240
     assert e.gpu_hours_per_million_tokens == pytest.approx(8 * 1e6 / (10_240 * 3600))  # 0.217

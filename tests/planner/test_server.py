@@ -46,7 +46,7 @@ def stub(sqlite_url: str) -> Iterator[planner_pb2_grpc.PlannerServiceStub]:
 
 
 def llama70(**fields) -> planner_pb2.PlanInputs:
-    """The §6 request: Llama-3-70B on a100-80g-8x, fp16, 20 GiB KV cap, 2,048-token context."""
+    """The sizing example: Llama-3-70B on a100-80g-8x, fp16, 20 GiB KV cap, 2,048-token context."""
     base = dict(model_preset="llama3-70b", topology_preset="a100-80g-8x", dtypes=[FP16],
                 kv_cache_cap_bytes_per_gpu=20 * GIB, avg_context_tokens=2048)
     return planner_pb2.PlanInputs(**(base | fields))

@@ -26,7 +26,7 @@ def replica_set(*views: ReplicaGroupView) -> ReplicaSet:
 
 def test_estimate_is_prompt_plus_completion_times_bytes_per_token():
     assert kv_estimate(100, 28, 40_960) == 128 * 40_960
-    # the seed's 70B shape at TP4/PP2: 2,048 tokens cost 80 MiB per GPU
+    # Llama-3-70B fp16 at TP4/PP2: 2,048 tokens cost 80 MiB per GPU
     assert kv_estimate(1024, 1024, 40_960) == 83_886_080
 
 

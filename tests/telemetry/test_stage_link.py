@@ -1,7 +1,7 @@
-"""The seed's InfiniBand link flap at a pipeline stage boundary, on a real serving group.
+"""An InfiniBand link flap at a pipeline stage boundary, on a real serving group.
 
-"send/recv timeout at the PP stage boundary -> retry the send/recv once, drain and re-route the
-replica if it fails again." A TP1 x PP2 worker (ranks: the driver on stage 0, the sampling rank
+The recovery: send/recv timeout at the PP stage boundary -> retry once, drain and re-route the
+replica if it fails again. A TP1 x PP2 worker (ranks: the driver on stage 0, the sampling rank
 on stage 1) with a 1 s collective timeout, its telemetry and a registry; SHARDLINE_FAULTS makes
 stage 1 post one of its hidden-state receives late, so the driver's send waits on it:
 

@@ -1,18 +1,18 @@
-"""The shard-health store interface and the seed's key layout.
+"""The shard-health store interface and its key layout.
 
-Layout (the seed's, in Redis; the in-process store keeps the same semantics):
+Layout (in Redis; the in-process store keeps the same semantics):
 
 - hash ``shardhealth:<replica_group_id>``: one field per rank, named ``pp{s}_tp{r}``
   (``pp_stage`` s, ``tp_rank`` r; global rank = s * tp + r), value ``healthy`` / ``degraded`` /
   ``unhealthy`` / ``draining``. EXPIRE = the heartbeat TTL (30 s by default), refreshed by every
-  heartbeat. The seed's PP=1 spelling ``tp_rank_<r>`` is accepted and read as ``pp0_tp<r>``.
+  heartbeat. The original PP=1 spelling ``tp_rank_<r>`` is accepted and read as ``pp0_tp<r>``.
 - sorted set ``replica_kv_util``: member = replica_group_id, score = KV-cache utilization 0..1.
 
 Redis has one TTL per hash, not per field, so a rank that stops reporting while its peers
 keep beating would live on in the hash. Each rank's deadline is therefore also kept (Redis:
 sorted set ``shardhealth_seen:<group>``, same TTL) and readers drop ranks past their deadline:
 after the TTL passes without a heartbeat, the rank disappears, and with the last rank the
-group. A field with no recorded deadline (written by hand, seed style) lives as long as the
+group. A field with no recorded deadline (written by hand: HSET + EXPIRE) lives as long as the
 hash. ``shardhealth_groups`` (sorted set: group -> deadline) indexes live groups, so listing
 never scans the keyspace.
 
@@ -62,7 +62,7 @@ def rank_fields(tp_degree: int, pp_degree: int = 1) -> list[str]:
 
 
 def parse_rank_field(name: str) -> tuple[int, int]:
-    """``pp1_tp3`` -> (pp_stage=1, tp_rank=3); the seed's ``tp_rank_3`` -> (0, 3)."""
+    """``pp1_tp3`` -> (pp_stage=1, tp_rank=3); the original ``tp_rank_3`` -> (0, 3)."""
     if m := _CANONICAL.match(name):
         return int(m.group(1)), int(m.group(2))
     if m := _SEED_PP1.match(name):

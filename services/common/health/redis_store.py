@@ -1,4 +1,4 @@
-"""Redis health store (redis-py): the seed's keys, plus per-rank deadlines (see base.py).
+"""Redis health store (redis-py): the original keys, plus per-rank deadlines (see base.py).
 
 Keys (``key_prefix`` is prepended to each, to share one Redis between deployments or tests):
 ``shardhealth:<group>`` (hash), ``shardhealth_seen:<group>`` (zset rank -> deadline ms),

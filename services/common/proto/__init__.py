@@ -12,7 +12,7 @@ is also why the repository must never have a top-level package named ``shardline
 shadow this one (checked below, with a clear error).
 
 Only gRPC-facing code (``server.py`` files, clients, the CLI) imports this; domain modules
-never do (shared/STYLE.md).
+never do, so a wire-format change stays at the edges.
 """
 
 from __future__ import annotations

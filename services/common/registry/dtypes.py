@@ -2,7 +2,7 @@
 
 The project (CLI, planner, protos) names dtypes ``float32``, ``bfloat16``, ``float16``, ``int8``
 (weight-only) and ``fp8`` (e4m3 weights), accepting ``fp32``/``bf16``/``fp16`` as aliases. The
-registry keeps the seed's short names in its ``dtype`` columns, guarded by the CHECK
+registry keeps the original schema's short names in its ``dtype`` columns, guarded by the CHECK
 ``dtype IN ('fp16', 'bf16', 'fp32', 'int8', 'fp8')``.
 """
 

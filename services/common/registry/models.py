@@ -1,11 +1,11 @@
-"""SQLAlchemy 2 models of the seed's registry tables, extended (never renamed).
+"""SQLAlchemy 2 models of the original registry tables, extended (never renamed).
 
-Seed columns keep their names and meaning; the extensions are nullable or defaulted so a row
-written by the seed's DDL is still a valid row:
+Original columns keep their names and meaning; the extensions are nullable or defaulted so a row
+written by the original DDL is still a valid row:
 
 - ``replica_groups``: ``name`` (human label such as ``replica-03``), ``endpoint`` (the driver's
   gRPC address, how the router reaches the group), ``status_reason``, ``updated_at``.
-  ``kv_cache_cap_bytes`` is the per-GPU KV cache cap, as in the seed's planner.
+  ``kv_cache_cap_bytes`` is the KV cache cap per GPU, not per group (as the planner means it).
 - ``gpu_shards``: ``status`` (what the rank last reported, see ``SHARD_STATUSES``).
 - ``checkpoint_manifests``: ``manifest_uri`` (unique), ``tp_degree``, ``pp_degree``.
 

@@ -206,7 +206,7 @@ class ShardRegistry:
                        pp_stage: int, weight_bytes: int) -> GpuShard:
         """Place rank (pp_stage, tp_rank) of a group on ``gpu_id``.
 
-        A GPU serves one group at a time (gpu_id is the seed's primary key): a GPU still listed
+        A GPU serves one group at a time (gpu_id is gpu_shards' primary key): a GPU still listed
         under a live group is a DuplicateShard; one left under a dead group is taken over
         (its row moves to the new group, which is how dead groups' GPUs get re-provisioned).
         """

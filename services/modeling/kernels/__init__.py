@@ -2,7 +2,7 @@
 PyTorch references.
 
 A decode step on CPU is a few large matmuls and, per layer, ~35 small PyTorch ops (RMSNorm alone
-is eight); at batch 1 their dispatch costs a third of the step. vLLM's CPU backend answers with
+is eight); at batch 1 their dispatch is a large share of the step. vLLM's CPU backend answers with
 C++ kernels; so do we, for the five pieces of a Llama layer that are not matmuls or attention:
 
 - ``rms_norm(x, w, eps)`` and ``add_rms_norm_(x, residual, w, eps)``: in place, residual becomes

@@ -6,7 +6,7 @@ dead peer never returns; gloo fails fast on a closed connection but only times o
 one). Every op records a :class:`CollectiveEvent`. After the first failure the coordinator refuses
 every later call: a group that timed out is poisoned and must be torn down, never reused.
 
-Stage-boundary send/recv get one retry (the seed's InfiniBand link flap: retry once, drain the
+Stage-boundary send/recv get one retry (the recovery for an InfiniBand link flap: retry once, drain the
 replica if it fails again): when the first timeout runs out, the op is waited on for one more
 timeout period before the group is failed. A gloo work cannot be waited on again once its
 ``wait(timeout)`` gave up (gloo closes the pair: "Application timeout caused pair closure"), so

@@ -1,7 +1,7 @@
 """Process groups of one replica group: the TP group of each stage, the PP group of each TP rank,
 and a gloo control group for small control messages.
 
-Global rank layout (DESIGN §2): ``global_rank = pp_stage * tp + tp_rank``. Every rank must create
+Global rank layout: ``global_rank = pp_stage * tp + tp_rank``. Every rank must create
 every group in the same order (torch.distributed requirement), so all groups are built here.
 """
 

@@ -6,7 +6,7 @@ A rank stores keys and values only for its own layers (its pipeline stage) and i
     kv_bytes_per_token_per_rank = 2 (K and V) · layers_on_stage · kv_heads_per_rank · head_dim · dtype_bytes
 
 where ``kv_heads_per_rank = kv_heads / tp`` (1 when TP exceeds the KV heads, which are then
-replicated). Example (shared/DESIGN.md §6): Llama-3-70B at TP4/PP2 in fp16 stores
+replicated). Example: Llama-3-70B (80 layers, 8 KV heads) at TP4/PP2 in fp16 stores
 2·40·2·128·2 = 40,960 B per token per rank, and a 20 GiB budget holds 524,288 tokens.
 
 Every rank of a group must hold the *same* number of blocks: the driver's one block allocator

@@ -34,7 +34,7 @@ TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=5, n
 
 
 def test_design_numbers_for_llama3_70b() -> None:
-    """shared/DESIGN.md §6: 327,680 B/token unsharded fp16; 40,960 at TP4/PP2; 20 GiB holds
+    """Llama-3-70B: 327,680 B/token unsharded fp16 (2·80·8·128·2); 40,960 at TP4/PP2; 20 GiB holds
     524,288 tokens per GPU shard."""
     assert kv_bytes_per_token_per_rank(ParallelPlan(LLAMA3_70B, 1, 1, "float16"), 0) == 327_680
     plan = ParallelPlan(LLAMA3_70B, tp_degree=4, pp_degree=2, dtype="float16")

@@ -1,4 +1,4 @@
-"""The seed's registry tables (replica_groups, gpu_shards, checkpoint_manifests) with extensions.
+"""The original registry tables (replica_groups, gpu_shards, checkpoint_manifests) with extensions.
 
 Constraint names are wrapped in ``op.f()`` (final names: the models' naming convention is not
 applied again). Self-contained on purpose: it spells the schema out instead of importing the models, so later
