@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from services.cli.score import exit_code_for, parse_ids
+from services.cli.score import exit_code_for, parse_ids, print_result
 from services.common.sampling import SamplingParams
 from services.worker.engine.bootstrap import encode_prompt, generate_rank
 from services.worker.launch import run_replica_group
@@ -42,8 +41,4 @@ def run(args: argparse.Namespace) -> int:
                                          failure_grace_s=args.collective_timeout + 3.0)
     if failed:
         return failed.code
-    if args.json:
-        print(json.dumps(completion.to_dict()))
-    else:
-        print(completion.text)
-    return 0
+    return print_result(completion, as_json=args.json, text=completion.text)

@@ -58,6 +58,12 @@ def exit_code_for(command: str) -> Iterator[Failure]:
         failure.code = 1
 
 
+def print_result(result, *, as_json: bool, text: str) -> int:
+    """One JSON object (``result.to_dict()``) with --json, else ``text``; exit code 0."""
+    print(json.dumps(result.to_dict()) if as_json else text)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     with exit_code_for("score") as failed:
         spec = rank_spec(args)
@@ -79,8 +85,5 @@ def run(args: argparse.Namespace) -> int:
                                    failure_grace_s=args.collective_timeout + 3.0)
     if failed:
         return failed.code
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        print(f"tokens {result.n_tokens}  nll {result.nll:.4f}  perplexity {result.perplexity:.3f}")
-    return 0
+    return print_result(result, as_json=args.json,
+                        text=f"tokens {result.n_tokens}  nll {result.nll:.4f}  perplexity {result.perplexity:.3f}")

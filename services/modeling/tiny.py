@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.common.dtypes import DENSE_DTYPES, lookup_dtype
-from services.modeling.config import TORCH_DTYPES
+from services.modeling.config import TORCH_DTYPES, canonical_dtype
 from services.modeling.hf_tokenizer import (
     MIN_BYTE_LEVEL_VOCAB,
     TINY_CHAT_TEMPLATE,
@@ -35,18 +34,6 @@ NORM_NOISE = 0.05
 
 class TinyModelSpecError(ValueError):
     """A tiny-model shape that cannot make a valid Llama."""
-
-
-class ModelDtypeError(ValueError):
-    """A storage dtype the model writers do not produce."""
-
-
-def canonical_dtype(name: str) -> str:
-    """`float32`/`bfloat16`/`float16` from a name or its alias (`fp32`, `bf16`, `fp16`)."""
-    key = lookup_dtype(name, DENSE_DTYPES)
-    if key is None:
-        raise ModelDtypeError(f"dtype must be one of {sorted(DENSE_DTYPES)} or an alias, got {name!r}")
-    return key
 
 
 @dataclass(frozen=True)

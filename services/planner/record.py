@@ -11,10 +11,10 @@ import threading
 import uuid
 
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
 
-from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
-from services.common.registry import Conflict, InvalidValue, ReplicaGroup, ShardRegistry, registry_url
+from services.common.errors import AlreadyExists, InvalidArgument
+from services.common.registry import Conflict, ReplicaGroup, ShardRegistry, registry_url
+from services.common.registry.errors import as_client_errors
 from services.planner.cost_model import Candidate, check_layout
 from services.planner.specs import PRESETS
 from services.planner.topology import GIB
@@ -45,10 +45,8 @@ class PlanRecorder:
     def _open(self) -> ShardRegistry:
         with self._lock:
             if self._registry is None:
-                try:
+                with as_client_errors(f"shard registry at {self.shown_url}"):
                     self._registry = ShardRegistry(self.url, migrate_schema=True)
-                except OperationalError as exc:
-                    raise Unavailable(f"shard registry at {self.shown_url} is unreachable: {exc.orig}") from exc
             return self._registry
 
     def record(self, model_name: str, candidate: Candidate, *, kv_cache_cap_bytes: int = 0,
@@ -72,16 +70,10 @@ class PlanRecorder:
             except ValueError:
                 raise InvalidArgument(f"replica_group_id must be a UUID, got {replica_group_id!r}") from None
         registry = self._open()
-        try:
+        with as_client_errors(f"shard registry at {self.shown_url}", translate={Conflict: ReplicaGroupExists}):
             return registry.create_replica_group(
                 model_name, candidate.tp, candidate.pp, candidate.dtype,
                 kv_cache_cap_bytes or DEFAULT_KV_CACHE_CAP_BYTES, name or None, replica_group_id=group_id)
-        except Conflict as exc:
-            raise ReplicaGroupExists(str(exc)) from exc
-        except InvalidValue as exc:
-            raise InvalidArgument(str(exc)) from exc
-        except OperationalError as exc:
-            raise Unavailable(f"shard registry at {self.shown_url} is unreachable: {exc.orig}") from exc
 
     def close(self) -> None:
         with self._lock:

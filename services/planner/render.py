@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from typing import Any
 
 import yaml
@@ -109,12 +110,7 @@ def assessment_dict(a: Assessment) -> dict[str, Any]:
 
 
 def workload_dict(w: Workload) -> dict[str, Any]:
-    return {
-        "kv_cap_bytes": w.kv_cap_bytes,
-        "avg_context": w.avg_context,
-        "concurrency": w.concurrency,
-        "seq_tokens_per_s": w.seq_tokens_per_s,
-    }
+    return asdict(w)
 
 
 def request_dict(r: PlanRequest) -> dict[str, Any]:
@@ -171,13 +167,7 @@ def capacity_dict(cap: CapacityPlan, model: ModelSpec, topology: Topology, workl
 
 
 def autoscaling_dict(policy: AutoscalingPolicy) -> dict[str, Any]:
-    return {
-        "min_replicas": policy.min_replicas,
-        "max_replicas": policy.max_replicas,
-        "scale_on": policy.scale_on,
-        "scale_out_threshold": policy.scale_out_threshold,
-        "scale_in_threshold": policy.scale_in_threshold,
-    }
+    return asdict(policy)
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,11 +31,9 @@ DEFAULT_MAX_WAIT_S = 30.0
 _WAKE_S = 0.1  # waiters also wake on this period, so a cancel is seen without a notify
 
 
-class RequestCancelled(ShardlineError):
+# HTTP 499 is nginx's "client closed request": nobody is left to read the answer
+class RequestCancelled(ShardlineError, http_status=499, openai_type="request_cancelled"):
     """The client went away (cancelled or disconnected) before the request finished."""
-
-    http_status = 499  # nginx's "client closed request": nobody is left to read it
-    openai_type = "request_cancelled"
 
 
 @dataclass(frozen=True)

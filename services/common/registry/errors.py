@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+from sqlalchemy.exc import OperationalError
+
+from services.common import errors as client
 
 
 class RegistryError(Exception):
@@ -63,3 +68,23 @@ class IllegalTransition(RegistryError):
             f"illegal replica group transition {from_status} -> {to_status} for {replica_group_id}: "
             f"from {from_status} the allowed targets are {targets}"
         )
+
+
+@contextmanager
+def as_client_errors(where: str = "shard registry",
+                     translate: Mapping[type[RegistryError], type[client.ShardlineError]] | None = None,
+                     ) -> Iterator[None]:
+    """Registry errors inside the block as the errors a client is shown: a database that cannot
+    be reached is Unavailable (naming ``where``), a bad value InvalidArgument, and each class in
+    ``translate`` (checked in order) the client error it maps to; anything else passes."""
+    try:
+        yield
+    except OperationalError as exc:
+        raise client.Unavailable(f"{where} is unreachable: {exc.orig}") from exc
+    except RegistryError as exc:
+        for source, target in (translate or {}).items():
+            if isinstance(exc, source):
+                raise target(str(exc)) from exc
+        if isinstance(exc, InvalidValue):
+            raise client.InvalidArgument(str(exc)) from exc
+        raise
