@@ -370,13 +370,16 @@ class LLMEngine:
             handle.events.put(TokenEvent(tok.token_id, text, tok.logprob, tok.top_logprobs))
             if seq_id in finished:
                 seq = finished[seq_id]
-                self._remove(seq_id)
+                with self._lock:
+                    self._requests.pop(seq_id, None)
                 handle.events.put(FinishEvent(
                     seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
                     handle.detok.text if handle.detok else "",
                     handle.first_token_ns - handle.submitted_ns, now_ns - handle.submitted_ns))
-        for listener in tuple(self.step_listeners):
+        for listener in tuple(self.step_listeners):  # the step first, then the requests it ended
             listener.on_step_done(plan, result)
+            for seq_id in finished:
+                listener.on_request_done(seq_id)
         self._outputs_done()
 
     def _outputs_done(self) -> None:
