@@ -8,13 +8,18 @@ whose ``__post_init__`` is the only place the rules live.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from enum import Enum
 
 from services.common.errors import InvalidArgument
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (vLLM's default cap)
-MAX_SEED = 2**64 - 1  # the proto's uint64
+# What the proto's fields can carry: a value is valid only if its wire type holds it, so a
+# request the router accepts reaches the worker unchanged.
+MAX_SEED = 2**64 - 1  # uint64 seed
+MAX_UINT32 = 2**32 - 1  # top_k, stop_token_ids, token ids
+MAX_INT32 = 2**31 - 1  # max_tokens
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, as common.proto documents
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
@@ -41,6 +46,14 @@ class FinishReason(Enum):
 
 
 _OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop"}
+
+
+def as_float32(value: float) -> float:
+    """``value`` as the proto's 32-bit float field carries it (inf past float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # finite but beyond float32: the wire would carry an infinity
+        return math.copysign(math.inf, value)
 
 
 def is_integer(value: object) -> bool:
@@ -75,21 +88,31 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {t!r}")
+        if not math.isfinite(as_float32(t)):
+            raise InvalidRequest(f"temperature must fit a 32-bit float (at most ~3.4e38), got {t!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, int | float) or not (0 < p <= 1):
             raise InvalidRequest(f"top_p must be in (0, 1], got {p!r}")
+        if as_float32(p) == 0:
+            raise InvalidRequest(f"top_p must be in (0, 1] as a 32-bit float (at least ~1.4e-45), got {p!r}")
         if not is_integer(self.top_k) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.top_k > MAX_UINT32:
+            raise InvalidRequest(f"top_k must be at most 2**32 - 1, got {self.top_k}")
         if self.seed is not None and (not is_integer(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidRequest(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
         if not is_integer(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens > MAX_INT32:
+            raise InvalidRequest(f"max_tokens must be at most 2**31 - 1, got {self.max_tokens}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequest(f"stop strings must be non-empty strings, got {s!r}")
         for tok in self.stop_token_ids:
             if not is_integer(tok) or tok < 0:
                 raise InvalidRequest(f"stop_token_ids must be integers >= 0, got {tok!r}")
+            if tok > MAX_UINT32:
+                raise InvalidRequest(f"stop_token_ids must be at most 2**32 - 1, got {tok}")
         if not is_integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):

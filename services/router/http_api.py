@@ -57,8 +57,14 @@ class CancellingStreamingResponse(StreamingResponse):
             self._generation.close()
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+# Characters that some clients take for line breaks (Python's str.splitlines, httpx's iter_lines)
+# though SSE does not: escaped inside the JSON strings, so an event is always one line.
+_LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).translate(_LINE_SEPARATORS)
+    return f"data: {data}\n\n"
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -207,36 +213,36 @@ async def _completion_stream(generation: Generation, head: oa.ResponseHeader,
     try:
         async for event in generation:
             if isinstance(event, Finished):
-                yield _sse(oa.completion_chunk(head, "", finish_reason=event.reason.openai))
+                yield sse_event(oa.completion_chunk(head, "", finish_reason=event.reason.openai))
                 if parsed.include_usage:
-                    yield _sse(oa.usage_chunk(head, "text_completion", event))
+                    yield sse_event(oa.usage_chunk(head, "text_completion", event))
                 break
             if not event.text and not parsed.want_logprobs:
                 continue  # inside a multi-byte character: its text comes with a later token
             logprobs = oa.completion_logprobs([event], offset) if parsed.want_logprobs else None
             offset += len(event.text)
-            yield _sse(oa.completion_chunk(head, event.text, logprobs=logprobs))
+            yield sse_event(oa.completion_chunk(head, event.text, logprobs=logprobs))
     except ShardlineError as exc:
-        yield _sse(oa.error_body(exc)[1])
+        yield sse_event(oa.error_body(exc)[1])
     yield "data: [DONE]\n\n"
 
 
 async def _chat_stream(generation: Generation, head: oa.ResponseHeader,
                        parsed: oa.ParsedRequest) -> AsyncIterator[str]:
-    yield _sse(oa.chat_chunk(head, {"role": "assistant", "content": ""}))
+    yield sse_event(oa.chat_chunk(head, {"role": "assistant", "content": ""}))
     try:
         async for event in generation:
             if isinstance(event, Finished):
-                yield _sse(oa.chat_chunk(head, {}, finish_reason=event.reason.openai))
+                yield sse_event(oa.chat_chunk(head, {}, finish_reason=event.reason.openai))
                 if parsed.include_usage:
-                    yield _sse(oa.usage_chunk(head, "chat.completion.chunk", event))
+                    yield sse_event(oa.usage_chunk(head, "chat.completion.chunk", event))
                 break
             if not event.text and not parsed.want_logprobs:
                 continue
             logprobs = oa.chat_logprobs([event]) if parsed.want_logprobs else None
-            yield _sse(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs))
+            yield sse_event(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs))
     except ShardlineError as exc:
-        yield _sse(oa.error_body(exc)[1])
+        yield sse_event(oa.error_body(exc)[1])
     yield "data: [DONE]\n\n"
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 from services.router import openai_format as oa
 from services.router.catalog import ModelCatalog, load_served_model
 from services.router.chat import ChatMessage, parse_messages
+from services.router.http_api import sse_event
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? ünïcödé"},
             {"role": "assistant", "content": "4"}, {"role": "user", "content": [{"type": "text", "text": "And 3+3?"}]}]
@@ -103,3 +106,9 @@ def test_messages_are_validated():
     with pytest.raises(InvalidArgument, match=r"messages\[0\].role must be one of"):
         parse_messages([{"role": "robot", "content": "x"}])
     assert parse_messages([{"role": "user", "content": None}]) == [ChatMessage("user", "")]
+
+
+def test_sse_events_escape_the_characters_clients_split_lines_on() -> None:
+    event = sse_event({"text": "a\u2028b\u2029c\x85d"})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event.removeprefix("data: "))["text"] == "a\u2028b\u2029c\x85d"
