@@ -87,7 +87,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServiceServicer):
 
     def Stage(self, request: loader_pb2.StageRequest, context: grpc.ServicerContext) -> loader_pb2.StageResponse:
         uri, store = canonical_manifest_uri(request.manifest_uri, endpoint_url=self.endpoint_url)
-        result = stage(uri, request.tp_rank, request.pp_stage, self.cache_dir, store=store)
+        result = stage(uri, request.tp_rank, request.pp_stage, cache_dir=self.cache_dir, store=store)
         return loader_pb2.StageResponse(
             local_path=str(result.local_path.resolve()), sha256=result.sha256, bytes=result.bytes,
             cache_hit=result.cache_hit, attempts=result.attempts, download_ns=result.download_ns,

@@ -114,7 +114,7 @@ def model_files_dir(cache_dir: str | Path, manifest: Manifest) -> Path:
     return Path(cache_dir) / f"files-{hashlib.sha256(listing.encode()).hexdigest()[:32]}"
 
 
-def stage_model_files(manifest_uri: str | Path, cache_dir: str | Path | None = None, *,
+def stage_model_files(manifest_uri: str | Path, *, cache_dir: str | Path | None = None,
                       attempts: int = DEFAULT_ATTEMPTS, endpoint_url: str | None = None,
                       store: ObjectStore | None = None) -> Path | None:
     """A local directory holding the checkpoint's model files (config.json, tokenizer.json,
@@ -152,7 +152,7 @@ def stage_model_files(manifest_uri: str | Path, cache_dir: str | Path | None = N
     return target
 
 
-def stage(manifest_uri: str | Path, tp_rank: int, pp_stage: int, cache_dir: str | Path | None = None, *,
+def stage(manifest_uri: str | Path, tp_rank: int, pp_stage: int, *, cache_dir: str | Path | None = None,
           attempts: int = DEFAULT_ATTEMPTS, endpoint_url: str | None = None,
           store: ObjectStore | None = None) -> StageResult:
     """Download rank (tp_rank, pp_stage)'s shard of the checkpoint at ``manifest_uri`` into

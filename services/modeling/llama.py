@@ -134,7 +134,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
         self.ops: LayerOps = ops_for(device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling, device=device)
+                                      scaling=cfg.rope_scaling, device=device)
 
     def forward(self, positions: torch.Tensor, meta: AttentionMetadata, *,
                 input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,7 +42,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(nn.Module):
     """Precomputed float32 cos/sin tables indexed by absolute position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
+    def __init__(self, head_dim: int, max_positions: int, theta: float, *,
                  scaling: dict[str, Any] | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)

@@ -157,13 +157,13 @@ class WeightStream:
             dist.all_reduce(self.vector)
 
 
-def gemv_bandwidth(device: Any, sync: Callable[[], None], total_bytes: int, seconds: float = 0.6) -> float:
+def gemv_bandwidth(device: Any, sync: Callable[[], None], total_bytes: int, *, seconds: float = 0.6) -> float:
     """Bytes/s of one rank streaming ``total_bytes`` of weights (see :class:`WeightStream`)."""
     stream = WeightStream(device, total_bytes)
     return stream.nbytes / median_for(stream.free_pass, seconds, sync)
 
 
-def together(device: Any, sync: Callable[[], None], total_bytes: int, rounds: int = 3) -> dict[str, float]:
+def together(device: Any, sync: Callable[[], None], total_bytes: int, *, rounds: int = 3) -> dict[str, float]:
     """Every rank of the world streams its share of ``total_bytes`` at once, alternately free
     running and in lock step (a decode all-reduce after every matrix); medians over ``rounds``.
 

@@ -266,7 +266,7 @@ class CostModel:
 
     # ---- time ----------------------------------------------------------------------------
 
-    def _stage_times(self, candidate: Candidate, shapes: tuple[StageShape, ...], batch: int,
+    def _stage_times(self, candidate: Candidate, shapes: tuple[StageShape, ...], batch: int, *,
                      micro_batches: int = 1) -> list[float]:
         """t_s(b) + send_s(b) for every stage (the send is to the next stage; none after the last)."""
         m, topo, d = self.model, self.topology, get_dtype(candidate.dtype)
@@ -309,7 +309,7 @@ class CostModel:
             raise WorkloadError(f"concurrency must be ≥ 1, got {concurrency}")
         shapes = shapes or self.stage_shapes(candidate)
         micro = min(concurrency, candidate.pp)
-        times = self._stage_times(candidate, shapes, ceil_div(concurrency, micro), micro)
+        times = self._stage_times(candidate, shapes, ceil_div(concurrency, micro), micro_batches=micro)
         return sum(times) + (micro - 1) * max(times)
 
     # ---- everything ----------------------------------------------------------------------

@@ -73,7 +73,7 @@ class PlanRecorder:
         with as_client_errors(f"shard registry at {self.shown_url}", translate={Conflict: ReplicaGroupExists}):
             return registry.create_replica_group(
                 model_name, candidate.tp, candidate.pp, candidate.dtype,
-                kv_cache_cap_bytes or DEFAULT_KV_CACHE_CAP_BYTES, name or None, replica_group_id=group_id)
+                kv_cache_cap_bytes or DEFAULT_KV_CACHE_CAP_BYTES, name=name or None, replica_group_id=group_id)
 
     def close(self) -> None:
         with self._lock:

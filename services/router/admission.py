@@ -123,7 +123,7 @@ class AdmissionQueue:
             check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
             waiting = len(self._waiting.get(model, ()))
             if not waiting:
-                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id)
+                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
                 if reservation is not None:
                     return reservation
             if waiting >= self.config.max_size:
@@ -141,7 +141,7 @@ class AdmissionQueue:
             check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
             queue = self._waiting[model]
             if not queue:
-                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id)
+                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
                 if reservation is not None:
                     return reservation
             if len(queue) >= self.config.max_size:
@@ -155,7 +155,7 @@ class AdmissionQueue:
                         raise RequestCancelled(f"request {request_id} cancelled while queued")
                     if queue[0] is ticket:
                         check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
-                        reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id)
+                        reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
                         if reservation is not None:
                             return reservation
                     remaining = deadline - self.clock()

@@ -51,7 +51,7 @@ class RouterProcess:
 
     def _open_upstream(self, address: str, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        trace_context: tuple[tuple[str, str], ...]) -> UpstreamStream:
-        return self.clients[address].generate(request_id, prompt_ids, sampling, trace_context)
+        return self.clients[address].generate(request_id, prompt_ids, sampling, trace_context=trace_context)
 
     def add_worker(self, address: str) -> None:
         """Route to the group at ``address`` from now on (polled first, so it is known at once).

@@ -87,7 +87,7 @@ class Router:
         self.replicas = replicas
         self._ids = itertools.count(1)
 
-    def try_reserve_locked(self, model: str, prompt_tokens: int, max_tokens: int,
+    def try_reserve_locked(self, model: str, prompt_tokens: int, max_tokens: int, *,
                            request_id: str = "") -> Reservation | None:
         view = pick(self.replicas.for_model(model), prompt_tokens, max_tokens)
         if view is None:
@@ -97,10 +97,10 @@ class Router:
         view.add_reservation(reservation)
         return reservation
 
-    def try_reserve(self, model: str, prompt_tokens: int, max_tokens: int,
+    def try_reserve(self, model: str, prompt_tokens: int, max_tokens: int, *,
                     request_id: str = "") -> Reservation | None:
         with self.replicas.lock:
-            return self.try_reserve_locked(model, prompt_tokens, max_tokens, request_id)
+            return self.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
 
     def release(self, reservation: Reservation | None) -> None:
         """Give the reservation back (no-op if already released) and wake queued requests."""

@@ -66,7 +66,7 @@ class UpstreamFinished:
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def error_for_status(code: grpc.StatusCode, details: str, address: str,
+def error_for_status(code: grpc.StatusCode, details: str, address: str, *,
                      generated: list[int] | None = None) -> ShardlineError:
     """A worker's failure status as the domain error the router's client should see;
     ``generated``: the ids a group that failed mid-generation had produced (None: not sent)."""
@@ -167,7 +167,7 @@ class WorkerRelay:
     def live(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *,
                trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
         relay_id = next(self._ids)
         stream = self._streams[relay_id] = UpstreamStream(self, relay_id)
@@ -217,7 +217,7 @@ class WorkerRelay:
                         error = event.error
                         stream._deliver(error_for_status(
                             STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN), error.message, address,
-                            list(error.generated.ids) if error.HasField("generated") else None))
+                            generated=list(error.generated.ids) if error.HasField("generated") else None))
             failure = WorkerFailed(f"worker {address} ended the relay stream", [])
         except grpc.RpcError as exc:
             # the stream broke (worker gone, connection lost): a failure of the worker's, even a
@@ -272,7 +272,7 @@ class WorkerClient:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *,
                  trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
         """Start a request on the worker's Relay stream (on the router's event loop, which the
         stream then belongs to; opened on first use and again after it broke);
@@ -283,7 +283,7 @@ class WorkerClient:
                 self._aio_channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
                 self._aio_stub = worker_pb2_grpc.WorkerServiceStub(self._aio_channel)
             relay = self._relay = WorkerRelay(self._aio_stub, self.address)
-        return relay.submit(request_id, prompt_ids, sampling, trace_context)
+        return relay.submit(request_id, prompt_ids, sampling, trace_context=trace_context)
 
     async def aclose(self) -> None:
         """Close the relay stream and the event loop's channel (on that loop)."""

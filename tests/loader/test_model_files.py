@@ -95,14 +95,14 @@ class CountingStore(LocalStore):
 def test_stage_model_files_into_a_cache_then_hit(with_tokenizer: Path, tmp_path: Path) -> None:
     store = CountingStore(with_tokenizer, bad=2)
     cache = tmp_path / "cache"
-    target = stage_model_files(with_tokenizer, cache, store=store)
+    target = stage_model_files(with_tokenizer, cache_dir=cache, store=store)
     manifest = Manifest.load(with_tokenizer / "manifest.json")
     assert target == model_files_dir(cache, manifest)
     assert sorted(p.name for p in target.iterdir()) == sorted(TOKENIZER_FILES)  # no partial left behind
     assert store.opened.count("tokenizer.json") == 3  # two damaged downloads retried
     assert Tokenizer.from_file(str(target / "tokenizer.json")).encode(TEXT).ids
     store.opened.clear()
-    assert stage_model_files(with_tokenizer, cache, store=store) == target
+    assert stage_model_files(with_tokenizer, cache_dir=cache, store=store) == target
     assert store.opened == ["manifest.json"]  # all four were cache hits, re-hashed, not downloaded
 
 
@@ -111,7 +111,7 @@ def test_stage_model_files_from_s3(tiny_model_dir: Path, s3_bucket: str, tmp_pat
     assert cli_main(["shard", "--model", str(tiny_model_dir), "--tp", "1", "--pp", "2", "--out", prefix,
                      "--no-progress"]) == 0
     assert set(TOKENIZER_FILES) <= set(open_store(prefix).list())
-    target = stage_model_files(f"{prefix}/manifest.json", tmp_path / "cache")
+    target = stage_model_files(f"{prefix}/manifest.json", cache_dir=tmp_path / "cache")
     assert target is not None and target.is_relative_to(tmp_path / "cache")
     for name in TOKENIZER_FILES:
         assert (target / name).read_bytes() == (tiny_model_dir / name).read_bytes()
@@ -121,7 +121,7 @@ def test_manifests_without_model_files_still_read_and_verify(with_tokenizer: Pat
     ckpt = copy_checkpoint(with_tokenizer, tmp_path / "ckpt")
     edit_manifest(ckpt, lambda raw: raw.pop("model_files"))
     assert verify_checkpoint(ckpt).model_files == ()
-    assert stage_model_files(ckpt, tmp_path / "cache") is None
+    assert stage_model_files(ckpt, cache_dir=tmp_path / "cache") is None
     assert "model_files" not in Manifest.load(ckpt / "manifest.json").to_dict()
 
 

@@ -32,9 +32,9 @@ def test_shard_to_s3_stage_load_and_score(tiny_dir: Path, s3_bucket: str, tmp_pa
     assert "verified 4 shard(s)" in capsys.readouterr().out
 
     cache = tmp_path / "cache"
-    staged = stage(f"{prefix}/manifest.json", 1, 1, cache)
+    staged = stage(f"{prefix}/manifest.json", 1, 1, cache_dir=cache)
     assert (staged.cache_hit, staged.attempts) == (False, 1)
-    assert stage(f"{prefix}/manifest.json", 1, 1, cache).cache_hit
+    assert stage(f"{prefix}/manifest.json", 1, 1, cache_dir=cache).cache_hit
 
     plan = plan_for_checkpoint(f"{prefix}/manifest.json", tp_degree=2, pp_degree=2)
     for rank in range(plan.world_size):
@@ -60,5 +60,5 @@ def test_corrupt_object_in_s3_fails_after_three_downloads(tiny_dir: Path, sharde
     store.put_bytes("model-tp02-pp00.safetensors", bytes(damaged))
     with pytest.raises(ShardChecksumError, match="s3://.*/ckpt/model-tp02-pp00.safetensors: still wrong "
                                                  "after 3 download attempt"):
-        stage(f"s3://{s3_bucket}/ckpt/manifest.json", 2, 0, tmp_path / "cache")
-    assert stage(f"s3://{s3_bucket}/ckpt", 1, 0, tmp_path / "cache").attempts == 1
+        stage(f"s3://{s3_bucket}/ckpt/manifest.json", 2, 0, cache_dir=tmp_path / "cache")
+    assert stage(f"s3://{s3_bucket}/ckpt", 1, 0, cache_dir=tmp_path / "cache").attempts == 1

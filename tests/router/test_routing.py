@@ -77,20 +77,20 @@ def test_fits_group_checks_the_whole_budget_and_the_context():
 def test_reservations_count_until_released_and_steer_the_next_pick():
     a, b = view("a"), view("b")
     router = Router(replica_set(a, b))
-    first = router.try_reserve("m", 100, 200, "r1")
+    first = router.try_reserve("m", 100, 200, request_id="r1")
     assert first.group is a and first.kv_bytes == 300 * BPT
     assert (a.kv_bytes_reserved, a.committed_bytes, a.headroom_bytes) == (300 * BPT, 300 * BPT, 340 * BPT)
     assert a.utilization == pytest.approx(300 / 640)
-    second = router.try_reserve("m", 10, 10, "r2")
+    second = router.try_reserve("m", 10, 10, request_id="r2")
     assert second.group is b  # a is now the busier one
-    third = router.try_reserve("m", 300, 300, "r3")
+    third = router.try_reserve("m", 300, 300, request_id="r3")
     assert third.group is b  # a has 340 tokens free, b 620
-    assert router.try_reserve("m", 200, 200, "r4") is None  # a: 340 tokens free, b: 640 - 620 = 20
+    assert router.try_reserve("m", 200, 200, request_id="r4") is None  # a: 340 tokens free, b: 640 - 620 = 20
     router.release(first)
     assert a.kv_bytes_reserved == 0 and first.released
     router.release(first)  # idempotent
     assert a.kv_bytes_reserved == 0
-    assert router.try_reserve("m", 200, 200, "r4").group is a
+    assert router.try_reserve("m", 200, 200, request_id="r4").group is a
     assert router.try_reserve("other-model", 1, 1) is None
 
 

@@ -57,7 +57,7 @@ def _as_uuid(value: GroupId, what: str = "replica_group_id") -> uuid.UUID:
         raise InvalidValue(f"{what} must be a UUID, got {value!r}") from None
 
 
-def _require_int(name: str, value: int, minimum: int, maximum: int | None = None) -> int:
+def _require_int(name: str, value: int, minimum: int, *, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidValue(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
@@ -121,7 +121,7 @@ class ShardRegistry:
     # ---- replica groups -------------------------------------------------------------------
 
     def create_replica_group(self, model_name: str, tp_degree: int, pp_degree: int, dtype: str,
-                             kv_cache_cap_bytes: int, name: str | None = None, *,
+                             kv_cache_cap_bytes: int, *, name: str | None = None,
                              endpoint: str | None = None,
                              replica_group_id: GroupId | None = None) -> ReplicaGroup:
         """A new group in status ``provisioning``. ``dtype`` in project or registry naming."""
@@ -220,8 +220,8 @@ class ShardRegistry:
                 if group.status == DEAD:
                     raise GroupIsDead(f"replica group {gid} is dead: cannot register gpu {gpu_id} "
                                       "on it; create a new group")
-                _require_int("tp_rank", tp_rank, 0, group.tp_degree - 1)
-                _require_int("pp_stage", pp_stage, 0, group.pp_degree - 1)
+                _require_int("tp_rank", tp_rank, 0, maximum=group.tp_degree - 1)
+                _require_int("pp_stage", pp_stage, 0, maximum=group.pp_degree - 1)
                 taken = session.scalars(select(GpuShardRow).where(
                     GpuShardRow.replica_group_id == gid, GpuShardRow.tp_rank == tp_rank,
                     GpuShardRow.pp_stage == pp_stage)).first()

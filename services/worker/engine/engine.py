@@ -91,7 +91,7 @@ class StepListener(Protocol):
 class RequestHandle:
     """A submitted request: its events arrive on ``events`` (TokenEvent…, then Finish or Error)."""
 
-    def __init__(self, engine: LLMEngine, seq: Sequence, request_id: str, detok: Detokenizer | None,
+    def __init__(self, engine: LLMEngine, seq: Sequence, request_id: str, detok: Detokenizer | None, *,
                  events: EventSink | None = None) -> None:
         self.engine = engine
         self.seq = seq
@@ -164,7 +164,7 @@ class LLMEngine:
         self.scheduler.check_request(seq)
         detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
                  if self.tokenizer is not None else None)
-        handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", detok, events)
+        handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", detok, events=events)
         with self._lock:
             self._requests[seq.seq_id] = handle
         for listener in tuple(self.step_listeners):
