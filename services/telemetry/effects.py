@@ -20,26 +20,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import uuid
 
 from services.common.health import HealthStore, rank_field
 from services.common.health.base import DEGRADED, HEALTHY, UNHEALTHY
-from services.common.registry import IllegalTransition, NotFound, RegistryError, ShardRegistry
+from services.common.registry import IllegalTransition, NotFound, RegistryError, ShardRegistry, registry_group_id
 from services.telemetry.rules import Alert, AlertKind, GroupStatus, gpu_coords
 
 log = logging.getLogger(__name__)
 
 _REGISTRY_STATUS = {GroupStatus.UNHEALTHY: "draining", GroupStatus.DRAINING: "draining",
                     GroupStatus.DEGRADED: "degraded", GroupStatus.HEALTHY: "healthy"}
-
-
-def registry_group_id(replica_group_id: str) -> uuid.UUID:
-    """Registry ids are UUIDs; a group name maps to the same UUID5 the worker registers it under
-    (``services.worker.driver._as_uuid``; kept in step by tests/telemetry)."""
-    try:
-        return uuid.UUID(replica_group_id)
-    except ValueError:
-        return uuid.uuid5(uuid.NAMESPACE_URL, f"shardline:{replica_group_id}")
 
 
 def _rank_field_of(gpu_id: str) -> str | None:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import uuid
 from dataclasses import dataclass
 
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_field
-from services.common.registry.repository import ShardRegistry
+from services.common.registry import ShardRegistry, registry_group_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
 from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
@@ -100,7 +99,7 @@ class ReplicaDriver:
             return
         plan = self.spec.rank.plan
         self.registry = ShardRegistry(opts.registry_url, migrate_schema=True)
-        group_uuid = _as_uuid(self.replica_group_id)
+        group_uuid = registry_group_id(self.replica_group_id)
         self.registry.create_replica_group(opts.model_name or plan.config.name, plan.tp_degree, plan.pp_degree,
                                            plan.dtype, self.engine.layout.capacity_bytes,
                                            name=self.replica_group_id, endpoint=opts.endpoint,
@@ -140,7 +139,7 @@ class ReplicaDriver:
             if self.health is not None:
                 self.health.mark_group(self.replica_group_id, "unhealthy")
             if self.registry is not None:
-                self.registry.set_status(_as_uuid(self.replica_group_id), "dead", reason=str(exc)[:500])
+                self.registry.set_status(registry_group_id(self.replica_group_id), "dead", reason=str(exc)[:500])
         except Exception as report_exc:
             log.warning("could not record the failure: %s", report_exc)
 
@@ -154,7 +153,7 @@ class ReplicaDriver:
             self.shipper.close()
         if self.registry is not None and self.engine is not None and self.engine.failure is None:
             try:
-                group = _as_uuid(self.replica_group_id)
+                group = registry_group_id(self.replica_group_id)
                 if self.registry.get_group(group).status in ("healthy", "degraded"):
                     self.registry.set_status(group, "draining")
                 self.registry.set_status(group, "dead", reason="stopped")
@@ -162,11 +161,3 @@ class ReplicaDriver:
                 log.warning("could not record the stop: %s", exc)
         if self.health is not None:
             self.health.remove_group(self.replica_group_id)
-
-
-def _as_uuid(group_id: str) -> uuid.UUID:
-    """Registry ids are UUIDs; a human group name maps to a stable UUID5."""
-    try:
-        return uuid.UUID(group_id)
-    except ValueError:
-        return uuid.uuid5(uuid.NAMESPACE_URL, f"shardline:{group_id}")

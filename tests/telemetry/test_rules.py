@@ -10,8 +10,8 @@ import pytest
 
 from services.common.collective_events import CollectiveEvent
 from services.common.health import make_health_store
-from services.common.registry import ShardRegistry
-from services.telemetry.effects import GroupStatusEffects, registry_group_id
+from services.common.registry import ShardRegistry, registry_group_id
+from services.telemetry.effects import GroupStatusEffects
 from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
 from services.telemetry.rules import AlertKind, GroupStatus, RuleConfig
 from services.telemetry.windows import WindowConfig
@@ -167,10 +167,8 @@ def wait_for(predicate, timeout_s: float = 5.0):
     return predicate()
 
 
-def test_registry_ids_match_the_workers(registry):
-    from services.worker.driver import _as_uuid
-
-    assert registry_group_id("rg-abc") == _as_uuid("rg-abc")
+def test_registry_ids_are_stable_uuids_of_group_names(registry):
+    assert registry_group_id("rg-abc") == registry_group_id("rg-abc") != registry_group_id("rg-abd")
     gid = uuid.uuid4()
     assert registry_group_id(str(gid)) == gid
 

@@ -21,9 +21,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.health import make_health_store
 from services.common.proto import common_pb2, telemetry_pb2, worker_pb2, worker_pb2_grpc
-from services.common.registry import ShardRegistry
+from services.common.registry import ShardRegistry, registry_group_id
 from services.modeling.parallel.plan import ParallelPlan
-from services.telemetry.effects import registry_group_id
 from services.telemetry.tracing import outgoing_metadata
 from services.worker.engine.runner import IDLE_HEARTBEAT_S
 from services.worker.runtime import RankSpec

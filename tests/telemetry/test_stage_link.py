@@ -23,8 +23,7 @@ import pytest
 from services.common.health import make_health_store
 from services.common.healthcheck import check
 from services.common.proto import common_pb2, telemetry_pb2, worker_pb2, worker_pb2_grpc
-from services.common.registry import ShardRegistry
-from services.telemetry.effects import registry_group_id
+from services.common.registry import ShardRegistry, registry_group_id
 from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
 from tests.telemetry.test_serving_telemetry import alerts_reader, generate, kill_stopped_children, worker_flags
 

@@ -22,7 +22,7 @@ from .errors import (
 )
 from .lifecycle import ALLOWED_TRANSITIONS, GROUP_STATUSES, SHARD_STATUSES
 from .migrate import downgrade, upgrade
-from .records import CheckpointManifest, GpuShard, ReplicaGroup
+from .records import CheckpointManifest, GpuShard, ReplicaGroup, registry_group_id
 from .repository import GroupIsDead, ShardRegistry
 
 __all__ = [
@@ -31,5 +31,5 @@ __all__ = [
     "GroupIsDead", "GroupNotFound", "IllegalTransition", "InvalidValue", "ManifestNotFound",
     "NotFound", "RegistryError", "ReplicaGroup", "ShardNotFound", "ShardRegistry",
     "default_registry_url", "downgrade", "make_engine", "registry_url", "state_dir",
-    "to_project_dtype", "to_registry_dtype", "upgrade",
+    "registry_group_id", "to_project_dtype", "to_registry_dtype", "upgrade",
 ]

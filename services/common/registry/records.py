@@ -93,3 +93,13 @@ class CheckpointManifest:
             shard_count=row.shard_count, created_at=row.created_at,
             manifest_uri=row.manifest_uri, tp_degree=row.tp_degree, pp_degree=row.pp_degree,
         )
+
+
+def registry_group_id(replica_group_id: str) -> uuid.UUID:
+    """The registry's UUID of a replica group: the id itself when it is a UUID, else the stable
+    UUID5 of the name (``rg-0-3fa2c1``), so every service that knows a group by its name finds
+    the same row."""
+    try:
+        return uuid.UUID(replica_group_id)
+    except ValueError:
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"shardline:{replica_group_id}")
