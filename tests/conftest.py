@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import urllib.parse
 from collections.abc import Iterator
 
 import pytest
@@ -23,15 +24,30 @@ def postgres_url() -> Iterator[str]:
         yield started
 
 
+def _worker_redis_db(url: str) -> str:
+    """``url`` on this pytest-xdist worker's own database number (gw0 → 1, gw1 → 2, ...; 0 when
+    not under xdist). The router, the telemetry rules and the stores write unprefixed keys
+    (``replica_kv_util``, ``shardhealth:*``) and list every group they find, so workers sharing
+    one Redis must not share a database."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit()):
+        return url
+    db = int(worker[2:]) + 1
+    if db >= stack.REDIS_DATABASES:
+        raise RuntimeError(f"{worker}: more pytest-xdist workers than Redis databases ({stack.REDIS_DATABASES})")
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{db}"))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of a real Redis: the one `make test` started, else a fresh one for this session."""
     url = os.environ.get("SHARDLINE_TEST_REDIS_URL")
     if url:
-        yield url
+        yield _worker_redis_db(url)
         return
     with stack.redis() as started:
-        yield started
+        yield _worker_redis_db(started)
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 POSTGRES_BIN_DIRS = ("/usr/local/bin", "/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin")
+# one Redis database per pytest-xdist worker (tests/conftest.py), and 0 for a serial run
+REDIS_DATABASES = 64
 
 
 # Ports the tests choose come from a block of their own below the kernel's ephemeral range: a port
@@ -170,7 +172,7 @@ def redis() -> Iterator[str]:
     root = Path(tempfile.mkdtemp(prefix="shardline-redis-"))
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(root)],
+         "--dir", str(root), "--databases", str(REDIS_DATABASES)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
