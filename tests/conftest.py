@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import urllib.parse
 from collections.abc import Iterator
@@ -48,6 +49,44 @@ def redis_url() -> Iterator[str]:
         return
     with stack.redis() as started:
         yield _worker_redis_db(started)
+
+
+# -- `serial` tests under pytest-xdist -----------------------------------------------------------
+# A test marked `serial` races a clock against the machine: a 2 s collective timeout that a rank
+# starved of CPU trips, a shipper that must drop rather than wait while telemetry is stopped.
+# On 2 cores the other workers' ranks would starve it, so it runs while no other test of the
+# run does: every test holds the run's lock shared, a serial one holds it exclusive. The gate
+# in front keeps a waiting serial test from being starved by workers taking turns on the
+# shared lock: a worker passes the gate only while no serial test is waiting or running.
+
+
+@contextlib.contextmanager
+def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[None]:
+    lock_dir = getattr(config, "_serial_lock_dir", None)
+    if lock_dir is None:
+        yield
+        return
+    with (lock_dir / "gate.lock").open("w") as gate, (lock_dir / "run.lock").open("w") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the files releases both locks
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the workers' base temp dirs (popen-gw0, ...) share one parent per run
+        config._serial_lock_dir = config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _run_lock(item.config, exclusive="serial" in item.keywords):
+        yield
 
 
 @pytest.fixture

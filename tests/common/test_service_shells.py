@@ -126,6 +126,7 @@ def processes() -> Iterator[list[subprocess.Popen]]:
             proc.wait(timeout=10)
 
 
+@pytest.mark.serial  # each service must be SERVING within SERVING_DEADLINE_S of its own start
 def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigterm(
     tmp_path: Path, processes: list[subprocess.Popen], tiny_model_dir: Path
 ) -> None:
@@ -179,6 +180,7 @@ def test_five_services_serve_health_reflection_unimplemented_and_exit_0_on_sigte
         assert "Traceback" not in text
 
 
+@pytest.mark.serial  # SERVING within SERVING_DEADLINE_S, as above
 def test_sigint_also_exits_0(tmp_path: Path, processes: list[subprocess.Popen]) -> None:
     port = free_port()
     log = tmp_path / "loader.log"
