@@ -18,6 +18,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.serial  # `generate` keeps the 2 s collective timeout: four ranks starved of CPU trip it
 def test_checkpoint_scores_and_generates_like_the_hf_directory(tiny_model_dir, tmp_path):
     out = tmp_path / "shards"
