@@ -94,7 +94,22 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Files with the most `slow` tests first, the rest in collection order, each file's tests
+    kept together and in order. `make test` hands whole files to the pytest-xdist workers in
+    this order (--dist loadfile), so the long end-to-end files start at once and the many quick
+    ones fill in behind them, instead of one long file starting last and running on alone."""
+    slow: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        path = item.nodeid.split("::", 1)[0]
+        first.setdefault(path, index)
+        slow[path] = slow.get(path, 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: (-slow[(path := item.nodeid.split("::", 1)[0])], first[path]))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_files_first(items)
     try:
         import torch
 
