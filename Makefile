@@ -4,6 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process). Most of the suite's time is waiting on
+# real processes, timeouts and sleeps, so three workers overlap it well even on 2 cores.
+TEST_WORKERS ?= 3
 
 .PHONY: run demo test setup proto kernels system-deps clean
 
@@ -36,9 +39,11 @@ system-deps:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-# Starts a throw-away PostgreSQL and Redis on loopback, runs the whole suite, stops them whatever happens.
+# Starts a throw-away PostgreSQL and Redis on loopback, runs the whole suite on TEST_WORKERS
+# workers, whole files per worker, stops them whatever happens.
+# One file: make test PYTEST_ARGS="tests/router/test_up.py"; the quick tier: PYTEST_ARGS='-m "not slow"'.
 test: setup system-deps
-	$(PY) -m tests.stack -- $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Serves the model on the local stack with embedded defaults and streams a completion.
 run: setup

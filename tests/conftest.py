@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import urllib.parse
 from collections.abc import Iterator
 
 import pytest
@@ -23,15 +25,68 @@ def postgres_url() -> Iterator[str]:
         yield started
 
 
+def _worker_redis_db(url: str) -> str:
+    """``url`` on this pytest-xdist worker's own database number (gw0 → 1, gw1 → 2, ...; 0 when
+    not under xdist). The router, the telemetry rules and the stores write unprefixed keys
+    (``replica_kv_util``, ``shardhealth:*``) and list every group they find, so workers sharing
+    one Redis must not share a database."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit()):
+        return url
+    db = int(worker[2:]) + 1
+    if db >= stack.REDIS_DATABASES:
+        raise RuntimeError(f"{worker}: more pytest-xdist workers than Redis databases ({stack.REDIS_DATABASES})")
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{db}"))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of a real Redis: the one `make test` started, else a fresh one for this session."""
     url = os.environ.get("SHARDLINE_TEST_REDIS_URL")
     if url:
-        yield url
+        yield _worker_redis_db(url)
         return
     with stack.redis() as started:
-        yield started
+        yield _worker_redis_db(started)
+
+
+# -- `serial` tests under pytest-xdist -----------------------------------------------------------
+# A test marked `serial` races a clock against the machine: a 2 s collective timeout that a rank
+# starved of CPU trips, a shipper that must drop rather than wait while telemetry is stopped.
+# On 2 cores the other workers' ranks would starve it, so it runs while no other test of the
+# run does: every test holds the run's lock shared, a serial one holds it exclusive. The gate
+# in front keeps a waiting serial test from being starved by workers taking turns on the
+# shared lock: a worker passes the gate only while no serial test is waiting or running.
+
+
+@contextlib.contextmanager
+def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[None]:
+    lock_dir = getattr(config, "_serial_lock_dir", None)
+    if lock_dir is None:
+        yield
+        return
+    with (lock_dir / "gate.lock").open("w") as gate, (lock_dir / "run.lock").open("w") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the files releases both locks
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the workers' base temp dirs (popen-gw0, ...) share one parent per run
+        config._serial_lock_dir = config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _run_lock(item.config, exclusive="serial" in item.keywords):
+        yield
 
 
 @pytest.fixture
@@ -39,7 +94,22 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Files with the most `slow` tests first, the rest in collection order, each file's tests
+    kept together and in order. `make test` hands whole files to the pytest-xdist workers in
+    this order (--dist loadfile), so the long end-to-end files start at once and the many quick
+    ones fill in behind them, instead of one long file starting last and running on alone."""
+    slow: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        path = item.nodeid.split("::", 1)[0]
+        first.setdefault(path, index)
+        slow[path] = slow.get(path, 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: (-slow[(path := item.nodeid.split("::", 1)[0])], first[path]))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_files_first(items)
     try:
         import torch
 

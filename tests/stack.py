@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import random
 import shutil
 import socket
 import subprocess
@@ -21,9 +22,59 @@ from collections.abc import Iterator
 from pathlib import Path
 
 POSTGRES_BIN_DIRS = ("/usr/local/bin", "/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin")
+# one Redis database per pytest-xdist worker (tests/conftest.py), and 0 for a serial run
+REDIS_DATABASES = 64
+
+
+# Ports the tests choose come from a block of their own below the kernel's ephemeral range: a port
+# picked, closed and bound later by a service cannot be handed out meanwhile by bind(0) elsewhere
+# (the services' own rank ports, outgoing connections) nor to another pytest-xdist worker, which
+# has another block. Block 0 is a process outside xdist (a serial run, tests.stack itself).
+PORT_BLOCKS_START = 10_000
+PORT_BLOCK_SIZE = 2_000
+# each pick skips the next few ports too: `shardline up --port-base B` takes B .. B+3
+PORT_STRIDE = 4
+_port_cursor: int | None = None
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_block() -> range | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist
+    slot = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    start = PORT_BLOCKS_START + slot * PORT_BLOCK_SIZE
+    if start + PORT_BLOCK_SIZE > _ephemeral_low():
+        return None  # more workers than blocks: fall back to the kernel's choice
+    return range(start, start + PORT_BLOCK_SIZE)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port() -> int:
+    """A loopback TCP port free now, never the same twice in a row from one process."""
+    global _port_cursor
+    block = _port_block()
+    if block is not None:
+        slots = len(block) // PORT_STRIDE
+        if _port_cursor is None:  # a random start: two runs side by side rarely meet
+            _port_cursor = random.randrange(slots)
+        for _ in range(slots):
+            port = block.start + (_port_cursor % slots) * PORT_STRIDE
+            _port_cursor += 1
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -121,7 +172,7 @@ def redis() -> Iterator[str]:
     root = Path(tempfile.mkdtemp(prefix="shardline-redis-"))
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(root)],
+         "--dir", str(root), "--databases", str(REDIS_DATABASES)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

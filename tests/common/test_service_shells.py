@@ -83,9 +83,14 @@ def _router_without_model(channel: grpc.Channel) -> bool:
     return False
 
 
-def _clean_env() -> dict[str, str]:
-    """The caller's environment without SHARDLINE_* settings, so the test is hermetic."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+def _clean_env(tmp_path: Path | None = None) -> dict[str, str]:
+    """The caller's environment without SHARDLINE_* settings, so the test is hermetic; with
+    ``tmp_path``, the embedded registry goes under it, not into the user's state directory
+    (which the planner and the loader open at start, and parallel tests would share)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    if tmp_path is not None:
+        env["SHARDLINE_STATE_DIR"] = str(tmp_path / "state")
+    return env
 
 
 def _health(channel: grpc.Channel, service: str = "") -> str:
@@ -119,6 +124,7 @@ def processes() -> Iterator[list[subprocess.Popen]]:
             proc.wait(timeout=10)
 
 
+@pytest.mark.serial  # each service must be SERVING within SERVING_DEADLINE_S of its own start
 def test_five_services_serve_health_reflection_an_rpc_and_exit_0_on_sigterm(
     tmp_path: Path, processes: list[subprocess.Popen], tiny_model_dir: Path
 ) -> None:
@@ -166,12 +172,13 @@ def test_five_services_serve_health_reflection_an_rpc_and_exit_0_on_sigterm(
         assert "Traceback" not in text
 
 
+@pytest.mark.serial  # SERVING within SERVING_DEADLINE_S, as above
 def test_sigint_also_exits_0(tmp_path: Path, processes: list[subprocess.Popen]) -> None:
     port = free_port()
     log = tmp_path / "loader.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.loader", "--port", str(port)],
-                                cwd=REPO, env=_clean_env(), stdout=out, stderr=subprocess.STDOUT)
+                                cwd=REPO, env=_clean_env(tmp_path), stdout=out, stderr=subprocess.STDOUT)
     processes.append(proc)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         _wait_serving(proc, channel, log, SERVING_DEADLINE_S)
@@ -185,7 +192,7 @@ def test_taken_port_fails_loudly(tmp_path: Path) -> None:
     holder = start_server(ServerConfig(service="planner", port=0), [])
     try:
         result = subprocess.run([sys.executable, "-m", "services.planner", "--port", str(holder.port)],
-                                cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=30)
+                                cwd=REPO, env=_clean_env(tmp_path), capture_output=True, text=True, timeout=30)
     finally:
         holder.stop(0)
     assert result.returncode == 1

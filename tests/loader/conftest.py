@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 
 from services.loader.manifest import Manifest
 from services.loader.writer import ShardJob, write_shards
+from tests.stack import free_port
 
 TINY_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=512)
@@ -98,19 +98,13 @@ def load_manifest(ckpt: Path) -> Manifest:
 
 # -- a real S3-API server ------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's standalone S3 server on loopback, with dummy credentials in the environment
     (inherited by spawned ranks). Yields its endpoint URL."""
     pytest.importorskip("boto3")
     pytest.importorskip("moto")
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

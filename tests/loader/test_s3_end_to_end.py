@@ -20,6 +20,7 @@ from tests.loader.helpers import hf_rank, score_from_checkpoint_rank, state_dict
 from tests.loader.test_loading import TOKEN_IDS
 
 
+@pytest.mark.slow
 def test_shard_to_s3_stage_load_and_score(tiny_dir: Path, s3_bucket: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture) -> None:
     prefix = f"s3://{s3_bucket}/llama/tiny/fp32-tp2-pp2"

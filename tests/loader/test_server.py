@@ -183,6 +183,7 @@ def test_stage_twice_the_second_is_a_verified_cache_hit(loader: Loader, tiny_dir
     assert state_dict_diffs(model, hf_rank(tiny_dir, plan, 1)) == []
 
 
+@pytest.mark.slow
 def test_s3_shard_register_stage_load_and_score(loader: Loader, tiny_dir: Path, s3_bucket: str,
                                                 capsys: pytest.CaptureFixture) -> None:
     prefix = f"s3://{s3_bucket}/llama/tiny/fp32-tp2-pp2"

@@ -388,6 +388,7 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor) -> float:
         return math.exp(model(ids, labels=ids).loss.item())
 
 
+@pytest.mark.slow
 def test_smollm2_perplexity_proves_qk_unpermuted(smollm2_model, smollm2_tokenizer) -> None:
     ids = smollm2_tokenizer(ENGLISH, return_tensors="pt").input_ids
     assert 90 <= ids.shape[1] <= 130

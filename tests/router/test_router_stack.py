@@ -335,6 +335,7 @@ def test_bad_inputs_get_their_status_and_message_while_a_running_stream_is_unaff
     wait_until(lambda: all_released(stack), what="reservations released")
 
 
+@pytest.mark.serial  # the queued request must still wait (QUEUE_TIMEOUT_S) while the next ones are refused
 def test_queue_full_and_queue_deadline(stack):
     # each group is filled to its last token: new requests fit a group's budget but have no headroom
     wait_idle(stack)

@@ -60,6 +60,7 @@ def test_sampling_thins_an_op_but_keeps_every_timeout(telemetry):
     assert windows["all_reduce"].count == 100
 
 
+@pytest.mark.serial  # times record() and counts what the sender thread handed to a failing stream meanwhile
 def test_down_telemetry_drops_events_and_never_blocks_the_caller():
     config = ShipperConfig(f"127.0.0.1:{free_port()}", buffer_events=5000, batch_events=1000,
                            flush_interval_s=0.05)
@@ -104,6 +105,7 @@ def test_shipper_reconnects_when_telemetry_comes_back(tmp_path):
         assert service.stop() == 0
 
 
+@pytest.mark.serial  # times record() and counts what the sender thread got onto the stream meanwhile
 def test_a_stalled_telemetry_process_costs_drops_not_waits(tmp_path):
     import signal
 

@@ -103,6 +103,7 @@ def complete(client: openai.OpenAI, prompt: list[int], max_tokens: int):
                                      extra_body={"ignore_eos": True}, timeout=60)
 
 
+@pytest.mark.slow
 def test_router_metrics_count_the_collectives_the_requests_needed(stack):
     ports, model_dir, log = stack
     plan = RankSpec(str(model_dir), tp_degree=TP, pp_degree=PP, dtype="float32").plan

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.worker.oracle import reference_greedy
 
 IDS = ",".join(str(i) for i in range(10, 80))
@@ -16,6 +18,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # `generate` keeps the 2 s collective timeout: four ranks starved of CPU trip it
 def test_checkpoint_scores_and_generates_like_the_hf_directory(tiny_model_dir, tmp_path):
     out = tmp_path / "shards"
     assert cli("shard", "--model", str(tiny_model_dir), "--tp", "2", "--pp", "2", "--out", str(out)).returncode == 0

@@ -95,6 +95,7 @@ def test_sigkilled_rank_fails_the_group_fast(tiny_model_dir):
     assert waits and max(waits) <= 2.0 + 1.0, proc.stderr
 
 
+@pytest.mark.slow
 def test_stopped_rank_times_out_instead_of_hanging(tiny_model_dir):
     proc, elapsed = _score_with_fault(str(tiny_model_dir), "rank=3,op=recv,action=stop", timeout_s=1.5)
     assert proc.returncode == 1, proc.stderr
