@@ -10,7 +10,8 @@ reads the group's rank health back from the store. A group gets new requests onl
 - the worker not draining (Stats) and not dead or draining in the registry (when discovered there);
 - no rank ``unhealthy`` or ``draining`` in the health store, and, for a group that has reported to
   the store at least once, its entry not expired (heartbeats stopped). A group that never wrote to
-  the store (a worker started without --redis-url) is judged by its Stats alone;
+  the store (a worker started without --redis-url) is judged by its Stats alone; while the store
+  is unreachable, or restarted less than a TTL ago and empty, the last status read stands;
 - the router not having seen one of its streams fail (a failed group is never reused).
 
 No gRPC here: the poller talks to workers through :class:`StatsSource`, which
@@ -334,6 +335,10 @@ class GroupPoller:
             if stats.kv_bytes_capacity:
                 self.store.set_kv_utilization(gid, min(1.0, stats.kv_bytes_used / stats.kv_bytes_capacity))
             ranks = self.store.group_health(gid)
+            if not ranks and self.store.lost_on_restart():
+                # the store restarted empty: until the worker's next heartbeat the group's entry
+                # is missing, not expired, and the last status read stands
+                return None
         except Exception as exc:  # noqa: BLE001 - a store outage must not stop routing
             log.warning("health store unreachable for %s: %s", gid, exc)
             return None

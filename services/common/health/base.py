@@ -178,5 +178,17 @@ class HealthStore(ABC):
             return False
         return expected is None or all(canonical_field(f) in health for f in expected)
 
+    def server_uptime_s(self) -> float | None:
+        """Seconds since the store's server (re)started; None for a store that cannot restart
+        under its readers (the in-process one)."""
+        return None
+
+    def lost_on_restart(self) -> bool:
+        """True while a missing entry cannot have expired: the server restarted less than a TTL
+        ago, so an entry heartbeated before is gone with the restart, and comes back with the
+        writer's next heartbeat. Readers judge such an absence as no news, not as a dead group."""
+        uptime = self.server_uptime_s()
+        return uptime is not None and uptime < self.default_ttl_s
+
     def close(self) -> None:
         """Release connections (no-op for the in-process store)."""

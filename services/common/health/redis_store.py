@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .base import (
     DEFAULT_TTL_S,
@@ -57,6 +59,15 @@ class RedisHealthStore(HealthStore):
         self.key_prefix = key_prefix
         self.default_ttl_s = check_ttl(default_ttl_s)
         client_kwargs.setdefault("decode_responses", True)
+        # a server that restarts or goes away must fail a call fast, not hang its caller (a
+        # worker's heartbeat, a router's poll): the next call reconnects. A pooled connection
+        # the old server closed is replaced at checkout; one that dies mid-command is retried
+        # once on a new connection, with no backoff, so a stopped server still fails at once.
+        client_kwargs.setdefault("socket_connect_timeout", 2.0)
+        client_kwargs.setdefault("socket_timeout", 2.0)
+        client_kwargs.setdefault("retry", Retry(NoBackoff(), 1))
+        client_kwargs.setdefault("retry_on_error", [redis.ConnectionError, redis.TimeoutError])
+        client_kwargs.setdefault("health_check_interval", 10)
         self._client: redis.Redis = redis.Redis.from_url(url, **client_kwargs)
         self._mark_group = self._client.register_script(_MARK_GROUP_LUA)
         self.groups_key = f"{key_prefix}shardhealth_groups"
@@ -70,6 +81,9 @@ class RedisHealthStore(HealthStore):
 
     def close(self) -> None:
         self._client.close()
+
+    def server_uptime_s(self) -> float | None:
+        return float(self._client.info("server")["uptime_in_seconds"])
 
     def heartbeat(self, group_id: str | uuid.UUID, rank_statuses: Mapping[str, str],
                   ttl_s: float | None = None) -> None:
