@@ -97,3 +97,17 @@ def test_registry_retries_a_transaction_whose_connection_died(own_postgres: Post
         registry.heartbeat(f"{GROUP}:pp0-tp0", 7)
         assert registry.get_shard(f"{GROUP}:pp0-tp0").kv_used_bytes == 7
         assert registry.get_group(group.replica_group_id).name == GROUP
+
+
+def test_an_entry_lost_with_a_restart_counts_as_expired_after_a_ttl(own_redis: RedisServer) -> None:
+    """Right after a restart a missing entry is no news (the writer has not beaten yet); once
+    the server has been up for a TTL with no heartbeat, missing means expired again."""
+    store = RedisHealthStore(own_redis.url, default_ttl_s=1.0)
+    store.heartbeat(GROUP, {"pp0_tp0": "healthy"})
+    own_redis.stop()
+    own_redis.start()
+    assert store.group_health(GROUP) == {}
+    assert store.lost_on_restart()
+    time.sleep(2.1)  # Redis counts its uptime in whole seconds
+    assert not store.lost_on_restart()
+    store.close()
