@@ -39,7 +39,6 @@ def test_health_store_reconnects_after_redis_restart(own_redis: RedisServer) -> 
     store.heartbeat(GROUP, ranks)
     store.set_kv_utilization(GROUP, 0.25)
     assert store.group_health(GROUP) == ranks
-    assert not store.lost_on_restart() or store.server_uptime_s() < store.default_ttl_s
 
     own_redis.stop()
     started = time.monotonic()
@@ -59,8 +58,6 @@ def test_health_store_reconnects_after_redis_restart(own_redis: RedisServer) -> 
     # a reader can tell an entry lost with the restart from one that expired
     assert store.server_uptime_s() <= time.monotonic() - restarting + 1
     assert store.lost_on_restart()
-    assert not RedisHealthStore(own_redis.url, default_ttl_s=0.5).lost_on_restart() or \
-        store.server_uptime_s() < 0.5
     store.close()
 
 
