@@ -335,7 +335,7 @@ class GroupPoller:
             if stats.kv_bytes_capacity:
                 self.store.set_kv_utilization(gid, min(1.0, stats.kv_bytes_used / stats.kv_bytes_capacity))
             ranks = self.store.group_health(gid)
-            if not ranks and self.store.lost_on_restart():
+            if not ranks and self.view.store_seen and self.store.lost_on_restart():
                 # the store restarted empty: until the worker's next heartbeat the group's entry
                 # is missing, not expired, and the last status read stands
                 return None

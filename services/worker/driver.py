@@ -147,13 +147,17 @@ class ReplicaDriver:
 
     def _report_failure(self, exc: Exception) -> None:
         log.error("replica group %s failed: %s", self.replica_group_id, exc)
-        try:
-            if self.health is not None:
+        # each store on its own: Redis being down must not keep the registry from hearing it
+        if self.health is not None:
+            try:
                 self.health.mark_group(self.replica_group_id, "unhealthy")
-            if self.registry is not None:
+            except Exception as report_exc:
+                log.warning("could not record the failure in the health store: %s", report_exc)
+        if self.registry is not None:
+            try:
                 self.registry.set_status(registry_group_id(self.replica_group_id), "dead", reason=str(exc)[:500])
-        except Exception as report_exc:
-            log.warning("could not record the failure: %s", report_exc)
+            except Exception as report_exc:
+                log.warning("could not record the failure in the registry: %s", report_exc)
 
     def stop(self) -> None:
         self._stop.set()
@@ -172,4 +176,7 @@ class ReplicaDriver:
             except Exception as exc:
                 log.warning("could not record the stop: %s", exc)
         if self.health is not None:
-            self.health.remove_group(self.replica_group_id)
+            try:
+                self.health.remove_group(self.replica_group_id)
+            except Exception as exc:  # the store is down: our entries expire with their TTL instead
+                log.warning("could not remove the group from the health store: %s", exc)

@@ -5,6 +5,8 @@ heartbeats reach the restarted server again by themselves."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from services.common.registry import ShardRegistry
 from services.worker.driver import HEARTBEAT_S
 from tests.restartable import postgres_server, redis_server
 from tests.router.processes import start_service, stop, wait_serving
+from tests.router.test_failover import children
 from tests.stack import free_port
 
 pytestmark = pytest.mark.slow
@@ -168,3 +171,46 @@ def test_postgres_restart_while_serving(tiny_model_dir: Path, tmp_path: Path) ->
             assert registry.list_groups()[0].status == "healthy"
     print(f"registry heartbeat back {took:.2f} s after the restart; {len(traffic.completions)} requests")
     traffic.check(at_least=served + 1)
+
+
+def test_a_worker_stops_cleanly_while_its_stores_are_down(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM while Redis and PostgreSQL are both down: the worker cannot record its stop, says
+    so, and exits 0 promptly (its entries expire; the registry row is judged by its heartbeats)."""
+    with redis_server() as own_redis, postgres_server() as own_pg:
+        worker, address = start_service("worker", [
+            "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.01",
+            "--replica-group-id", GROUP, "--redis-url", own_redis.url, "--registry-url", own_pg.url],
+            tmp_path / "worker.log")
+        wait_serving(worker, address, tmp_path / "worker.log")
+        own_redis.stop()
+        own_pg.stop()
+        time.sleep(HEARTBEAT_S + 0.5)  # a heartbeat against both stores down
+        started = time.monotonic()
+        code = stop(worker, timeout_s=20)
+        took = time.monotonic() - started
+    log = (tmp_path / "worker.log").read_text()
+    assert code == 0, log
+    assert "Traceback" not in log, log
+    assert took < 10, f"the worker took {took:.1f} s to stop"
+    assert "health store heartbeat failed" in log and "registry heartbeat failed" in log
+
+
+def test_a_group_failure_reaches_the_registry_while_redis_is_down(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A rank dies while the health store is down: the worker still marks its group dead in the
+    registry (the router's discovery and the planner read it there)."""
+    registry_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    with redis_server() as own_redis:
+        worker, address = start_service("worker", [
+            "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.01", "--tp", "2",
+            "--collective-timeout", "1", "--replica-group-id", GROUP, "--redis-url", own_redis.url,
+            "--registry-url", registry_url], tmp_path / "worker.log")
+        try:
+            wait_serving(worker, address, tmp_path / "worker.log")
+            own_redis.stop()
+            (rank,) = children(worker.pid)
+            os.kill(rank, signal.SIGKILL)
+            with ShardRegistry(registry_url) as registry:
+                wait_for(lambda: registry.list_groups()[0].status == "dead", 15, "the group dead in the registry")
+        finally:
+            stop(worker, timeout_s=20)
+    assert "could not record the failure in the health store" in (tmp_path / "worker.log").read_text()
