@@ -279,6 +279,7 @@ class GroupPoller:
         self.interval_s = interval_s
         self.stale_after_s = stale_after_s
         self.on_update = on_update
+        self._store_seen_run: str | None = None  # the store server's run at the last read that found the group
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"poll-{view.address}", daemon=True)
 
@@ -335,7 +336,10 @@ class GroupPoller:
             if stats.kv_bytes_capacity:
                 self.store.set_kv_utilization(gid, min(1.0, stats.kv_bytes_used / stats.kv_bytes_capacity))
             ranks = self.store.group_health(gid)
-            if not ranks and self.view.store_seen and self.store.lost_on_restart():
+            run_id = self.store.server_run_id()
+            if ranks:
+                self._store_seen_run = run_id
+            elif self.store.restarted_since(self._store_seen_run):
                 # the store restarted empty: until the worker's next heartbeat the group's entry
                 # is missing, not expired, and the last status read stands
                 return None

@@ -9,6 +9,7 @@ d shifts a rank's life by d against a 30 s TTL.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -68,6 +69,9 @@ class RedisHealthStore(HealthStore):
         client_kwargs.setdefault("retry", Retry(NoBackoff(), 1))
         client_kwargs.setdefault("retry_on_error", [redis.ConnectionError, redis.TimeoutError])
         client_kwargs.setdefault("health_check_interval", 10)
+        self._run_lock = threading.Lock()
+        self._run: tuple[str, float] | None = None
+        client_kwargs.setdefault("redis_connect_func", self._on_connect)
         self._client: redis.Redis = redis.Redis.from_url(url, **client_kwargs)
         self._mark_group = self._client.register_script(_MARK_GROUP_LUA)
         self.groups_key = f"{key_prefix}shardhealth_groups"
@@ -82,8 +86,21 @@ class RedisHealthStore(HealthStore):
     def close(self) -> None:
         self._client.close()
 
-    def server_uptime_s(self) -> float | None:
-        return float(self._client.info("server")["uptime_in_seconds"])
+    def server_run(self) -> tuple[str, float] | None:
+        with self._run_lock:
+            return self._run
+
+    def _on_connect(self, connection: redis.Connection) -> None:
+        """Every new connection (a restart leaves only new ones) notes which run of the server
+        it reached: Redis gives each start a new run_id."""
+        connection.on_connect()
+        connection.send_command("INFO", "server")
+        info = connection.read_response()
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        run_id = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
+        with self._run_lock:
+            if self._run is None or self._run[0] != run_id:
+                self._run = (run_id, time.monotonic())
 
     def heartbeat(self, group_id: str | uuid.UUID, rank_statuses: Mapping[str, str],
                   ttl_s: float | None = None) -> None:
