@@ -123,6 +123,7 @@ def test_redis_restart_while_serving(tiny_model_dir: Path, tmp_path: Path) -> No
         client = redis.Redis.from_url(own_redis.url, decode_responses=True)
         health_key = f"shardhealth:{GROUP}"
         wait_for(lambda: client.exists(health_key), 5, "the first heartbeat")
+        time.sleep(0.75)  # the router's poll (every 0.25 s) has read the entry: it counts on the store now
         with Traffic(router).running() as traffic:
             wait_for(lambda: len(traffic.completions) >= 3, 20, "requests before the restart")
             own_redis.stop()
