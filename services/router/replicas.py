@@ -10,7 +10,8 @@ reads the group's rank health back from the store. A group gets new requests onl
 - the worker not draining (Stats) and not dead or draining in the registry (when discovered there);
 - no rank ``unhealthy`` or ``draining`` in the health store, and, for a group that has reported to
   the store at least once, its entry not expired (heartbeats stopped). A group that never wrote to
-  the store (a worker started without --redis-url) is judged by its Stats alone;
+  the store (a worker started without --redis-url) is judged by its Stats alone; while the store
+  is unreachable, or restarted less than a TTL ago and empty, the last status read stands;
 - the router not having seen one of its streams fail (a failed group is never reused).
 
 No gRPC here: the poller talks to workers through :class:`StatsSource`, which
@@ -278,6 +279,7 @@ class GroupPoller:
         self.interval_s = interval_s
         self.stale_after_s = stale_after_s
         self.on_update = on_update
+        self._store_seen_run: str | None = None  # the store server's run at the last read that found the group
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"poll-{view.address}", daemon=True)
 
@@ -334,6 +336,13 @@ class GroupPoller:
             if stats.kv_bytes_capacity:
                 self.store.set_kv_utilization(gid, min(1.0, stats.kv_bytes_used / stats.kv_bytes_capacity))
             ranks = self.store.group_health(gid)
+            run_id = self.store.server_run_id()
+            if ranks:
+                self._store_seen_run = run_id
+            elif self.store.restarted_since(self._store_seen_run):
+                # the store restarted empty: until the worker's next heartbeat the group's entry
+                # is missing, not expired, and the last status read stands
+                return None
         except Exception as exc:  # noqa: BLE001 - a store outage must not stop routing
             log.warning("health store unreachable for %s: %s", gid, exc)
             return None

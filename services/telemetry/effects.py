@@ -20,6 +20,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+
+import redis
+from sqlalchemy.exc import OperationalError
 
 from services.common.health import HealthStore, rank_field
 from services.common.health.base import DEGRADED, HEALTHY, UNHEALTHY
@@ -27,6 +31,11 @@ from services.common.registry import IllegalTransition, NotFound, RegistryError,
 from services.telemetry.rules import Alert, AlertKind, GroupStatus, gpu_coords
 
 log = logging.getLogger(__name__)
+
+# a store down or restarting: the alert is applied again once it is back
+STORE_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OperationalError)
+RETRY_INTERVAL_S = 0.5
+RETRY_FOR_S = 30.0
 
 _REGISTRY_STATUS = {GroupStatus.UNHEALTHY: "draining", GroupStatus.DRAINING: "draining",
                     GroupStatus.DEGRADED: "degraded", GroupStatus.HEALTHY: "healthy"}
@@ -84,11 +93,21 @@ class GroupStatusEffects:
 
 
 class EffectWorker:
-    """A thread that applies alerts in order; errors are logged, never raised into ingest."""
+    """A thread that applies alerts in order; errors are logged, never raised into ingest.
 
-    def __init__(self, effects: GroupStatusEffects) -> None:
+    An alert that meets a store down or restarting (connection refused or lost) is tried again
+    every ``retry_interval_s`` for up to ``retry_for_s``, the alerts behind it waiting their turn,
+    so a Redis or PostgreSQL restart delays a mark instead of dropping it. Applying is idempotent
+    (a heartbeat with the same statuses, a status move checked against the current one).
+    """
+
+    def __init__(self, effects: GroupStatusEffects, *, retry_interval_s: float = RETRY_INTERVAL_S,
+                 retry_for_s: float = RETRY_FOR_S) -> None:
         self.effects = effects
+        self.retry_interval_s = retry_interval_s
+        self.retry_for_s = retry_for_s
         self._queue: queue.SimpleQueue[Alert | None] = queue.SimpleQueue()
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="telemetry-effects", daemon=True)
         self._thread.start()
 
@@ -96,14 +115,31 @@ class EffectWorker:
         self._queue.put(alert)
 
     def close(self, timeout_s: float = 5.0) -> None:
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while (alert := self._queue.get()) is not None:
+            self._apply(alert)
+
+    def _apply(self, alert: Alert) -> None:
+        give_up_at = time.monotonic() + self.retry_for_s
+        while True:
             try:
                 self.effects.apply(alert)
+                return
+            except STORE_OUTAGE_ERRORS as exc:
+                if time.monotonic() >= give_up_at or self._closing.is_set():
+                    log.warning("could not apply %s alert for %s (store unreachable for %.0f s): %s",
+                                alert.kind.value, alert.replica_group_id, self.retry_for_s, exc)
+                    return
+                log.info("store unreachable applying %s alert for %s, retrying: %s",
+                         alert.kind.value, alert.replica_group_id, exc)
+                self._closing.wait(self.retry_interval_s)
             except (RegistryError, OSError, ConnectionError) as exc:
                 log.warning("could not apply %s alert for %s: %s", alert.kind.value, alert.replica_group_id, exc)
-            except Exception as exc:  # redis errors and the like: keep the thread alive
+                return
+            except Exception as exc:  # anything else: keep the thread alive
                 log.exception("applying %s alert for %s failed: %s", alert.kind.value, alert.replica_group_id, exc)
+                return

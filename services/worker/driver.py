@@ -116,32 +116,48 @@ class ReplicaDriver:
             if self.engine is None or self.engine.failure is not None:
                 return
             stats = self.engine.stats()
-            util = stats["kv_bytes_used"] / max(1, stats["kv_bytes_capacity"])
-            try:
-                if self.health is not None:
-                    # keep what others judged (telemetry marks a slow rank degraded): a heartbeat
-                    # refreshes liveness, it does not overrule a diagnosis
-                    current = self.health.group_health(self.replica_group_id)
-                    statuses = {f: current.get(f, "healthy") for f in self._rank_statuses("healthy")}
-                    self.health.heartbeat(self.replica_group_id, statuses)
-                    self.health.set_kv_utilization(self.replica_group_id, util)
-                if self.registry is not None:
-                    plan = self.spec.rank.plan
-                    for pp in range(plan.pp_degree):
-                        for tp in range(plan.tp_degree):
-                            self.registry.heartbeat(f"{self.replica_group_id}:pp{pp}-tp{tp}", stats["kv_bytes_used"])
-            except Exception as exc:  # a store being down must not stop serving
-                log.warning("heartbeat failed: %s", exc)
+            # each store on its own: one being down (restarting) must neither stop serving nor
+            # hold back the other's heartbeat; the next beat retries on a fresh connection
+            if self.health is not None:
+                try:
+                    self._beat_health(stats["kv_bytes_used"] / max(1, stats["kv_bytes_capacity"]))
+                except Exception as exc:
+                    log.warning("health store heartbeat failed: %s", exc)
+            if self.registry is not None:
+                try:
+                    self._beat_registry(stats["kv_bytes_used"])
+                except Exception as exc:
+                    log.warning("registry heartbeat failed: %s", exc)
+
+    def _beat_health(self, util: float) -> None:
+        assert self.health is not None
+        # keep what others judged (telemetry marks a slow rank degraded): a heartbeat refreshes
+        # liveness, it does not overrule a diagnosis
+        current = self.health.group_health(self.replica_group_id)
+        statuses = {f: current.get(f, "healthy") for f in self._rank_statuses("healthy")}
+        self.health.heartbeat(self.replica_group_id, statuses)
+        self.health.set_kv_utilization(self.replica_group_id, util)
+
+    def _beat_registry(self, kv_bytes_used: int) -> None:
+        assert self.registry is not None
+        plan = self.spec.rank.plan
+        for pp in range(plan.pp_degree):
+            for tp in range(plan.tp_degree):
+                self.registry.heartbeat(f"{self.replica_group_id}:pp{pp}-tp{tp}", kv_bytes_used)
 
     def _report_failure(self, exc: Exception) -> None:
         log.error("replica group %s failed: %s", self.replica_group_id, exc)
-        try:
-            if self.health is not None:
+        # each store on its own: Redis being down must not keep the registry from hearing it
+        if self.health is not None:
+            try:
                 self.health.mark_group(self.replica_group_id, "unhealthy")
-            if self.registry is not None:
+            except Exception as report_exc:
+                log.warning("could not record the failure in the health store: %s", report_exc)
+        if self.registry is not None:
+            try:
                 self.registry.set_status(registry_group_id(self.replica_group_id), "dead", reason=str(exc)[:500])
-        except Exception as report_exc:
-            log.warning("could not record the failure: %s", report_exc)
+            except Exception as report_exc:
+                log.warning("could not record the failure in the registry: %s", report_exc)
 
     def stop(self) -> None:
         self._stop.set()
@@ -160,4 +176,7 @@ class ReplicaDriver:
             except Exception as exc:
                 log.warning("could not record the stop: %s", exc)
         if self.health is not None:
-            self.health.remove_group(self.replica_group_id)
+            try:
+                self.health.remove_group(self.replica_group_id)
+            except Exception as exc:  # the store is down: our entries expire with their TTL instead
+                log.warning("could not remove the group from the health store: %s", exc)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -177,6 +178,24 @@ class HealthStore(ABC):
         if not health or any(status != HEALTHY for status in health.values()):
             return False
         return expected is None or all(canonical_field(f) in health for f in expected)
+
+    def server_run(self) -> tuple[str, float] | None:
+        """(id of the server's current run, monotonic time this client first reached that run);
+        None for a store that cannot restart under its readers (the in-process one)."""
+        return None
+
+    def server_run_id(self) -> str | None:
+        run = self.server_run()
+        return run[0] if run else None
+
+    def restarted_since(self, run_id: str | None) -> bool:
+        """True when the server restarted since the run ``run_id`` (a reader's last read that
+        found an entry), less than a TTL ago: the entry is gone with the restart, not expired,
+        and comes back with the writer's next heartbeat, so its absence is no news of the group.
+        A TTL into the new run, missing means expired again."""
+        run = self.server_run()
+        return (run is not None and run_id is not None and run[0] != run_id
+                and time.monotonic() - run[1] < self.default_ttl_s)
 
     def close(self) -> None:
         """Release connections (no-op for the in-process store)."""

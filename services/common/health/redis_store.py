@@ -9,12 +9,15 @@ d shifts a rank's life by d against a 30 s TTL.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .base import (
     DEFAULT_TTL_S,
@@ -57,6 +60,18 @@ class RedisHealthStore(HealthStore):
         self.key_prefix = key_prefix
         self.default_ttl_s = check_ttl(default_ttl_s)
         client_kwargs.setdefault("decode_responses", True)
+        # a server that restarts or goes away must fail a call fast, not hang its caller (a
+        # worker's heartbeat, a router's poll): the next call reconnects. A pooled connection
+        # the old server closed is replaced at checkout; one that dies mid-command is retried
+        # once on a new connection, with no backoff, so a stopped server still fails at once.
+        client_kwargs.setdefault("socket_connect_timeout", 2.0)
+        client_kwargs.setdefault("socket_timeout", 2.0)
+        client_kwargs.setdefault("retry", Retry(NoBackoff(), 1))
+        client_kwargs.setdefault("retry_on_error", [redis.ConnectionError, redis.TimeoutError])
+        client_kwargs.setdefault("health_check_interval", 10)
+        self._run_lock = threading.Lock()
+        self._run: tuple[str, float] | None = None
+        client_kwargs.setdefault("redis_connect_func", self._on_connect)
         self._client: redis.Redis = redis.Redis.from_url(url, **client_kwargs)
         self._mark_group = self._client.register_script(_MARK_GROUP_LUA)
         self.groups_key = f"{key_prefix}shardhealth_groups"
@@ -70,6 +85,22 @@ class RedisHealthStore(HealthStore):
 
     def close(self) -> None:
         self._client.close()
+
+    def server_run(self) -> tuple[str, float] | None:
+        with self._run_lock:
+            return self._run
+
+    def _on_connect(self, connection: redis.Connection) -> None:
+        """Every new connection (a restart leaves only new ones) notes which run of the server
+        it reached: Redis gives each start a new run_id."""
+        connection.on_connect()
+        connection.send_command("INFO", "server")
+        info = connection.read_response()
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        run_id = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
+        with self._run_lock:
+            if self._run is None or self._run[0] != run_id:
+                self._run = (run_id, time.monotonic())
 
     def heartbeat(self, group_id: str | uuid.UUID, rank_statuses: Mapping[str, str],
                   ttl_s: float | None = None) -> None:

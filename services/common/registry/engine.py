@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from .errors import InvalidValue
 
 SUPPORTED_DRIVERS = ("postgresql+psycopg", "sqlite")
+# seconds a connection attempt to a PostgreSQL that is down or unreachable may take: a caller's
+# loop (a worker's heartbeat, the router's discovery) fails fast and tries again next round
+CONNECT_TIMEOUT_S = 3
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def state_dir() -> Path:
@@ -53,8 +64,37 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         engine = create_engine(parsed, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
+    # a pooled connection is pinged at checkout, so one the server closed (it restarted) is
+    # replaced before use rather than failing the caller
     kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("connect_args", {}).setdefault("connect_timeout", CONNECT_TIMEOUT_S)
     return create_engine(parsed, **kwargs)
+
+
+def retry_on_disconnect(method: Callable[P, R]) -> Callable[P, R]:
+    """Run ``method`` once more when a statement of its transaction failed because the
+    connection was gone (the server restarted after the checkout ping, or with the ping off).
+
+    Only a failed *statement* is retried: its transaction never reached COMMIT, so nothing of it
+    was written and running it again is safe. A failed COMMIT (the write may have landed) and a
+    refused connection (the server is down: a retry would fail the same way) are raised as they
+    are. SQLAlchemy has already invalidated the dead connection and the pool's older ones.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except DBAPIError as exc:
+            if not exc.connection_invalidated or exc.statement is None or getattr(exc, "_retried", False):
+                raise
+            log.info("registry connection lost during %s (%s); retrying once", method.__name__, exc.orig)
+        try:
+            return method(*args, **kwargs)
+        except DBAPIError as exc:
+            exc._retried = True  # type: ignore[attr-defined]  # an enclosing retrying call must not repeat it
+            raise
+    return wrapper
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

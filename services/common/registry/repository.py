@@ -2,6 +2,8 @@
 
 Every method runs in its own short transaction and returns immutable records (records.py), so
 callers never hold ORM objects or sessions. Ids may be given as ``uuid.UUID`` or as strings.
+A method whose statement finds its connection dead (the server restarted) runs once more on a
+new connection (engine.retry_on_disconnect).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from . import migrate
 from .dtypes import to_registry_dtype
-from .engine import make_engine, registry_url
+from .engine import make_engine, registry_url, retry_on_disconnect
 from .errors import (
     Conflict,
     DuplicateManifest,
@@ -120,6 +122,7 @@ class ShardRegistry:
 
     # ---- replica groups -------------------------------------------------------------------
 
+    @retry_on_disconnect
     def create_replica_group(self, model_name: str, tp_degree: int, pp_degree: int, dtype: str,
                              kv_cache_cap_bytes: int, *, name: str | None = None,
                              endpoint: str | None = None,
@@ -142,10 +145,12 @@ class ShardRegistry:
             raise Conflict(f"replica group {row.replica_group_id} already exists") from exc
         return ReplicaGroup.from_row(row)
 
+    @retry_on_disconnect
     def get_group(self, group_id: GroupId) -> ReplicaGroup:
         with self._tx() as session:
             return ReplicaGroup.from_row(self._group_row(session, _as_uuid(group_id)))
 
+    @retry_on_disconnect
     def list_groups(self, model_name: str | None = None,
                     status: str | Iterable[str] | None = None) -> list[ReplicaGroup]:
         """Groups, oldest first, filtered by model and by one status or a set of statuses."""
@@ -159,6 +164,7 @@ class ShardRegistry:
         with self._tx() as session:
             return [ReplicaGroup.from_row(row) for row in session.scalars(query)]
 
+    @retry_on_disconnect
     def set_status(self, group_id: GroupId, new_status: str,
                    reason: str | None = None) -> ReplicaGroup:
         """Move a group along its lifecycle; raises IllegalTransition for any other move.
@@ -192,6 +198,7 @@ class ShardRegistry:
                            f"{_CAS_ATTEMPTS} times; gave up moving it to {new_status}")
         return self.get_group(gid)
 
+    @retry_on_disconnect
     def set_endpoint(self, group_id: GroupId, endpoint: str | None) -> ReplicaGroup:
         """Record where the group's driver serves gRPC (None clears it)."""
         with self._tx() as session:
@@ -202,6 +209,7 @@ class ShardRegistry:
 
     # ---- gpu shards -----------------------------------------------------------------------
 
+    @retry_on_disconnect
     def register_shard(self, group_id: GroupId, gpu_id: str, node_id: str, tp_rank: int,
                        pp_stage: int, weight_bytes: int) -> GpuShard:
         """Place rank (pp_stage, tp_rank) of a group on ``gpu_id``.
@@ -256,6 +264,7 @@ class ShardRegistry:
                 f"gpu {gpu_id} at pp_stage={pp_stage} tp_rank={tp_rank} of group {gid} "
                 f"conflicts with a concurrent registration: {exc.orig}") from exc
 
+    @retry_on_disconnect
     def heartbeat(self, gpu_id: str, kv_used_bytes: int, *, status: str | None = None) -> None:
         """Record a shard's liveness: last_heartbeat = now, its KV bytes used, its status."""
         _require_int("kv_used_bytes", kv_used_bytes, 0)
@@ -271,6 +280,7 @@ class ShardRegistry:
             if result.rowcount == 0:
                 raise ShardNotFound(gpu_id)
 
+    @retry_on_disconnect
     def get_shard(self, gpu_id: str) -> GpuShard:
         with self._tx() as session:
             row = session.get(GpuShardRow, gpu_id)
@@ -278,6 +288,7 @@ class ShardRegistry:
                 raise ShardNotFound(gpu_id)
             return GpuShard.from_row(row)
 
+    @retry_on_disconnect
     def shards_of(self, group_id: GroupId) -> list[GpuShard]:
         """The group's shards in global-rank order (pp_stage, then tp_rank)."""
         gid = _as_uuid(group_id)
@@ -287,6 +298,7 @@ class ShardRegistry:
                                    .order_by(GpuShardRow.pp_stage, GpuShardRow.tp_rank))
             return [GpuShard.from_row(row) for row in rows]
 
+    @retry_on_disconnect
     def stale_shards(self, older_than_s: float, *, include_dead: bool = False) -> list[GpuShard]:
         """Shards whose last heartbeat is more than ``older_than_s`` seconds old.
 
@@ -305,6 +317,7 @@ class ShardRegistry:
 
     # ---- checkpoint manifests -------------------------------------------------------------
 
+    @retry_on_disconnect
     def register_manifest(self, model_name: str, dtype: str, shard_uri_prefix: str,
                           total_bytes: int, shard_count: int, *, manifest_uri: str | None = None,
                           tp_degree: int | None = None, pp_degree: int | None = None,
@@ -336,6 +349,7 @@ class ShardRegistry:
                 f"one: {exc.orig}") from exc
         return CheckpointManifest.from_row(row)
 
+    @retry_on_disconnect
     def get_manifest(self, manifest_id: GroupId) -> CheckpointManifest:
         mid = _as_uuid(manifest_id, "manifest_id")
         with self._tx() as session:
@@ -344,6 +358,7 @@ class ShardRegistry:
                 raise ManifestNotFound(mid)
             return CheckpointManifest.from_row(row)
 
+    @retry_on_disconnect
     def get_manifest_by_uri(self, manifest_uri: str) -> CheckpointManifest:
         with self._tx() as session:
             row = session.scalars(select(CheckpointManifestRow).where(
@@ -352,6 +367,7 @@ class ShardRegistry:
                 raise ManifestNotFound(manifest_uri)
             return CheckpointManifest.from_row(row)
 
+    @retry_on_disconnect
     def list_manifests(self, model_name: str | None = None,
                        dtype: str | None = None) -> list[CheckpointManifest]:
         """Manifests, newest first, filtered by model and dtype (either naming)."""
