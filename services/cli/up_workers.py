@@ -107,8 +107,10 @@ class WorkerSlots:
         else:
             then = (f"not restarting it again ({slot.restarts} restart(s) spent; replacing groups is a fleet "
                     f"controller's job)")
+        live = sum(1 for s in self.slots if s.managed is not None and s.managed.proc.poll() is None)
+        serving = f"{live} other group(s) keep serving" if live else "no replica group is left to serve"
         self.say(f"shardline up: {slot.name} (replica group {slot.group}) exited with code {code}; {marked}; "
-                 f"the other groups keep serving; {then} (log: {managed.log_path})")
+                 f"{serving}; {then} (log: {managed.log_path})")
 
     def _restart(self, slot: WorkerSlot, now: float) -> None:
         slot.restarts += 1

@@ -6,7 +6,8 @@ group continue on the other, their later chunks naming it) or ends with an error
 stack keeps serving; the registry has the group dead with the exit code; worker-0 comes back
 once as a new group that serves. The second kills both workers, so no group is left for a
 continuation: HTTP streams (completions and chat) end with an error event then [DONE], gRPC with
-UNAVAILABLE; the restarted worker-0 is not restarted again, worker-1 is, and serves.
+UNAVAILABLE; the restarted worker-0 is not restarted again, worker-1 is, and serves. The last
+kills the router, which stops the whole stack with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
 from tests.router.processes import REPO
-from tests.router.test_up import up_command
+from tests.router.test_up import our_processes, up_command
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,10 @@ class Stack:
 
     def worker_pid(self, index: int) -> int:
         """The live `shardline serve worker` (the driver) on worker-<index>'s port."""
-        port = str(self.ports["base"] + 3 + index)
+        return self.serving_pid("worker", self.ports["base"] + 3 + index)
+
+    def serving_pid(self, service: str, port_number: int) -> int:
+        port = str(port_number)
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
                 continue
@@ -69,9 +73,9 @@ class Stack:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "serve" in args and "worker" in args and any(a == "--port" and b == port for a, b in zip(args, args[1:])):
+            if "serve" in args and service in args and any(a == "--port" and b == port for a, b in zip(args, args[1:])):
                 return int(pid)
-        raise AssertionError(f"no worker on port {port}")
+        raise AssertionError(f"no {service} on port {port}")
 
     def kill_worker(self, index: int) -> str:
         """SIGKILL worker-<index>'s driver; its replica group's name (rg-<index>-...)."""
@@ -209,6 +213,11 @@ def test_killed_worker_fails_over_is_marked_dead_and_restarted_once(stack):
             seen |= set(pool.map(lambda _: stack.client.completions.create(
                 model=MODEL, prompt="hello", max_tokens=8, temperature=0).replica_group_id, range(4)))
     assert dead not in seen
+    # a non-streaming answer names its group in the body and both headers
+    raw = stack.client.completions.with_raw_response.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
+    body = raw.parse()
+    assert raw.headers["x-shardline-replica-group-id"] == raw.headers["x-shardline-replica-group-ids"] \
+        == body.replica_group_id != dead
 
 
 def grpc_stream(address: str, progress: list[int]) -> tuple[int, grpc.StatusCode | None, str]:
@@ -277,3 +286,13 @@ def test_streams_end_with_an_error_when_no_group_is_left(stack):
             time.sleep(0.5)
     assert done.replica_group_id == new
     assert stack.proc.poll() is None  # the stack never stopped
+
+
+def test_the_routers_death_stops_the_stack(stack):
+    os.kill(stack.serving_pid("router", stack.ports["router"]), signal.SIGKILL)
+    assert stack.proc.wait(timeout=60) == 1, stack.log()
+    assert "router exited with code -9: the router is the stack's front door, so the stack stops" in stack.log()
+    assert "shardline up: stopping the stack" in stack.log()
+    assert our_processes(stack.ports) == []
+    with pytest.raises(AssertionError):
+        stack.worker_pid(1)  # the second worker's port too
