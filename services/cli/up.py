@@ -4,7 +4,10 @@ Starts telemetry, loader and planner, N replica groups (each a ``shardline serve
 driver spawns its TP x PP ranks) and the router, each as ``shardline serve NAME`` (the entry
 point docker-compose and the tests use); waits until each answers its gRPC health check; prints
 the router's gRPC and HTTP endpoints; and serves until Ctrl-C or SIGTERM, which stops everything
-(process groups, no orphan). ``--model smollm2`` / ``tiny`` make the model under ``.models/`` on
+(process groups, no orphan). A worker process that dies is a failed replica group, not a
+stopped stack: the router continues its requests on the other groups and ``up_workers``
+restarts it once as a new group; only the router's death (or ``up``'s own) stops the stack.
+``--model smollm2`` / ``tiny`` make the model under ``.models/`` on
 first use. ``--demo-prompt`` streams one completion through the router once the stack is up.
 
 Embedded defaults: the SQLite registry in the state directory (``--registry-url`` for
@@ -27,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from services.cli.client import stream_generate, summary
+from services.cli.up_workers import WorkerSlots
 from services.common.config import DEFAULT_PORTS
 from services.common.proto import common_pb2, router_pb2
 from services.common.registry.engine import registry_url
@@ -132,10 +136,10 @@ def serve_argv(name: str, port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *flags]
 
 
-def worker_flags(args: argparse.Namespace, model_dir: Path, index: int, registry: str,
+def worker_flags(args: argparse.Namespace, model_dir: Path, group: str, registry: str,
                  telemetry: str) -> list[str]:
     flags = ["--model", str(model_dir), "--tp", str(args.tp), "--pp", str(args.pp), "--telemetry", telemetry,
-             "--replica-group-id", f"rg-{index}-{uuid.uuid4().hex[:6]}", "--registry-url", registry]
+             "--replica-group-id", group, "--registry-url", registry]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
     if args.dtype:
@@ -149,6 +153,8 @@ def worker_flags(args: argparse.Namespace, model_dir: Path, index: int, registry
 
 def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[ManagedProcess],
                  telemetry_metrics_url: str) -> list[str]:
+    # each worker slot keeps its address across a restart, so --worker suffices: the router
+    # polls the address and takes the new group id it reports there
     # the router's /metrics re-exports telemetry's collective histograms: one scrape target
     flags = ["--http-port", str(args.http_port), "--model", str(model_dir),
              "--telemetry-metrics-url", telemetry_metrics_url]
@@ -183,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nshardline up: interrupted", file=sys.stderr)
         return 130
     stop = threading.Event()
+    slots: WorkerSlots | None = None
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     supervisor = Supervisor(stop)
     try:
@@ -196,10 +203,10 @@ def run(args: argparse.Namespace) -> int:
                                        log_path=logs / f"{name}.log")
                       for name in BACKGROUND]
         telemetry = f"127.0.0.1:{ports['telemetry']}"
-        workers = [supervisor.start(f"worker-{i}", serve_argv("worker", ports[f"worker-{i}"],
-                                                              *worker_flags(args, model_dir, i, registry, telemetry)),
-                                    ports[f"worker-{i}"], log_path=logs / f"worker-{i}.log")
-                   for i in range(args.replicas)]
+        slots = WorkerSlots(supervisor, lambda _i, port, group: serve_argv(
+                                "worker", port, *worker_flags(args, model_dir, group, registry, telemetry)),
+                            logs, registry)
+        workers = [slots.start(i, ports[f"worker-{i}"]) for i in range(args.replicas)]
         _wait_all(supervisor, background + workers, args.startup_timeout)
         # the router comes last: it polls every group once before it reports SERVING
         router = supervisor.start("router", serve_argv("router", args.port, *router_flags(
@@ -214,10 +221,7 @@ def run(args: argparse.Namespace) -> int:
         if args.exit_after_demo:
             return 0
         print("Ctrl-C stops the stack.", flush=True)
-        while not stop.wait(0.5):
-            dead = supervisor.dead()
-            if dead:
-                raise supervisor.failure(dead[0], f"exited with code {dead[0].proc.returncode}")
+        watch(supervisor, slots, router, background, stop)
         return 0
     except StackStopped:
         return 0
@@ -228,8 +232,29 @@ def run(args: argparse.Namespace) -> int:
         if supervisor.processes:
             print("shardline up: stopping the stack ...", flush=True)
         supervisor.stop_all()
+        if slots is not None:
+            slots.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def watch(supervisor: Supervisor, slots: WorkerSlots, router: ManagedProcess, background: list[ManagedProcess],
+          stop: threading.Event) -> None:
+    """Serve until stopped. A dead worker is a failed replica group (``up_workers``: the others
+    keep serving, it is restarted once); a dead background service is reported and left dead (it
+    is not on the request path); only the router's death stops the stack, as it is the front door."""
+    reported: set[int] = set()
+    while not stop.wait(0.5):
+        if router.proc.poll() is not None:
+            raise supervisor.failure(router, f"exited with code {router.proc.returncode}: the router is the "
+                                             f"stack's front door, so the stack stops")
+        for managed in background:
+            if managed.proc.poll() is not None and id(managed) not in reported:
+                reported.add(id(managed))
+                print(f"shardline up: {managed.name} exited with code {managed.proc.returncode}; it is not on "
+                      f"the request path, so the stack keeps serving without it (log: {managed.log_path})",
+                      flush=True)
+        slots.tick()
 
 
 def demo(router_address: str, args: argparse.Namespace) -> bool:

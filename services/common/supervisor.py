@@ -106,6 +106,17 @@ class Supervisor:
     def dead(self) -> list[ManagedProcess]:
         return [m for m in self.processes if m.proc is not None and m.proc.poll() is not None]
 
+    def reap(self, managed: ManagedProcess) -> None:
+        """Forget a process that exited, first killing what its process group still holds (a
+        driver's ranks outlive a SIGKILLed driver); a replacement is a new :meth:`start`."""
+        if managed.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(managed.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                managed.proc.wait(timeout=5)
+        if managed in self.processes:
+            self.processes.remove(managed)
+
     def stop_all(self, grace_s: float = 15.0) -> None:
         live = [m for m in reversed(self.processes) if m.proc is not None and m.proc.poll() is None]
         for managed in live:

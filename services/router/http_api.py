@@ -148,6 +148,8 @@ def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
         await _unless_disconnected(request, generation.start(), generation)
         head = oa.ResponseHeader(f"{prefix}-{generation.request_id}", generation.prepared.model.name,
                                  generation.replica_group_id)
+        # a header goes out before the first byte: on a stream it names the group the stream
+        # started on, and each chunk names the group that produced it (the last ones the final group)
         headers = {"x-shardline-replica-group-id": generation.replica_group_id}
         if parsed.stream:
             stream = _chat_stream(generation, head, parsed) if chat else _completion_stream(generation, head, parsed)
@@ -166,6 +168,10 @@ def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
             finished = await _unless_disconnected(request, collect(), generation)
         finally:
             generation.close()
+        # the whole answer is known: name the group of its last token, and every group that produced some
+        head.replica_group_id = generation.replica_group_id
+        headers = {"x-shardline-replica-group-id": generation.replica_group_id,
+                   "x-shardline-replica-group-ids": ",".join(generation.replica_group_ids or [head.replica_group_id])}
         build = oa.chat_response if chat else oa.completion_response
         return JSONResponse(build(head, tokens, finished, parsed.want_logprobs), headers=headers)
 
@@ -212,6 +218,7 @@ async def _completion_stream(generation: Generation, head: oa.ResponseHeader,
     offset = 0
     try:
         async for event in generation:
+            head.replica_group_id = generation.replica_group_id  # the group that produced this event
             if isinstance(event, Finished):
                 yield sse_event(oa.completion_chunk(head, "", finish_reason=event.reason.openai))
                 if parsed.include_usage:
@@ -222,8 +229,8 @@ async def _completion_stream(generation: Generation, head: oa.ResponseHeader,
             logprobs = oa.completion_logprobs([event], offset) if parsed.want_logprobs else None
             offset += len(event.text)
             yield sse_event(oa.completion_chunk(head, event.text, logprobs=logprobs))
-    except ShardlineError as exc:
-        yield sse_event(oa.error_body(exc)[1])
+    except Exception as exc:  # noqa: BLE001 - a stream ends with an error event and [DONE], never a silent cut
+        yield _stream_error(generation, exc)
     yield "data: [DONE]\n\n"
 
 
@@ -232,6 +239,7 @@ async def _chat_stream(generation: Generation, head: oa.ResponseHeader,
     yield sse_event(oa.chat_chunk(head, {"role": "assistant", "content": ""}))
     try:
         async for event in generation:
+            head.replica_group_id = generation.replica_group_id  # the group that produced this event
             if isinstance(event, Finished):
                 yield sse_event(oa.chat_chunk(head, {}, finish_reason=event.reason.openai))
                 if parsed.include_usage:
@@ -241,9 +249,15 @@ async def _chat_stream(generation: Generation, head: oa.ResponseHeader,
                 continue
             logprobs = oa.chat_logprobs([event]) if parsed.want_logprobs else None
             yield sse_event(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs))
-    except ShardlineError as exc:
-        yield sse_event(oa.error_body(exc)[1])
+    except Exception as exc:  # noqa: BLE001 - a stream ends with an error event and [DONE], never a silent cut
+        yield _stream_error(generation, exc)
     yield "data: [DONE]\n\n"
+
+
+def _stream_error(generation: Generation, exc: Exception) -> str:
+    if not isinstance(exc, ShardlineError):
+        log.exception("request %s: the stream failed", generation.request_id, exc_info=exc)
+    return sse_event(oa.error_body(exc)[1])
 
 
 class _EmbeddedServer(uvicorn.Server):

@@ -11,7 +11,11 @@ relay and the front doors call however the request ends, releases the reservatio
 If the group fails mid-stream (the worker ends the request with UNAVAILABLE), the group is marked
 failed and the request continues on another group: prompt + the tokens already streamed
 become the new prompt, ``max_tokens`` shrinks by as many, and the client sees one unbroken
-stream (``replica_group_id`` changes on the messages that follow).
+stream (``replica_group_id`` changes on the messages that follow: it always names the group
+that produced the token at hand; ``replica_group_ids`` lists every group that produced some).
+A request that cannot continue (no healthy group left, or ``max_continuations`` spent) raises
+the failure (UNAVAILABLE), which each front door turns into its error: a gRPC status, an SSE
+error event before ``[DONE]``.
 
 Per relayed token the loop does only what the client needs: one await on the request's upstream
 stream (``worker_client.py`` reads the worker's Relay stream once per engine step for all the
@@ -113,7 +117,8 @@ class Generation:
         self.request_id = prepared.request_id
         self.cancelled = threading.Event()  # also read by a queued admission's thread
         self.reservation: Reservation | None = None
-        self.replica_group_id = ""
+        self.replica_group_id = ""  # the group the stream is on now: the one that produces the next token
+        self.replica_group_ids: list[str] = []  # the groups that produced its tokens, in order
         self.arrival_ns = time.monotonic_ns()
         self.admitted_ns = 0
         self._upstream: UpstreamStream | None = None
@@ -293,6 +298,8 @@ class Generation:
                         if not first_ns:
                             first_ns = last_ns
                         index = len(generated)
+                        if index == continued_from:  # the first token of this group's
+                            self.replica_group_ids.append(self.replica_group_id)
                         token_id = event.token_id
                         generated.append(token_id)
                         reservation.generated = index + 1 - continued_from

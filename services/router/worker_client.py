@@ -32,8 +32,11 @@ from services.common.sampling import FinishReason, SamplingParams
 from services.router.admission import RequestCancelled
 from services.router.replicas import WorkerStats
 
+# Reconnects back off to at most 2 s (gRPC's default grows to 120 s): a worker restarted at the
+# same address (a new replica group there) is polled, and so routable, within a poll or two.
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                   ("grpc.http2.max_pings_without_data", 0)]
+                   ("grpc.http2.max_pings_without_data", 0), ("grpc.initial_reconnect_backoff_ms", 250),
+                   ("grpc.min_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
 class WorkerFailed(Unavailable):
