@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``,
-``GET /health`` (200 while a replica group takes requests, else 503) and ``GET /metrics``
-(Prometheus, the process's default registry). Errors use OpenAI's body
+``GET /health`` (200 while a replica group takes requests, else 503), ``GET /metrics``
+(Prometheus, the process's default registry) and ``GET /openapi.json`` (``openapi.py``; no docs
+UIs). Bodies are read and checked by ``edge.py`` first (400/413/415). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` with 400/401/404/429/503.
 
 uvicorn serves on the same event loop as the gRPC server, so a request's generation is the
@@ -37,6 +38,7 @@ from services.router import edge
 from services.router import openai_format as oa
 from services.router.admission import RequestCancelled
 from services.router.auth import ApiKeyCheck
+from services.router.openapi import openapi_document
 from services.router.service import Generation, RouterCore
 from services.router.types import Finished, TokenOut, trace_context_of
 
@@ -123,6 +125,12 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         if edge.parse_inline(raw):
             return edge.parse_json_object(raw), size
         return await core.off_loop(edge.parse_json_object, raw, pure_python=True), size
+
+    document = openapi_document()
+
+    @app.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        return JSONResponse(document)
 
     @app.get("/health")
     async def health() -> JSONResponse:
