@@ -144,6 +144,15 @@ def _errors(*codes: str) -> dict[str, Any]:
             for c in codes}
 
 
+def _sse_event(chunk: str) -> dict[str, Any]:
+    """One Server-Sent Event, as OpenAPI 3.1 reads ``schema`` under ``text/event-stream``: its
+    ``data`` is the chunk (or an Error) as JSON text, and the last one is ``[DONE]``."""
+    return _obj({"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}}]}}, ("data",))
+
+
 def _generate(request: str, response: str, chunk: str, summary: str) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
@@ -153,7 +162,7 @@ def _generate(request: str, response: str, chunk: str, summary: str) -> dict[str
                                    f"(or an Error, if the stream fails), then `data: [DONE]`",
                     "headers": {"x-shardline-replica-group-id": {"schema": _STR}},
                     "content": {"application/json": {"schema": _ref(response)},
-                                "text/event-stream": {"schema": _ref(chunk)}}},
+                                "text/event-stream": {"schema": _sse_event(chunk)}}},
             **_errors("400", "401", "404", "413", "415", "429", "503")}}}
 
 

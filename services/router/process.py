@@ -81,7 +81,8 @@ class RouterProcess:
     async def start_http(self, host: str, port: int) -> int:
         """Serve the OpenAI-compatible API on the running loop; returns the bound port. Raises
         OSError when the port cannot be bound."""
-        self.http = await HttpServer(create_app(self.core, self.auth, max_body_bytes=self.max_body_bytes), host, port).start()
+        app = create_app(self.core, self.auth, max_body_bytes=self.max_body_bytes)
+        self.http = await HttpServer(app, host, port).start()
         return self.http.port
 
     async def stop(self) -> None:
