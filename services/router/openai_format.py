@@ -16,6 +16,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument, ShardlineError
 from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
 from services.router.types import Finished, GenerationRequest, TokenOut
@@ -148,8 +149,7 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
             raise BadRequest("prompt must not be empty", "prompt")
         text = prompt
     elif isinstance(prompt, list) and len(prompt) > model.max_model_len:  # before looking at each id
-        raise BadRequest(f"prompt has {len(prompt)} token ids, beyond this model's maximum context length of "
-                         f"{model.max_model_len} tokens", "prompt")
+        raise context_error(model.max_model_len, len(prompt), _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS))
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
             raise BadRequest("prompt must not be empty", "prompt")

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 from services.common.errors import InvalidArgument
 from services.common.sampling import FinishReason, SamplingParams
-from services.router.admission import AdmissionQueue, RequestCancelled
+from services.router.admission import AdmissionQueue, RequestCancelled, context_error
 from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaGroupView, ReplicaSet
@@ -117,8 +117,7 @@ class RouterCore:
             if not ids:
                 raise InvalidArgument("prompt must not be empty: token_ids has no ids")
             if len(ids) > model.max_model_len:  # before looking at each id: there may be millions
-                raise InvalidArgument(f"prompt has {len(ids)} token ids, beyond this model's maximum context "
-                                      f"length of {model.max_model_len} tokens")
+                raise context_error(model.max_model_len, len(ids), request.sampling.max_tokens)
             bad = [t for t in ids if not 0 <= t < model.vocab_size]
             if model.vocab_size and bad:
                 raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.vocab_size})")

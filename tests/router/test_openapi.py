@@ -19,7 +19,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.router.processes import start_service, stop, wait_serving
+from tests.router.processes import start_service, stop, wait_healthy, wait_serving
 from tests.stack import free_port
 
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
@@ -43,6 +43,7 @@ def http(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
             "--max-model-len", "256", "--http-port", str(http_port)], logs / "router.log")
         procs.append(router)
         wait_serving(router, router_address, logs / "router.log", timeout_s=30)
+        wait_healthy(f"http://127.0.0.1:{http_port}")
         yield f"http://127.0.0.1:{http_port}"
     finally:
         codes = [stop(p, timeout_s=20) for p in reversed(procs)]
