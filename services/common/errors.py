@@ -34,6 +34,14 @@ class InvalidArgument(ShardlineError, ValueError, grpc_status="INVALID_ARGUMENT"
     """
 
 
+class PayloadTooLarge(InvalidArgument, http_status=413):
+    """The request body is larger than the server takes (the router's --max-body-bytes)."""
+
+
+class UnsupportedMediaType(InvalidArgument, http_status=415):
+    """The request body is not in a format the endpoint reads (JSON endpoints: application/json)."""
+
+
 class ResourceExhausted(ShardlineError, grpc_status="RESOURCE_EXHAUSTED", http_status=429,
                         openai_type="rate_limit_error"):
     """The request is valid but cannot be taken now: queue full, or deadline passed in queue."""

@@ -38,6 +38,7 @@ from services.common.grpc_server import (
     SERVER_OPTIONS,
     BindError,
     ServiceBinding,
+    checked_request,
     host_port,
     register_services,
     rewrap_handler,
@@ -58,7 +59,7 @@ def _wrap_coroutine(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
     # nothing per streamed message
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(checked_request(request), context)
         except ShardlineError as exc:
             await _abort(context, exc)
 
@@ -68,7 +69,7 @@ def _wrap_coroutine(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
 def _wrap_async_generator(behavior: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            async for response in behavior(request, context):
+            async for response in behavior(checked_request(request), context):
                 yield response
         except ShardlineError as exc:
             await _abort(context, exc)

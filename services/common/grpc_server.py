@@ -99,7 +99,7 @@ def rewrap_handler(handler: grpc.RpcMethodHandler, wrap_unary_response: Callable
                    wrap_stream_response: Callable[[Any], Any]) -> grpc.RpcMethodHandler:
     """The same handler with its behaviour wrapped: ``wrap_unary_response`` for the kinds that
     answer one message, ``wrap_stream_response`` for the kinds that stream (sync and aio servers)."""
-    kwargs = {"request_deserializer": handler.request_deserializer,
+    kwargs = {"request_deserializer": tolerant_deserializer(handler.request_deserializer),
               "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(wrap_unary_response(handler.unary_unary), **kwargs)
@@ -112,6 +112,49 @@ def rewrap_handler(handler: grpc.RpcMethodHandler, wrap_unary_response: Callable
     return handler
 
 
+class UndecodableRequest:
+    """What :func:`tolerant_deserializer` hands the handler for bytes that are not the request
+    message: grpc would answer a deserializer's exception with UNKNOWN (aio) or INTERNAL (sync),
+    a server fault, so the wrappers turn this into INVALID_ARGUMENT instead, the client's."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def tolerant_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+    cls = getattr(deserialize, "__self__", None)
+    name = getattr(getattr(cls, "DESCRIPTOR", None), "full_name", "request")
+
+    def deserialize_or_mark(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or whatever a deserializer raises
+            return UndecodableRequest(f"the request ({len(data)} bytes) is not a valid {name} message: {exc}")
+
+    return deserialize_or_mark
+
+
+def checked_request(request: Any) -> Any:
+    """``request`` if it decoded; InvalidArgument if not. A request stream comes back wrapped,
+    raising at the message that did not decode."""
+    if request.__class__ is UndecodableRequest:
+        raise InvalidArgument(request.message)
+    if hasattr(request, "__anext__"):
+        return _checked_async_stream(request)
+    if hasattr(request, "__next__"):
+        return (checked_request(r) for r in request)
+    return request
+
+
+async def _checked_async_stream(requests: Any) -> Any:
+    async for request in requests:
+        yield checked_request(request)
+
+
 def host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -120,7 +163,7 @@ def host_port(host: str, port: int) -> str:
 def _wrap_unary(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
     def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return behavior(request, context)
+            return behavior(checked_request(request), context)
         except ShardlineError as exc:
             _abort(context, exc)
 
@@ -132,7 +175,7 @@ def _wrap_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]])
     # called, so the wrapper must itself iterate.
     def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            yield from behavior(request, context)
+            yield from behavior(checked_request(request), context)
         except ShardlineError as exc:
             _abort(context, exc)
 

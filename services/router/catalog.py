@@ -37,11 +37,44 @@ class ServedModel:
     bos_token: str | None = None
     eos_token: str | None = None
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; the post-processor adds BOS when the model wants it."""
+    def encode(self, text: str, *, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
+        """Token ids of ``text``; the post-processor adds BOS when the model wants it.
+
+        ``release_gil``: through ``encode_batch``, which lets go of the GIL while it tokenizes
+        (``encode`` holds it throughout), for a caller on a thread off the event loop."""
         if self.tokenizer is None:
             raise InvalidArgument(f"model {self.name!r} has no tokenizer.json: send token ids instead of text")
+        self.check_prompt_chars(text)
+        if release_gil:
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def longest_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, where that bounds a text's token
+        count from below (a byte-level BPE without a normalizer: every input byte lands in exactly
+        one token, and no token spans more bytes than its vocabulary entry); else None."""
+        if self.tokenizer is None:
+            return None
+        spec = json.loads(self.tokenizer.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        kinds = [p.get("type") for p in pre.get("pretokenizers", [])] if pre.get("type") == "Sequence" else \
+            [pre.get("type")]
+        if spec.get("normalizer") is not None or "ByteLevel" not in kinds:
+            return None
+        return max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
+
+    def check_prompt_chars(self, text: str) -> None:
+        """Reject, without tokenizing, a text that cannot fit the context even if every token
+        were the tokenizer's longest (a many-megabyte prompt would otherwise be tokenized first)."""
+        per_token = self.longest_token_chars
+        if per_token is None or len(text) <= self.max_model_len * per_token:
+            return
+        raise InvalidArgument(
+            f"prompt is {len(text)} characters: with at most {per_token} characters per token (this "
+            f"tokenizer's longest), that is more than {len(text) // per_token} tokens, beyond this model's "
+            f"maximum context length of {self.max_model_len} tokens (at most "
+            f"{self.max_model_len * per_token} characters)")
 
     @cached_property
     def _token_texts(self) -> TokenTexts | None:

@@ -67,6 +67,11 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
             raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         content = message.get("content")
         if content is None:
+            # OpenAI allows a null (or missing) content only on an assistant message (one that
+            # made tool calls); a user's empty turn would silently generate from nothing
+            if role != "assistant":
+                raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts for "
+                                      f"a {role} message, got {'null' if 'content' in message else 'nothing'}")
             content = ""
         if isinstance(content, list):
             texts = []

@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``,
-``GET /health`` (200 while a replica group takes requests, else 503) and ``GET /metrics``
-(Prometheus, the process's default registry). Errors use OpenAI's body
+``GET /health`` (200 while a replica group takes requests, else 503), ``GET /metrics``
+(Prometheus, the process's default registry) and ``GET /openapi.json`` (``openapi.py``; no docs
+UIs). Bodies are read and checked by ``edge.py`` first (400/413/415). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` with 400/401/404/429/503.
 
 uvicorn serves on the same event loop as the gRPC server, so a request's generation is the
@@ -29,16 +30,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from services.common.errors import InvalidArgument, NotFound, ShardlineError
+from services.router import edge
 from services.router import openai_format as oa
 from services.router.admission import RequestCancelled
 from services.router.auth import ApiKeyCheck
+from services.router.openapi import openapi_document
 from services.router.service import Generation, RouterCore
 from services.router.types import Finished, TokenOut, trace_context_of
 
 log = logging.getLogger(__name__)
+# Chat bodies up to this size are templated and tokenized on the loop (a millisecond or two).
+INLINE_CHAT_BYTES = 16 * 1024
+# How much of a too-large body is read (and dropped) before answering 413.
+DRAIN_MAX_BYTES = 64 * 2**20
 
 
 class CancellingStreamingResponse(StreamingResponse):
@@ -72,7 +80,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
+def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edge.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="shardline router", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ShardlineError)
@@ -94,14 +102,35 @@ def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
     def authorize(request: Request) -> None:
         auth.check(request.headers.get("authorization"))
 
-    async def json_body(request: Request) -> dict[str, Any]:
+    async def json_body(request: Request) -> tuple[dict[str, Any], int]:
+        """The body as a JSON object and its size in bytes (edge.py has the rules)."""
+        edge.check_content_type(request.headers.get("content-type"))
+        edge.check_declared_length(request.headers.get("content-length"), max_body_bytes)
+        chunks: list[bytes] = []
+        size = 0
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise oa.BadRequest(f"the body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise oa.BadRequest("the body must be a JSON object")
-        return body
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= max_body_bytes:
+                    chunks.append(chunk)
+                elif size > DRAIN_MAX_BYTES:
+                    break
+        except ClientDisconnect:
+            raise RequestCancelled("the client disconnected while sending the body") from None
+        if size > max_body_bytes:
+            # the rest of the body was read and dropped, up to a bound, so that a client still
+            # sending reads the 413 rather than a reset connection
+            raise edge.too_large(size, max_body_bytes)
+        raw = b"".join(chunks)
+        if edge.parse_inline(raw):
+            return edge.parse_json_object(raw), size
+        return await core.off_loop(edge.parse_json_object, raw, pure_python=True), size
+
+    document = openapi_document()
+
+    @app.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        return JSONResponse(document)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -126,7 +155,7 @@ def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
-        body = await json_body(request)
+        body, _size = await json_body(request)
         model = core.catalog.get(_model_name(body))
         parsed = oa.parse_completion(body, model)
         return await _serve(request, parsed, "cmpl", chat=False)
@@ -134,16 +163,19 @@ def create_app(core: RouterCore, auth: ApiKeyCheck) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        body = await json_body(request)
+        body, size = await json_body(request)
         model = core.catalog.get(_model_name(body))
         limit = max((g.token_limit for g in core.groups(model.name)), default=0)
-        parsed = oa.parse_chat(body, model, token_limit=limit)
+        if size <= INLINE_CHAT_BYTES:
+            parsed = oa.parse_chat(body, model, token_limit=limit)
+        else:  # many or long messages: templating and tokenizing them would hold the loop
+            parsed = await core.off_loop(oa.parse_chat, body, model, token_limit=limit, release_gil=True)
         return await _serve(request, parsed, "chatcmpl", chat=True)
 
     async def _serve(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
         generation_request = dataclasses.replace(parsed.request,
                                                  trace_context=trace_context_of(request.headers.items()))
-        generation = core.generate(generation_request, token_texts=parsed.want_logprobs)
+        generation = await core.generate_async(generation_request, token_texts=parsed.want_logprobs)
         # admission errors become plain HTTP errors; a client gone while queued is let go
         await _unless_disconnected(request, generation.start(), generation)
         head = oa.ResponseHeader(f"{prefix}-{generation.request_id}", generation.prepared.model.name,

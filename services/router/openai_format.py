@@ -16,6 +16,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument, ShardlineError
 from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
 from services.router.types import Finished, GenerationRequest, TokenOut
@@ -48,8 +49,9 @@ def error_code(exc: BaseException, status: int) -> str | None:
     message = str(exc)
     if status == 400 and ("maximum context length" in message or "needs KV cache" in message):
         return "context_length_exceeded"
-    return {400: "invalid_value", 401: "invalid_api_key", 404: "model_not_found",
-            429: "queue_full" if "full" in message else "queue_timeout", 503: "no_healthy_replica"}.get(status)
+    return {400: "invalid_value", 401: "invalid_api_key", 404: "model_not_found", 413: "payload_too_large",
+            415: "unsupported_media_type", 429: "queue_full" if "full" in message else "queue_timeout",
+            503: "no_healthy_replica"}.get(status)
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -146,6 +148,8 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
         if not prompt:
             raise BadRequest("prompt must not be empty", "prompt")
         text = prompt
+    elif isinstance(prompt, list) and len(prompt) > model.max_model_len:  # before looking at each id
+        raise context_error(model.max_model_len, len(prompt), _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS))
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
             raise BadRequest("prompt must not be empty", "prompt")
@@ -162,18 +166,25 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     return ParsedRequest(request, stream, include_usage, logprobs is not None)
 
 
-def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int) -> ParsedRequest:
+def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
+               release_gil: bool = False) -> ParsedRequest:
     """/v1/chat/completions: render the messages with the model's chat template, as
     transformers' ``apply_chat_template(add_generation_prompt=True)`` does, then tokenize without
     adding special tokens (the template spells them). ``token_limit`` is the most tokens any group
-    could hold, which bounds the default max_tokens."""
+    could hold, which bounds the default max_tokens. ``release_gil``: the caller is off the event
+    loop (a large request), so tokenize letting go of the GIL."""
     _reject_unsupported(body)
     try:
         messages = parse_messages(body.get("messages"))
     except InvalidArgument as exc:
         raise BadRequest(str(exc), "messages") from None
     prompt = model.render_chat(messages)
-    ids = model.encode(prompt, add_special_tokens=False)
+    try:
+        ids = model.encode(prompt, add_special_tokens=False, release_gil=release_gil)
+    except BadRequest:
+        raise
+    except InvalidArgument as exc:  # the rendered prompt cannot fit the context
+        raise BadRequest(f"messages: {exc}", "messages") from None
     if not ids:
         raise BadRequest("messages must not render to an empty prompt", "messages")
     max_tokens = _get(body, "max_completion_tokens", (int,), None)

@@ -18,6 +18,7 @@ from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, Adm
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelCatalog, load_served_model
 from services.router.discovery import RegistryDiscovery
+from services.router.edge import DEFAULT_MAX_BODY_BYTES
 from services.router.http_api import HttpServer, create_app
 from services.router.metrics import RouterMetrics
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
@@ -31,7 +32,8 @@ class RouterProcess:
 
     def __init__(self, catalog: ModelCatalog, queue: QueueConfig, *, store: HealthStore, auth: ApiKeyCheck,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-                 max_continuations: int = DEFAULT_MAX_CONTINUATIONS) -> None:
+                 max_continuations: int = DEFAULT_MAX_CONTINUATIONS,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         replicas = ReplicaSet()
         router = Router(replicas)
         admission = AdmissionQueue(replicas, router, queue)
@@ -43,6 +45,7 @@ class RouterProcess:
         self.store = store
         self.auth = auth
         self.poll_interval_s = poll_interval_s
+        self.max_body_bytes = max_body_bytes
         self.pollers: list[GroupPoller] = []
         self.discovery = None
         self.http = None
@@ -78,7 +81,8 @@ class RouterProcess:
     async def start_http(self, host: str, port: int) -> int:
         """Serve the OpenAI-compatible API on the running loop; returns the bound port. Raises
         OSError when the port cannot be bound."""
-        self.http = await HttpServer(create_app(self.core, self.auth), host, port).start()
+        app = create_app(self.core, self.auth, max_body_bytes=self.max_body_bytes)
+        self.http = await HttpServer(app, host, port).start()
         return self.http.port
 
     async def stop(self) -> None:
@@ -103,6 +107,7 @@ class RouterProcess:
         for client in list(self.clients.values()):
             await client.aclose()
             client.close()
+        self.core.executor.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
 
@@ -121,8 +126,11 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
     poll = args.poll_interval if args.poll_interval is not None else DEFAULT_POLL_INTERVAL_S
     if not 0 < poll <= 0.5:
         raise InvalidArgument(f"--poll-interval must be in (0, 0.5] seconds, got {poll}")
+    max_body = resolve("max_body_bytes", getattr(args, "max_body_bytes", None), DEFAULT_MAX_BODY_BYTES)
+    if max_body < 1:
+        raise InvalidArgument(f"--max-body-bytes must be >= 1, got {max_body}")
     if args.max_continuations < 0:
         raise InvalidArgument(f"--max-continuations must be >= 0, got {args.max_continuations}")
     return RouterProcess(catalog, queue, store=make_health_store(resolve("redis_url", args.redis_url, "") or None),
                          auth=ApiKeyCheck(resolve("api_key", args.api_key, "") or None), poll_interval_s=poll,
-                         max_continuations=args.max_continuations)
+                         max_continuations=args.max_continuations, max_body_bytes=max_body)

@@ -27,6 +27,7 @@ from services.common.proto_convert import FINISH_REASON_TO_PB, dtype_to_pb, samp
 from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, RequestCancelled
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelDirError
+from services.router.edge import DEFAULT_MAX_BODY_BYTES
 from services.router.process import RouterProcess, build_process
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
@@ -100,7 +101,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext) -> None:
         metadata = context.invocation_metadata()
         self.auth.check_metadata(metadata)
-        generation = self.core.generate(request_from_pb(request, trace_context_of(metadata)))
+        generation = await self.core.generate_async(request_from_pb(request, trace_context_of(metadata)))
         rid = generation.request_id
         write = context.write
         try:
@@ -171,6 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"default {DEFAULT_MAX_WAIT_S:g})")
     group.add_argument("--poll-interval", type=float, default=None,
                        help=f"seconds between Stats polls of each group (default {DEFAULT_POLL_INTERVAL_S:g})")
+    group.add_argument("--max-body-bytes", type=int, default=None,
+                       help=f"largest HTTP request body accepted, larger ones get 413 (env "
+                            f"SHARDLINE_MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES})")
     group.add_argument("--max-continuations", type=int, default=DEFAULT_MAX_CONTINUATIONS,
                        help="times a request may move to another group after its group fails mid-stream")
 

@@ -31,11 +31,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import TypeVar
 
 from services.common.errors import InvalidArgument
 from services.common.sampling import FinishReason, SamplingParams
-from services.router.admission import AdmissionQueue, RequestCancelled
+from services.router.admission import AdmissionQueue, RequestCancelled, context_error
 from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaGroupView, ReplicaSet
@@ -44,8 +47,13 @@ from services.router.types import Finished, GenerationRequest, Timings, TokenAlt
 from services.router.worker_client import UpstreamFinished, UpstreamStream, WorkerFailed, WorkerRejected
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MAX_CONTINUATIONS = 2
+# Text prompts up to this many characters are tokenized on the event loop (~3 ms with the tiny
+# model's tokenizer); longer ones on the router's prepare threads, with the GIL released.
+INLINE_ENCODE_CHARS = 8192
+PREPARE_THREADS = 2
 
 
 # (address, request_id, prompt ids, sampling, trace context) -> the request's stream on that worker
@@ -76,30 +84,70 @@ class RouterCore:
         self.open_upstream = open_upstream
         self.metrics = metrics
         self.max_continuations = max_continuations
+        # tokenizing and chat templating of large inputs, off the event loop (a few threads: the
+        # work is CPU, and a queue of it must not take the machine from the workers)
+        self.executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="router-prepare")
+
+    async def off_loop(self, fn: Callable[..., T], /, *args: object, **kwargs: object) -> T:
+        """``fn(*args, **kwargs)`` on the prepare threads, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
 
     def prepare(self, request: GenerationRequest, *, token_texts: bool = False) -> Prepared:
-        """Validate and tokenize; raises NotFound / InvalidArgument (nothing is reserved yet)."""
+        """Validate and tokenize here, on the caller's thread; raises NotFound / InvalidArgument
+        (nothing is reserved yet). The front doors use :meth:`prepare_async`."""
         model = self.catalog.get(request.model)
-        sampling = request.sampling
+        text = self._check_prompt(model, request)
+        ids = model.encode(text, add_special_tokens=request.add_special_tokens) if text is not None else None
+        return self._prepared(model, request, ids, token_texts)
+
+    async def prepare_async(self, request: GenerationRequest, *, token_texts: bool = False) -> Prepared:
+        """:meth:`prepare`, with a long text tokenized on the prepare threads so that the event
+        loop keeps relaying other requests' tokens meanwhile."""
+        model = self.catalog.get(request.model)
+        text = self._check_prompt(model, request)
+        ids = None
+        if text is not None and len(text) <= INLINE_ENCODE_CHARS:
+            ids = model.encode(text, add_special_tokens=request.add_special_tokens)
+        elif text is not None:
+            ids = await self.off_loop(model.encode, text, add_special_tokens=request.add_special_tokens,
+                                      release_gil=True)
+        return self._prepared(model, request, ids, token_texts)
+
+    @staticmethod
+    def _check_prompt(model: ServedModel, request: GenerationRequest) -> str | None:
+        """The checks that need no tokenizing; the text to tokenize (None: token ids given)."""
         if request.prompt_ids is not None:
-            ids = list(request.prompt_ids)
+            ids = request.prompt_ids
             if not ids:
                 raise InvalidArgument("prompt must not be empty: token_ids has no ids")
+            if len(ids) > model.max_model_len:  # before looking at each id: there may be millions
+                raise context_error(model.max_model_len, len(ids), request.sampling.max_tokens)
             bad = [t for t in ids if not 0 <= t < model.vocab_size]
             if model.vocab_size and bad:
                 raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.vocab_size})")
-        elif request.prompt_text:
-            ids = model.encode(request.prompt_text, add_special_tokens=request.add_special_tokens)
-            if not ids:
-                raise InvalidArgument("prompt must not be empty: the text has no tokens")
-        else:
-            raise InvalidArgument("prompt must not be empty: set text or token_ids")
+            return None
+        if request.prompt_text:
+            model.check_prompt_chars(request.prompt_text)
+            return request.prompt_text
+        raise InvalidArgument("prompt must not be empty: set text or token_ids")
+
+    @staticmethod
+    def _prepared(model: ServedModel, request: GenerationRequest, ids: list[int] | None,
+                  token_texts: bool) -> Prepared:
+        if ids is None:
+            ids = list(request.prompt_ids or ())
+        elif not ids:
+            raise InvalidArgument("prompt must not be empty: the text has no tokens")
         request_id = request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
-        return Prepared(model, ids, sampling, request_id, token_texts or sampling.logprobs > 0,
+        return Prepared(model, ids, request.sampling, request_id, token_texts or request.sampling.logprobs > 0,
                         request.trace_context)
 
     def generate(self, request: GenerationRequest, *, token_texts: bool = False) -> Generation:
         return Generation(self, self.prepare(request, token_texts=token_texts))
+
+    async def generate_async(self, request: GenerationRequest, *, token_texts: bool = False) -> Generation:
+        """:meth:`generate` for the front doors: a long prompt is tokenized off the event loop."""
+        return Generation(self, await self.prepare_async(request, token_texts=token_texts))
 
     def groups(self, model: str = "") -> list[ReplicaGroupView]:
         with self.replicas.lock:

@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.common.healthcheck import wait_serving as wait_serving_or_why
@@ -37,6 +39,15 @@ def wait_serving(proc: subprocess.Popen, address: str, log: Path, timeout_s: flo
     if problem:
         stop(proc)
         pytest.fail(f"{problem}:\n{log.read_text()}")
+
+
+def wait_healthy(http: str, timeout_s: float = 30.0) -> None:
+    """Until the router's /health is 200: it has seen a replica group report (SERVING on gRPC
+    comes first)."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{http}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, f"{http}/health not 200 within {timeout_s} s"
+        time.sleep(0.1)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:

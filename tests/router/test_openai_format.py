@@ -105,7 +105,10 @@ def test_messages_are_validated():
         parse_messages([])
     with pytest.raises(InvalidArgument, match=r"messages\[0\].role must be one of"):
         parse_messages([{"role": "robot", "content": "x"}])
-    assert parse_messages([{"role": "user", "content": None}]) == [ChatMessage("user", "")]
+    # null content only on an assistant message (one that made tool calls), as OpenAI allows
+    assert parse_messages([{"role": "assistant", "content": None}]) == [ChatMessage("assistant", "")]
+    with pytest.raises(InvalidArgument, match=r"messages\[0\].content must be a string"):
+        parse_messages([{"role": "user", "content": None}])
 
 
 def test_sse_events_escape_the_characters_clients_split_lines_on() -> None:

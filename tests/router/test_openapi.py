@@ -1,0 +1,103 @@
+"""The router's OpenAPI document, and schemathesis fuzzing the real HTTP port against it: no
+5xx, every response's status, content type and body as documented, and the router still serves
+a normal request afterwards."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.router.processes import start_service, stop, wait_healthy, wait_serving
+from tests.stack import free_port
+
+CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
+EXAMPLES_PER_MODE = 25  # per operation, positive and negative each
+DEADLINE_S = 90.0  # the whole fuzzing run; a slow machine fuzzes less, never longer
+
+
+@pytest.fixture(scope="module")
+def http(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("openapi")
+    # a small context: a fuzzed max_tokens that the worker would have to generate for long is a 400
+    worker, worker_address = start_service("worker", [
+        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.02",
+        "--replica-group-id", "rg-fuzz"], logs / "worker.log")
+    procs = [worker]
+    try:
+        wait_serving(worker, worker_address, logs / "worker.log")
+        http_port = free_port()
+        router, router_address = start_service("router", [
+            "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--worker", worker_address,
+            "--max-model-len", "256", "--http-port", str(http_port)], logs / "router.log")
+        procs.append(router)
+        wait_serving(router, router_address, logs / "router.log", timeout_s=30)
+        wait_healthy(f"http://127.0.0.1:{http_port}")
+        yield f"http://127.0.0.1:{http_port}"
+    finally:
+        codes = [stop(p, timeout_s=20) for p in reversed(procs)]
+    router_log = (logs / "router.log").read_text()
+    assert codes[0] == 0, router_log
+    assert "Traceback" not in router_log, router_log
+
+
+def test_the_document_describes_the_api(http):
+    document = httpx.get(f"{http}/openapi.json", timeout=10).json()
+    assert document["openapi"].startswith("3.1")
+    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    stream = document["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    data = stream["schema"]["properties"]["data"]["anyOf"]
+    assert data[1]["contentSchema"]["anyOf"][0]["$ref"] == "#/components/schemas/CompletionChunk"
+    for ui in ("/docs", "/redoc"):
+        assert httpx.get(f"{http}{ui}", timeout=10).status_code == 404
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_schemathesis_finds_nothing(http):
+    schema = schemathesis.openapi.from_url(f"{http}/openapi.json")
+    deadline = time.monotonic() + DEADLINE_S
+    ran: dict[str, int] = {}
+    statuses: dict[str, dict[int, int]] = {}
+
+    def fuzzer(operation, mode, label):
+        @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def fuzz(case):
+            if time.monotonic() > deadline:
+                return
+            ran[label] += 1
+            response = case.call(base_url=http, timeout=30)
+            statuses[label][response.status_code] = statuses[label].get(response.status_code, 0) + 1
+            case.validate_response(response, checks=CHECKS)
+
+        return fuzz
+
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        modes = [schemathesis.GenerationMode.POSITIVE]
+        if operation.method.upper() == "POST":  # a GET without parameters has no negative input
+            modes.append(schemathesis.GenerationMode.NEGATIVE)
+        for mode in modes:
+            label = f"{operation.label} {mode.value}"
+            ran[label] = 0
+            statuses[label] = {}
+            fuzzer(operation, mode, label)()
+    print("schemathesis examples per operation:", ran, "statuses:", statuses)
+    assert sum(ran.values()) >= 50
+    # and a normal request is still served
+    client = openai.OpenAI(base_url=f"{http}/v1", api_key="none", max_retries=0)
+    done = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    assert done.usage.completion_tokens == 4
