@@ -41,7 +41,8 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def spec_for(model_dir, dtype: str, tp: int = 1, pp: int = 1) -> EngineSpec:
-    return EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype), CacheConfig(kv_cache_bytes=512 << 20))
+    rank = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype)
+    return EngineSpec(rank, CacheConfig(kv_cache_bytes=512 << 20))
 
 
 def run_engine(engine, prompts, max_tokens: int) -> dict:

@@ -197,7 +197,8 @@ def _decode_rank(rank: int, world_size: int, spec: Any, prompt: list[int], decod
 def measure_decode(model_dir: Path, tp: int, pp: int, *, dtype: str = "float32", decode_tokens: int = 32,
                    requests: int = 2) -> list[float]:
     """Inter-token latencies of ``requests`` batch-1 greedy requests on the real engine at (tp, pp)."""
-    spec = EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S),
+    spec = EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype,
+                               collective_timeout_s=COLLECTIVE_TIMEOUT_S),
                       cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES))
     prompt = list(range(10, 10 + PROMPT_TOKENS))
     return run_replica_group(tp * pp, _decode_rank, spec, prompt, decode_tokens, requests)

@@ -3,8 +3,9 @@ the common token. The worker's engine and the router both use it, so their texts
 
 Decoding token by token breaks characters whose UTF-8 bytes span several byte-level tokens. As
 vLLM does, decode the window of tokens already shown and the window including the new one, and
-emit the difference unless it ends in an incomplete character (U+FFFD): two decodes per token. For a byte-level BPE tokenizer (the Llama-3 / SmolLM2 / GPT-2 family) most tokens do not
-need it: the decoder maps each token to its bytes (a skipped special token to none) and decodes
+emit the difference unless it ends in an incomplete character (U+FFFD): two decodes per token.
+
+For a byte-level BPE tokenizer (the Llama-3 / SmolLM2 / GPT-2 family) most tokens do not need it: the decoder maps each token to its bytes (a skipped special token to none) and decodes
 the concatenation as UTF-8 with U+FFFD for invalid sequences, so when a token's bytes are valid
 UTF-8 on their own (they then start at a character boundary), decoding ``window + token`` gives
 ``decode(window)`` followed by the token's own text, whatever the window ends with. So while no

@@ -155,7 +155,8 @@ class AdmissionQueue:
                         raise RequestCancelled(f"request {request_id} cancelled while queued")
                     if queue[0] is ticket:
                         check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
-                        reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
+                        reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens,
+                                                                     request_id=request_id)
                         if reservation is not None:
                             return reservation
                     remaining = deadline - self.clock()

@@ -132,7 +132,8 @@ async def events_of(stream) -> list:
 
 def test_events_in_domain_terms_and_the_trace_context_in_the_submit():
     async def body(client: WorkerClient, worker: FakeWorker) -> None:
-        stream = client.generate("r1", [5, 6, 7], SamplingParams(logprobs=1), trace_context=(("traceparent", TRACEPARENT),))
+        stream = client.generate("r1", [5, 6, 7], SamplingParams(logprobs=1),
+                                 trace_context=(("traceparent", TRACEPARENT),))
         events = await events_of(stream)
         assert events[:-1] == [UpstreamToken(100 + i, -0.25, ((7, -0.5),)) for i in range(3)]
         assert events[-1] == UpstreamFinished(FinishReason.LENGTH, 3, 3, None)

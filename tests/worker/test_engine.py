@@ -19,7 +19,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def generate(model_dir, prompts, params, *, tp=1, pp=1, cache=None, max_batched_tokens=2048):
-    spec = EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp), cache or CacheConfig(kv_cache_bytes=64 << 20),
+    spec = EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp),
+                      cache or CacheConfig(kv_cache_bytes=64 << 20),
                       max_batched_tokens=max_batched_tokens)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)

@@ -17,7 +17,8 @@ TINY_LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]  # every TP·PP 
 
 
 def sharded_logprobs(model_dir, ids, tp, pp, dtype="float32"):
-    result = run_replica_group(tp * pp, score_rank, RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype), ids)
+    spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype)
+    result = run_replica_group(tp * pp, score_rank, spec, ids)
     return torch.tensor(result.logprobs), result
 
 
