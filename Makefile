@@ -5,8 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (0: one process). Most of the suite's time is waiting on
-# real processes, timeouts and sleeps, so three workers overlap it well even on 2 cores.
-TEST_WORKERS ?= 3
+# real processes, timeouts and sleeps, so two workers on 2 cores halve it; three or four were
+# no faster here and only starve the ranks of the tests more.
+TEST_WORKERS ?= 2
 
 .PHONY: run demo test setup proto kernels system-deps clean
 

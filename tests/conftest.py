@@ -55,9 +55,10 @@ def redis_url() -> Iterator[str]:
 # A test marked `serial` races a clock against the machine: a 2 s collective timeout that a rank
 # starved of CPU trips, a shipper that must drop rather than wait while telemetry is stopped.
 # On 2 cores the other workers' ranks would starve it, so it runs while no other test of the
-# run does: every test holds the run's lock shared, a serial one holds it exclusive. The gate
-# in front keeps a waiting serial test from being starved by workers taking turns on the
-# shared lock: a worker passes the gate only while no serial test is waiting or running.
+# run does: every test holds a lock in the base temp dir the run's workers share, a serial test
+# holds it exclusive. The gate in front keeps a waiting serial test from being starved by
+# workers taking turns on the shared lock: a worker passes the gate only while no serial test
+# is waiting or running.
 
 
 @contextlib.contextmanager

@@ -22,14 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 POSTGRES_BIN_DIRS = ("/usr/local/bin", "/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin")
-# one Redis database per pytest-xdist worker (tests/conftest.py), and 0 for a serial run
+# one Redis database per pytest-xdist worker (tests/conftest.py), and 0 outside xdist
 REDIS_DATABASES = 64
 
 
 # Ports the tests choose come from a block of their own below the kernel's ephemeral range: a port
 # picked, closed and bound later by a service cannot be handed out meanwhile by bind(0) elsewhere
 # (the services' own rank ports, outgoing connections) nor to another pytest-xdist worker, which
-# has another block. Block 0 is a process outside xdist (a serial run, tests.stack itself).
+# has another block. Block 0 is a process outside xdist (a one-process run, tests.stack itself).
 PORT_BLOCKS_START = 10_000
 PORT_BLOCK_SIZE = 2_000
 # each pick skips the next few ports too: `shardline up --port-base B` takes B .. B+3
