@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
+from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
 from tests.router.processes import REPO
 from tests.router.test_up import our_processes, up_command
@@ -76,6 +76,11 @@ class Stack:
             if "serve" in args and service in args and any(a == "--port" and b == port for a, b in zip(args, args[1:])):
                 return int(pid)
         raise AssertionError(f"no {service} on port {port}")
+
+    def worker_running(self, index: int) -> int:
+        """Requests worker-<index>'s engine is generating now (its Stats)."""
+        with grpc.insecure_channel(f"127.0.0.1:{self.ports['base'] + 3 + index}") as channel:
+            return worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5).running
 
     def kill_worker(self, index: int) -> str:
         """SIGKILL worker-<index>'s driver; its replica group's name (rg-<index>-...)."""
@@ -146,6 +151,7 @@ def run_streams(client: openai.OpenAI, during=None) -> list[dict]:
         return [f.result(timeout=120) for f in futures]
 
 
+@pytest.mark.serial  # the kill must land while worker-0 decodes (see kill_mid_stream)
 def test_killed_worker_fails_over_is_marked_dead_and_restarted_once(stack):
     reference = run_streams(stack.client)
     assert all(r["error"] is None and len(r["tokens"]) == MAX_TOKENS for r in reference), reference
@@ -159,6 +165,9 @@ def test_killed_worker_fails_over_is_marked_dead_and_restarted_once(stack):
         while max(n for group, n in progress if group.startswith("rg-0-") or not group) < 4:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        # the tiny model decodes a whole stream in a few hundred ms: a client starved of CPU reads
+        # its chunks after the engine is done, and the kill would then hit an idle group
+        assert stack.worker_running(0) > 0, "worker-0 finished before its client read 4 tokens"
         killed.append(stack.kill_worker(0))
 
     t_kill = time.monotonic()
