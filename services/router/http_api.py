@@ -175,7 +175,7 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
     async def _serve(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
         generation_request = dataclasses.replace(parsed.request,
                                                  trace_context=trace_context_of(request.headers.items()))
-        generation = await core.generate_async(generation_request, token_texts=parsed.want_logprobs)
+        generation = await core.generate(generation_request, token_texts=parsed.want_logprobs)
         # admission errors become plain HTTP errors; a client gone while queued is let go
         await _unless_disconnected(request, generation.start(), generation)
         head = oa.ResponseHeader(f"{prefix}-{generation.request_id}", generation.prepared.model.name,

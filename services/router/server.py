@@ -101,7 +101,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext) -> None:
         metadata = context.invocation_metadata()
         self.auth.check_metadata(metadata)
-        generation = await self.core.generate_async(request_from_pb(request, trace_context_of(metadata)))
+        generation = await self.core.generate(request_from_pb(request, trace_context_of(metadata)))
         rid = generation.request_id
         write = context.write
         try:

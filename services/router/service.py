@@ -92,17 +92,10 @@ class RouterCore:
         """``fn(*args, **kwargs)`` on the prepare threads, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
 
-    def prepare(self, request: GenerationRequest, *, token_texts: bool = False) -> Prepared:
-        """Validate and tokenize here, on the caller's thread; raises NotFound / InvalidArgument
-        (nothing is reserved yet). The front doors use :meth:`prepare_async`."""
-        model = self.catalog.get(request.model)
-        text = self._check_prompt(model, request)
-        ids = model.encode(text, add_special_tokens=request.add_special_tokens) if text is not None else None
-        return self._prepared(model, request, ids, token_texts)
-
-    async def prepare_async(self, request: GenerationRequest, *, token_texts: bool = False) -> Prepared:
-        """:meth:`prepare`, with a long text tokenized on the prepare threads so that the event
-        loop keeps relaying other requests' tokens meanwhile."""
+    async def prepare(self, request: GenerationRequest, *, token_texts: bool = False) -> Prepared:
+        """Validate and tokenize; raises NotFound / InvalidArgument (nothing is reserved yet). A
+        long text is tokenized on the prepare threads, so that the event loop keeps relaying other
+        requests' tokens meanwhile."""
         model = self.catalog.get(request.model)
         text = self._check_prompt(model, request)
         ids = None
@@ -127,8 +120,7 @@ class RouterCore:
                 raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.vocab_size})")
             return None
         if request.prompt_text:
-            model.check_prompt_chars(request.prompt_text)
-            return request.prompt_text
+            return request.prompt_text  # ServedModel.encode bounds its length before tokenizing
         raise InvalidArgument("prompt must not be empty: set text or token_ids")
 
     @staticmethod
@@ -142,12 +134,9 @@ class RouterCore:
         return Prepared(model, ids, request.sampling, request_id, token_texts or request.sampling.logprobs > 0,
                         request.trace_context)
 
-    def generate(self, request: GenerationRequest, *, token_texts: bool = False) -> Generation:
-        return Generation(self, self.prepare(request, token_texts=token_texts))
-
-    async def generate_async(self, request: GenerationRequest, *, token_texts: bool = False) -> Generation:
-        """:meth:`generate` for the front doors: a long prompt is tokenized off the event loop."""
-        return Generation(self, await self.prepare_async(request, token_texts=token_texts))
+    async def generate(self, request: GenerationRequest, *, token_texts: bool = False) -> Generation:
+        """A generation of ``request``, prepared (a long prompt is tokenized off the event loop)."""
+        return Generation(self, await self.prepare(request, token_texts=token_texts))
 
     def groups(self, model: str = "") -> list[ReplicaGroupView]:
         with self.replicas.lock:

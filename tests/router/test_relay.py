@@ -94,7 +94,7 @@ def test_tokens_then_finished_and_the_reservation_is_released(catalog):
     core = core_over(catalog, workers)
 
     async def run() -> list:
-        return [event async for event in core.generate(request(max_tokens=5))]
+        return [event async for event in await core.generate(request(max_tokens=5))]
 
     events = asyncio.run(run())
     tokens, final = events[:-1], events[-1]
@@ -111,7 +111,7 @@ def test_a_client_cancel_reaches_the_worker_and_releases_the_reservation(catalog
     core = core_over(catalog, workers)
 
     async def run() -> list:
-        generation = core.generate(request(max_tokens=50))
+        generation = await core.generate(request(max_tokens=50))
         got: list = []
 
         async def consume() -> None:
@@ -136,7 +136,7 @@ def test_a_consumer_that_stops_between_events_cancels_the_worker_through_close(c
     core = core_over(catalog, workers)
 
     async def run() -> None:
-        generation = core.generate(request(max_tokens=50))
+        generation = await core.generate(request(max_tokens=50))
         events = generation.__aiter__()
         await events.__anext__()
         generation.close()  # a front door's finally, with the relay suspended at its yield
@@ -152,7 +152,7 @@ def test_a_group_that_fails_mid_stream_is_marked_and_the_request_continues_elsew
     core = core_over(catalog, workers, a, view("b", used_tokens=10))
 
     async def run() -> list:
-        generation = core.generate(request(max_tokens=8))
+        generation = await core.generate(request(max_tokens=8))
         return [(event, generation.replica_group_id) async for event in generation]
 
     events = asyncio.run(run())
@@ -172,7 +172,7 @@ def test_a_queued_request_waits_on_a_thread_and_is_placed_when_headroom_returns(
     hog = core.router.try_reserve("m", 30, 30)
 
     async def run() -> list:
-        generation = core.generate(request(max_tokens=20))
+        generation = await core.generate(request(max_tokens=20))
         start = asyncio.ensure_future(generation.start())
         await asyncio.sleep(0.2)
         assert not start.done() and core.admission.depth("m") == 1  # queued, and the loop still runs
@@ -190,7 +190,7 @@ def test_a_queued_request_whose_client_goes_away_leaves_the_queue(catalog):
     hog = core.router.try_reserve("m", 30, 30)
 
     async def run() -> None:
-        generation = core.generate(request(max_tokens=20))
+        generation = await core.generate(request(max_tokens=20))
         start = asyncio.ensure_future(generation.start())
         await asyncio.sleep(0.2)
         start.cancel()
@@ -221,7 +221,7 @@ def test_a_stream_that_ends_without_its_final_message_is_unavailable(catalog):
     core = core_over(catalog, Truncated())
 
     async def run() -> None:
-        async for _ in core.generate(request()):
+        async for _ in await core.generate(request()):
             pass
 
     with pytest.raises(Unavailable, match="without a final message"):
