@@ -18,6 +18,8 @@ import grpc
 
 from services.common.config import DEFAULT_PORTS, resolve
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
+from services.common.errors import InvalidArgument
+from services.common.transport_security import TransportSecurity, add_security_arguments, open_channel
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--api-key", default=None, help="router API key (env SHARDLINE_API_KEY)")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole stream (default 300)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_security_arguments(gen)
     gen.set_defaults(func=run_generate)
 
 
@@ -75,12 +78,13 @@ def build_request(args: argparse.Namespace) -> router_pb2.RouterGenerateRequest:
 
 
 def stream_generate(address: str, request: router_pb2.RouterGenerateRequest, *, out: TextIO | None = None,
-                    api_key: str | None = None, timeout_s: float = 300.0) -> StreamResult:
+                    api_key: str | None = None, timeout_s: float = 300.0,
+                    security: TransportSecurity | None = None) -> StreamResult:
     """Run one Generate on the router, writing each text delta to ``out`` as it arrives."""
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     result = StreamResult()
     t0 = time.monotonic()
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, security) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         for response in stub.Generate(request, metadata=metadata, timeout=timeout_s):
             result.replica_group_id, result.request_id = response.replica_group_id, response.request_id
@@ -111,8 +115,13 @@ def summary(result: StreamResult) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     api_key = resolve("api_key", args.api_key, "") or None
     try:
+        security = TransportSecurity.from_args(args)
+    except InvalidArgument as exc:
+        print(f"shardline client: {exc}", file=sys.stderr)
+        return 2
+    try:
         result = stream_generate(args.router, build_request(args), out=None if args.json else sys.stdout,
-                                 api_key=api_key, timeout_s=args.timeout)
+                                 api_key=api_key, timeout_s=args.timeout, security=security)
     except grpc.RpcError as exc:
         if not args.json:
             print(file=sys.stdout)

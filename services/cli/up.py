@@ -32,10 +32,12 @@ import grpc
 from services.cli.client import stream_generate, summary
 from services.cli.up_workers import WorkerSlots
 from services.common.config import DEFAULT_PORTS
+from services.common.errors import InvalidArgument
 from services.common.proto import common_pb2, router_pb2
 from services.common.registry.engine import registry_url
 from services.common.registry.repository import ShardRegistry
 from services.common.supervisor import ManagedProcess, StackError, StackStopped, Supervisor
+from services.common.transport_security import TransportSecurity, add_security_arguments
 from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
@@ -66,6 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--redis-url", default=None, help="shared health store (default: in the router)")
     parser.add_argument("--registry-url", default=None, help="shard registry (default: the embedded SQLite file)")
     parser.add_argument("--api-key", default=None, help="require this API key at the router (env SHARDLINE_API_KEY)")
+    parser.add_argument("--metrics-auth", action="store_true",
+                        help="every /metrics needs a credential: the API key at the router, the internal token "
+                             "at the internal services")
+    parser.add_argument("--dev", action="store_true", help="serve gRPC reflection on every service")
+    add_security_arguments(parser)
     parser.add_argument("--log-dir", type=Path, default=Path(".run/logs"), help="service logs (default .run/logs)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds each service may take to become SERVING (default 600)")
@@ -169,6 +176,21 @@ def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[Manage
     return flags
 
 
+def export_security(args: argparse.Namespace) -> None:
+    """TLS, the internal token, ``--metrics-auth`` and ``--dev`` reach every process of the stack
+    (and this one's health checks) through the environment, so no secret is on a command line."""
+    security = TransportSecurity.from_args(args)  # checks the files before anything starts
+    os.environ.update(security.environ())
+    args.tls_cert = security.cert_file
+    if args.metrics_auth:
+        if security.internal_token is None:
+            raise InvalidArgument("--metrics-auth needs --internal-token (or SHARDLINE_INTERNAL_TOKEN): the "
+                                  "internal services' /metrics open with it")
+        os.environ["SHARDLINE_METRICS_AUTH"] = "1"
+    if args.dev:
+        os.environ["SHARDLINE_DEV"] = "1"
+
+
 def _wait_all(supervisor: Supervisor, started: list[ManagedProcess], timeout_s: float) -> None:
     for managed in started:
         took = supervisor.wait_healthy(managed, timeout_s)
@@ -180,9 +202,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardline up: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
         return 2
     try:
+        export_security(args)
         model_dir = resolve_model(args.model)
         registry = prepare_registry(args.registry_url)
-    except StackError as exc:
+    except (StackError, InvalidArgument) as exc:
         print(f"shardline up: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -209,12 +232,13 @@ def run(args: argparse.Namespace) -> int:
         workers = [slots.start(i, ports[f"worker-{i}"]) for i in range(args.replicas)]
         _wait_all(supervisor, background + workers, args.startup_timeout)
         # the router comes last: it polls every group once before it reports SERVING
+        scheme = "https" if args.tls_cert else "http"
         router = supervisor.start("router", serve_argv("router", args.port, *router_flags(
-                                      args, model_dir, workers, f"http://127.0.0.1:{metrics_port}/metrics")),
+                                      args, model_dir, workers, f"{scheme}://127.0.0.1:{metrics_port}/metrics")),
                                   args.port, log_path=logs / "router.log")
         _wait_all(supervisor, [router], args.startup_timeout)
-        print(f"shardline is up: router gRPC 127.0.0.1:{args.port}, "
-              f"OpenAI HTTP http://127.0.0.1:{args.http_port}/v1", flush=True)
+        print(f"shardline is up: router gRPC 127.0.0.1:{args.port}{' (TLS)' if args.tls_cert else ''}, "
+              f"OpenAI HTTP {scheme}://127.0.0.1:{args.http_port}/v1", flush=True)
         if args.demo_prompt is not None:
             if not demo(router.address, args):
                 return 1

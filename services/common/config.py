@@ -114,6 +114,9 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, service: str) -> No
                        help=f"threads serving RPCs (a threaded server's open stream holds one; the "
                             f"router's asyncio server uses them only for blocking calls) "
                             f"(env SHARDLINE_MAX_WORKERS; default {DEFAULT_MAX_WORKERS})")
+    group.add_argument("--dev", action="store_const", const=True, default=None,
+                       help="development mode: serve gRPC reflection, so grpcurl can list and call the "
+                            "services without their protos (env SHARDLINE_DEV; default off)")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class ServerConfig:
     log_level: str = "INFO"
     grace_s: float = DEFAULT_GRACE_S
     max_workers: int = DEFAULT_MAX_WORKERS
+    reflection: bool = False  # --dev: reflection lists and describes the services to anyone
 
     def __post_init__(self) -> None:
         if self.service not in DEFAULT_PORTS:
@@ -157,4 +161,5 @@ class ServerConfig:
             log_level=resolve("log_level", args.log_level, "INFO", environ=environ).upper(),
             grace_s=resolve("grace_s", args.grace_s, DEFAULT_GRACE_S, environ=environ),
             max_workers=resolve("max_workers", args.max_workers, DEFAULT_MAX_WORKERS, environ=environ),
+            reflection=resolve("dev", getattr(args, "dev", None), False, environ=environ),
         )

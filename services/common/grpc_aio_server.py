@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from services.common.config import ServerConfig
-from services.common.errors import ShardlineError
+from services.common.errors import InvalidArgument, ShardlineError
 from services.common.grpc_server import (
     SERVER_OPTIONS,
     BindError,
@@ -43,7 +43,9 @@ from services.common.grpc_server import (
     register_services,
     rewrap_handler,
     status_for,
+    warn_if_exposed,
 )
+from services.common.transport_security import TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +139,14 @@ class AioGrpcServer:
 
 
 async def start_aio_server(config: ServerConfig, bindings: list[ServiceBinding], *,
-                           start_serving: bool = True) -> AioGrpcServer:
-    """Bind ``config.address``, register the services, health and reflection, and start, on the
-    running event loop. Raises :class:`BindError` when the port cannot be bound."""
+                           start_serving: bool = True, security: TransportSecurity | None = None) -> AioGrpcServer:
+    """Bind ``config.address`` (TLS and the internal token as ``security`` says), register the
+    services, health and reflection, and start, on the running event loop. Raises
+    :class:`BindError` when the port cannot be bound."""
+    security = security or TransportSecurity()
+    if security.required_token(config.service):
+        raise InvalidArgument(f"{config.service} would need the internal token, which only the threaded "
+                              f"server checks")
     server = grpc.aio.server(
         migration_thread_pool=futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                          thread_name_prefix=f"{config.service}-rpc"),
@@ -147,9 +154,10 @@ async def start_aio_server(config: ServerConfig, bindings: list[ServiceBinding],
         options=SERVER_OPTIONS,
     )
     health_servicer = health.aio.HealthServicer()
-    names = register_services(server, bindings, health_servicer)
+    names = register_services(server, bindings, health_servicer, with_reflection=config.reflection)
+    warn_if_exposed(config, security)
     try:
-        port = server.add_insecure_port(config.address)
+        port = security.bind(server, config.address, service=config.service)
     except RuntimeError as exc:
         await server.stop(None)
         raise BindError(f"cannot bind {config.address} for {config.service}: {exc}") from exc
@@ -167,6 +175,7 @@ async def serve_until_signal(
     bindings: list[ServiceBinding],
     *,
     on_stopping: Callable[[AioGrpcServer], Awaitable[None]] | None = None,
+    security: TransportSecurity | None = None,
 ) -> int:
     """Serve on the running loop until SIGTERM or SIGINT, then shut down gracefully; returns the
     exit code (0, or 1 when the port cannot be bound). ``on_stopping`` runs after health turns
@@ -190,7 +199,7 @@ async def serve_until_signal(
         loop.add_signal_handler(signum, handle, signum)
     try:
         try:
-            running = await start_aio_server(config, bindings)
+            running = await start_aio_server(config, bindings, security=security)
         except BindError as exc:
             log.error("%s", exc)
             return 1

@@ -6,7 +6,9 @@ all five behave alike:
 - the standard ``grpc.health.v1.Health`` service answers SERVING for the overall server ("")
   and for each shardline service by its full name, and NOT_SERVING once shutdown starts, so a
   load balancer stops sending work before the port closes;
-- reflection lists the services (``grpcurl -plaintext 127.0.0.1:50053 list`` works);
+- reflection lists the services in ``--dev`` (``grpcurl -plaintext 127.0.0.1:50053 list``), and is
+  off otherwise: it tells anyone who reaches the port every method it has;
+- TLS and the internal token as :mod:`services.common.transport_security` says;
 - :class:`ErrorInterceptor` turns a :class:`~services.common.errors.ShardlineError` raised by a
   handler into its status code through :data:`STATUS_FOR_ERROR`, so servicers stay thin
   (protobuf in, domain call, protobuf out) and never translate errors by hand;
@@ -33,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import ServerConfig
 from services.common.errors import ERROR_CLASSES, InvalidArgument, ShardlineError
 from services.common.logging import configure_logging
+from services.common.transport_security import INTERNAL_SERVICES, TokenInterceptor, TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +53,31 @@ KEEPALIVE_POLICY = [("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 # Every server, sync or aio: grpc enables SO_REUSEPORT by default, so a second server on a taken
 # port would start "fine" and steal half the connections; fail loudly instead.
 SERVER_OPTIONS = [("grpc.so_reuseport", 0), *KEEPALIVE_POLICY]
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-def register_services(server: Any, bindings: list[ServiceBinding], health_servicer: Any) -> tuple[str, ...]:
-    """Add ``bindings``, health and reflection to a sync or aio ``server``; the services' names."""
+def register_services(server: Any, bindings: list[ServiceBinding], health_servicer: Any, *,
+                      with_reflection: bool) -> tuple[str, ...]:
+    """Add ``bindings``, health and (in ``--dev``) reflection to a sync or aio ``server``; the
+    services' names."""
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(b.full_name for b in bindings)
-    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if with_reflection:
+        reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     return names
+
+
+def warn_if_exposed(config: ServerConfig, security: TransportSecurity) -> None:
+    """A port off loopback with neither TLS nor a credential is worth a line in the log."""
+    if config.host in LOOPBACK_HOSTS:
+        return
+    if not security.serves_tls:
+        log.warning("%s listens on %s without TLS (--tls-cert/--tls-key)", config.service, config.address)
+    if config.service in INTERNAL_SERVICES and security.internal_token is None and not security.mtls:
+        log.warning("%s listens on %s and anyone who reaches it may call it: set SHARDLINE_INTERNAL_TOKEN "
+                    "or --mtls", config.service, config.address)
 
 
 def status_for(exc: ShardlineError) -> grpc.StatusCode:
@@ -230,21 +248,26 @@ class GrpcServer:
         self.server.stop(grace).wait()
 
 
-def start_server(config: ServerConfig, bindings: list[ServiceBinding], *, start_serving: bool = True) -> GrpcServer:
-    """Bind ``config.address``, register the services, health and reflection, and start.
-    Health says SERVING at once unless ``start_serving`` is False."""
+def start_server(config: ServerConfig, bindings: list[ServiceBinding], *, start_serving: bool = True,
+                 security: TransportSecurity | None = None) -> GrpcServer:
+    """Bind ``config.address`` (TLS and the internal token as ``security`` says), register the
+    services, health and reflection, and start. Health says SERVING at once unless
+    ``start_serving`` is False."""
+    security = security or TransportSecurity()
+    token = security.required_token(config.service)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"{config.service}-rpc"),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*([TokenInterceptor(token)] if token else []), ErrorInterceptor()],
         options=SERVER_OPTIONS,
     )
     health_servicer = health.HealthServicer(
         experimental_non_blocking=True,
         experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
     )
-    names = register_services(server, bindings, health_servicer)
+    names = register_services(server, bindings, health_servicer, with_reflection=config.reflection)
+    warn_if_exposed(config, security)
     try:
-        port = server.add_insecure_port(config.address)
+        port = security.bind(server, config.address, service=config.service)
     except RuntimeError as exc:
         server.stop(None)
         raise BindError(f"cannot bind {config.address} for {config.service}: {exc}") from exc
@@ -264,6 +287,7 @@ def run_until_signal(
     start_serving: bool = True,
     on_started: Callable[[GrpcServer], None] | None = None,
     on_stopping: Callable[[GrpcServer], None] | None = None,
+    security: TransportSecurity | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully and return 0 (the exit code).
 
@@ -289,7 +313,7 @@ def run_until_signal(
     previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
-            running = start_server(config, bindings, start_serving=start_serving)
+            running = start_server(config, bindings, start_serving=start_serving, security=security)
         except BindError as exc:
             log.error("%s", exc)
             return 1
@@ -325,10 +349,10 @@ def serve_service(
     signal. A bad setting exits 2 with the message instead of a traceback."""
     try:
         config = ServerConfig.from_args(args, service=service)
+        security = TransportSecurity.from_args(args)
     except InvalidArgument as exc:
         print(f"shardline serve {service}: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    return run_until_signal(
-        config, bindings(), start_serving=start_serving, on_started=on_started, on_stopping=on_stopping
-    )
+    return run_until_signal(config, bindings(), start_serving=start_serving, on_started=on_started,
+                            on_stopping=on_stopping, security=security)

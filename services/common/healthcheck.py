@@ -15,11 +15,15 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.transport_security import TransportSecurity, open_channel
 
-def check(address: str, *, service: str = "", timeout_s: float = 2.0) -> str:
+
+def check(address: str, *, service: str = "", timeout_s: float = 2.0,
+          security: TransportSecurity | None = None) -> str:
     """The status name (``SERVING``, ``NOT_SERVING``, …) reported for ``service`` at ``address``
-    ("" = the server as a whole). Raises grpc.RpcError when the server does not answer."""
-    with grpc.insecure_channel(address) as channel:
+    ("" = the server as a whole). Raises grpc.RpcError when the server does not answer. TLS as
+    ``security`` says (None: the ``SHARDLINE_TLS_*`` environment)."""
+    with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

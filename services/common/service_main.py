@@ -18,6 +18,7 @@ import argparse
 from types import ModuleType
 
 from services.common.config import DEFAULT_PORTS, add_server_arguments
+from services.common.transport_security import add_security_arguments
 
 SERVICES: tuple[str, ...] = tuple(DEFAULT_PORTS)
 
@@ -29,6 +30,7 @@ def build_service_parser(name: str, module: ModuleType, *, prog: str) -> argpars
     summary = (module.__doc__ or "").strip().splitlines()
     parser = argparse.ArgumentParser(prog=prog, description=summary[0] if summary else None)
     add_server_arguments(parser, service=name)
+    add_security_arguments(parser)
     module.add_arguments(parser)
     return parser
 

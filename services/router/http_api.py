@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from services.common.errors import InvalidArgument, NotFound, ShardlineError
+from services.common.transport_security import TransportSecurity
 from services.router import edge
 from services.router import openai_format as oa
 from services.router.admission import RequestCancelled
@@ -80,7 +81,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edge.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edge.DEFAULT_MAX_BODY_BYTES,
+               metrics_auth: bool = False) -> FastAPI:
+    """The app; ``metrics_auth`` puts ``/metrics`` behind the API key too."""
     app = FastAPI(title="shardline router", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ShardlineError)
@@ -141,7 +144,9 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if metrics_auth:
+            authorize(request)
         # off the loop: collecting may fetch federated upstreams' /metrics over HTTP
         return Response(await asyncio.to_thread(generate_latest, REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
@@ -304,9 +309,11 @@ class HttpServer:
     """uvicorn on the running event loop, on a socket bound here (so a taken port is an OSError
     at start, not an exit inside uvicorn); ``await stop()`` asks it to exit and waits."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, *, security: TransportSecurity | None = None) -> None:
+        tls = security if security is not None and security.serves_tls else None
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2)
+                                lifespan="off", timeout_graceful_shutdown=2,
+                                ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None)
         self.server = _EmbeddedServer(config)
         self.host = host
         self._socket: socket.socket | None = None

@@ -14,6 +14,7 @@ from services.common.config import resolve
 from services.common.errors import InvalidArgument
 from services.common.health import HealthStore, make_health_store
 from services.common.sampling import SamplingParams
+from services.common.transport_security import TransportSecurity
 from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, AdmissionQueue, QueueConfig
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelCatalog, load_served_model
@@ -33,7 +34,8 @@ class RouterProcess:
     def __init__(self, catalog: ModelCatalog, queue: QueueConfig, *, store: HealthStore, auth: ApiKeyCheck,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
                  max_continuations: int = DEFAULT_MAX_CONTINUATIONS,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 security: TransportSecurity | None = None, metrics_auth: bool = False) -> None:
         replicas = ReplicaSet()
         router = Router(replicas)
         admission = AdmissionQueue(replicas, router, queue)
@@ -46,6 +48,8 @@ class RouterProcess:
         self.auth = auth
         self.poll_interval_s = poll_interval_s
         self.max_body_bytes = max_body_bytes
+        self.security = security or TransportSecurity()
+        self.metrics_auth = metrics_auth
         self.pollers: list[GroupPoller] = []
         self.discovery = None
         self.http = None
@@ -62,7 +66,7 @@ class RouterProcess:
         view, _created = self.core.replicas.add(address)
         if address in self.clients:
             return
-        client = self.clients[address] = WorkerClient(address)
+        client = self.clients[address] = WorkerClient(address, self.security)
         metrics = self.core.metrics
 
         def on_update(v: ReplicaGroupView) -> None:
@@ -81,8 +85,8 @@ class RouterProcess:
     async def start_http(self, host: str, port: int) -> int:
         """Serve the OpenAI-compatible API on the running loop; returns the bound port. Raises
         OSError when the port cannot be bound."""
-        app = create_app(self.core, self.auth, max_body_bytes=self.max_body_bytes)
-        self.http = await HttpServer(app, host, port).start()
+        app = create_app(self.core, self.auth, max_body_bytes=self.max_body_bytes, metrics_auth=self.metrics_auth)
+        self.http = await HttpServer(app, host, port, security=self.security).start()
         return self.http.port
 
     async def stop(self) -> None:
@@ -133,4 +137,6 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
         raise InvalidArgument(f"--max-continuations must be >= 0, got {args.max_continuations}")
     return RouterProcess(catalog, queue, store=make_health_store(resolve("redis_url", args.redis_url, "") or None),
                          auth=ApiKeyCheck(resolve("api_key", args.api_key, "") or None), poll_interval_s=poll,
-                         max_continuations=args.max_continuations, max_body_bytes=max_body)
+                         max_continuations=args.max_continuations, max_body_bytes=max_body,
+                         security=TransportSecurity.from_args(args),
+                         metrics_auth=resolve("metrics_auth", getattr(args, "metrics_auth", None), False))

@@ -164,6 +164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "SHARDLINE_TELEMETRY_METRICS_URL): the local stack's one scrape target")
     group.add_argument("--api-key", default=None,
                        help="require 'authorization: Bearer KEY' on gRPC and HTTP (env SHARDLINE_API_KEY)")
+    group.add_argument("--metrics-auth", action="store_const", const=True, default=None,
+                       help="/metrics requires the API key too (env SHARDLINE_METRICS_AUTH; default: open, "
+                            "for a scraper on a private network)")
     group.add_argument("--max-queue", type=int, default=None,
                        help=f"requests that may wait for KV headroom, per model (env SHARDLINE_MAX_QUEUE; "
                             f"default {DEFAULT_MAX_QUEUE})")
@@ -191,7 +194,7 @@ def serve(args: argparse.Namespace) -> int:
     upstreams = list(args.telemetry_metrics_url or [])
     upstreams += [u for u in resolve("telemetry_metrics_url", None, "").split(",") if u.strip()]
     if upstreams:
-        register_upstreams(upstreams)
+        register_upstreams(upstreams, security=process.security)
     workers = list(args.worker or [])
     workers += [w.strip() for w in resolve("workers", None, "").split(",") if w.strip()]
     registry_url = resolve("registry_url", args.registry_url, "")
@@ -213,10 +216,12 @@ async def _serve(config: ServerConfig, process: RouterProcess, *, workers: list[
             except OSError as exc:
                 log.error("cannot serve HTTP on %s:%d: %s", http_host, http_port, exc)
                 return 1
-            log.info("router OpenAI-compatible HTTP on http://%s:%d/v1", http_host, port)
+            scheme = "https" if process.security.serves_tls else "http"
+            log.info("router OpenAI-compatible HTTP on %s://%s:%d/v1", scheme, http_host, port)
         binding = ServiceBinding(full_name=router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name,
                                  servicer=RouterServicer(process.core, process.auth),
                                  add_to_server=router_pb2_grpc.add_RouterServiceServicer_to_server)
-        return await serve_until_signal(config, [binding], on_stopping=lambda _server: process.stop())
+        return await serve_until_signal(config, [binding], on_stopping=lambda _server: process.stop(),
+                                        security=process.security)
     finally:
         await process.close()

@@ -29,6 +29,7 @@ from services.common.errors import InvalidArgument, NotFound, ResourceExhausted,
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB, finish_reason_from_pb, sampling_to_pb
 from services.common.sampling import FinishReason, SamplingParams
+from services.common.transport_security import TransportSecurity, open_aio_channel, open_channel
 from services.router.admission import RequestCancelled
 from services.router.replicas import WorkerStats
 
@@ -247,9 +248,10 @@ def finished_from_pb(finished: common_pb2.GenerationFinished) -> UpstreamFinishe
 class WorkerClient:
     """The channels to one worker, shared by its poller and every stream routed there."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: TransportSecurity | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.security = security or TransportSecurity()
+        self.channel = open_channel(address, self.security, options=CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._aio_channel: grpc.aio.Channel | None = None
@@ -283,7 +285,7 @@ class WorkerClient:
         relay = self._relay
         if relay is None or relay.closed:
             if self._aio_stub is None:
-                self._aio_channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                self._aio_channel = open_aio_channel(self.address, self.security, options=CHANNEL_OPTIONS)
                 self._aio_stub = worker_pb2_grpc.WorkerServiceStub(self._aio_channel)
             relay = self._relay = WorkerRelay(self._aio_stub, self.address)
         return relay.submit(request_id, prompt_ids, sampling, trace_context=trace_context)

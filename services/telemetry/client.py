@@ -34,6 +34,7 @@ import grpc
 
 from services.common.collective_events import CollectiveEvent
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
+from services.common.transport_security import TransportSecurity, open_channel
 from services.telemetry.convert import event_to_pb
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class ShipperConfig:
     stream_max_s: float = 2.0
     backoff_max_s: float = 2.0
     sample_rates: Mapping[str, float] = field(default_factory=dict)
+    security: TransportSecurity = field(default_factory=TransportSecurity)  # TLS and the internal token
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -88,7 +90,8 @@ class ShipperConfig:
                 raise BadSampleSpec(f"sampling rate of {op} must be in [0, 1], got {rate}")
 
     @classmethod
-    def from_settings(cls, address: str | None, sample: str | None = None) -> ShipperConfig | None:
+    def from_settings(cls, address: str | None, sample: str | None = None, *,
+                      security: TransportSecurity | None = None) -> ShipperConfig | None:
         """From flags, falling back to ``SHARDLINE_TELEMETRY_ADDR`` / ``SHARDLINE_TELEMETRY_SAMPLE``
         (and ``SHARDLINE_TELEMETRY_BUFFER``); None when no address is configured (telemetry off)."""
         address = address or os.environ.get(ADDRESS_ENV) or None
@@ -96,7 +99,8 @@ class ShipperConfig:
             return None
         buffer_events = int(os.environ.get(BUFFER_ENV) or cls.buffer_events)
         return cls(address, buffer_events=buffer_events, batch_events=min(cls.batch_events, buffer_events),
-                   sample_rates=parse_sample_rates(sample if sample is not None else os.environ.get(SAMPLE_ENV)))
+                   sample_rates=parse_sample_rates(sample if sample is not None else os.environ.get(SAMPLE_ENV)),
+                   security=security or TransportSecurity())
 
 
 class _Stream:
@@ -125,7 +129,7 @@ class TelemetryShipper:
         self.accepted = 0
         self.stream_failures = 0
         self._dropped_reported = 0
-        self._channel = grpc.insecure_channel(config.address)
+        self._channel = open_channel(config.address, config.security)
         self._stub = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="telemetry-shipper", daemon=True)
         self._thread.start()

@@ -29,6 +29,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.transport_security import TransportSecurity
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "shardline_"
@@ -38,8 +40,10 @@ class UpstreamMetricsCollector:
     """A ``prometheus_client`` collector that scrapes upstream ``/metrics`` URLs on collect."""
 
     def __init__(self, urls: Sequence[str], *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 1.0,
-                 exclude: Iterable[str] = ()) -> None:
+                 exclude: Iterable[str] = (), security: TransportSecurity | None = None) -> None:
         self.urls = list(urls)
+        # an https upstream is verified against the CA; the internal token opens a --metrics-auth one
+        self.security = security or TransportSecurity()
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.exclude = frozenset(exclude)  # family names this process exports itself
@@ -71,7 +75,9 @@ class UpstreamMetricsCollector:
         yield up
 
     def _fetch(self, url: str) -> str:
-        with urllib.request.urlopen(url, timeout=self.timeout_s) as response:  # noqa: S310 (configured URLs)
+        request = urllib.request.Request(url, headers=self.security.http_headers())
+        context = self.security.client_ssl_context() if url.startswith("https:") else None
+        with urllib.request.urlopen(request, timeout=self.timeout_s, context=context) as response:  # noqa: S310
             return response.read().decode("utf-8")
 
     def set_urls(self, urls: Iterable[str]) -> None:
@@ -80,11 +86,11 @@ class UpstreamMetricsCollector:
 
 
 def register_upstreams(urls: Sequence[str], *, registry: CollectorRegistry = REGISTRY,
-                       timeout_s: float = 1.0) -> UpstreamMetricsCollector:
+                       timeout_s: float = 1.0, security: TransportSecurity | None = None) -> UpstreamMetricsCollector:
     """Register a collector for ``urls`` in ``registry``, leaving out the families ``registry``
     already exports (two families of one name would make the exposition invalid)."""
     own = {name for family in registry.collect() for name in _exposed_names(family)}
-    collector = UpstreamMetricsCollector(urls, timeout_s=timeout_s, exclude=own)
+    collector = UpstreamMetricsCollector(urls, timeout_s=timeout_s, exclude=own, security=security)
     registry.register(collector)
     return collector
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from services.common.bearer_auth import BearerCheck
+from services.common.metrics_http import MetricsHttpServer
 from services.telemetry.windows import DURATION_BOUNDS_S, SeriesTotals
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,8 @@ class MetricsOptions:
     metrics_host: str = "127.0.0.1"
     otlp_endpoint: str | None = None
     export_interval_s: float = 10.0
+    metrics_auth: BearerCheck | None = None  # --metrics-auth: the internal token opens /metrics
+    ssl_context: ssl.SSLContext | None = None  # the process's TLS certificate, for an https /metrics
 
 
 class MetricsPortError(OSError):
@@ -146,18 +151,16 @@ class Metrics:
         self.provider = MeterProvider(metric_readers=readers, resource=self.resource)
         self.meter: Meter = self.provider.get_meter("shardline")
         if options.metrics_port is not None:
-            # deferred: the Prometheus registry only when /metrics is served
-            from prometheus_client import start_http_server
-
             try:
-                self._http, _ = start_http_server(options.metrics_port, addr=options.metrics_host)
+                self._http = MetricsHttpServer(options.metrics_port, options.metrics_host, auth=options.metrics_auth,
+                                               ssl_context=options.ssl_context)
             except OSError as exc:
                 self.provider.shutdown()
                 raise MetricsPortError(f"cannot serve /metrics on {options.metrics_host}:{options.metrics_port} "
                                        f"for {options.service}: {exc}") from exc
             self.metrics_port = self._http.server_port
-            log.info("%s: Prometheus /metrics on http://%s:%d/metrics", options.service, options.metrics_host,
-                     self.metrics_port)
+            log.info("%s: Prometheus /metrics on %s://%s:%d/metrics", options.service, self._http.scheme,
+                     options.metrics_host, self.metrics_port)
 
     def _reader(self, cls: type[MetricReader], *args, **kwargs) -> MetricReader:
         reader = _bridged(cls)(*args, **kwargs)

@@ -16,11 +16,14 @@ from collections.abc import Iterator
 import grpc
 from opentelemetry.metrics import Observation
 
+from services.common.bearer_auth import BearerCheck
 from services.common.config import resolve
+from services.common.errors import InvalidArgument
 from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service
 from services.common.health import make_health_store
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
 from services.common.registry import ShardRegistry
+from services.common.transport_security import TransportSecurity
 from services.telemetry.convert import alert_to_pb, window_to_pb
 from services.telemetry.effects import GroupStatusEffects
 from services.telemetry.otel import (
@@ -105,6 +108,9 @@ def add_metrics_arguments(parser) -> None:
     parser.add_argument("--otlp-endpoint", default=None,
                         help="export OpenTelemetry metrics and traces over OTLP/gRPC to host:port "
                              "(env SHARDLINE_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; default: off)")
+    parser.add_argument("--metrics-auth", action="store_const", const=True, default=None,
+                        help="/metrics requires 'authorization: Bearer <internal token>' (env "
+                             "SHARDLINE_METRICS_AUTH; default: open)")
 
 
 def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
@@ -137,8 +143,16 @@ def setup_observability(args: argparse.Namespace, service: str):
     otlp = args.otlp_endpoint or otlp_endpoint_from_env()
     host = resolve("host", getattr(args, "host", None), "127.0.0.1")
     configure_tracing(service, otlp)
+    security = TransportSecurity.from_args(args)
+    auth = None
+    if resolve("metrics_auth", getattr(args, "metrics_auth", None), False):
+        if security.internal_token is None:
+            raise InvalidArgument("--metrics-auth needs the internal token (SHARDLINE_INTERNAL_TOKEN): "
+                                  "it is what a scraper sends")
+        auth = BearerCheck(security.internal_token, what="internal token")
     return configure_metrics(MetricsOptions(service, metrics_port=None if port < 0 else port, metrics_host=host,
-                                            otlp_endpoint=otlp))
+                                            otlp_endpoint=otlp, metrics_auth=auth,
+                                            ssl_context=security.server_ssl_context()))
 
 
 def serve(args: argparse.Namespace) -> int:

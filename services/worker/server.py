@@ -25,6 +25,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Shardlin
 from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service, status_for
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import FINISH_REASON_TO_PB, dtype_to_pb, sampling_from_pb
+from services.common.transport_security import TransportSecurity
 from services.telemetry.client import ShipperConfig
 from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
@@ -225,7 +226,8 @@ def serve(args: argparse.Namespace) -> int:
     servicer = WorkerServicer()
     spec = engine_spec(args)  # a bad layout fails here, before anything starts
     try:
-        telemetry = ShipperConfig.from_settings(args.telemetry, args.telemetry_sample)
+        telemetry = ShipperConfig.from_settings(args.telemetry, args.telemetry_sample,
+                                                security=TransportSecurity.from_args(args))
     except ValueError as exc:  # a bad sampling spec or buffer size
         print(f"shardline serve worker: {exc}", flush=True)
         return 2

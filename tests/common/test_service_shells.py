@@ -1,5 +1,5 @@
 """Service shells: each of the five services starts with `shardline serve <name>`, answers the
-gRPC health check SERVING within 10 s, lists itself by reflection, answers an RPC sanely, and
+gRPC health check SERVING within 10 s, lists itself by reflection (--dev), answers an RPC sanely, and
 exits 0 on SIGTERM. Plus the pieces the
 shells are built from: config precedence, the error-to-status table, graceful stop."""
 
@@ -137,6 +137,7 @@ def test_five_services_serve_health_reflection_an_rpc_and_exit_0_on_sigterm(
             log = tmp_path / f"{shell.name}.log"
             env = _clean_env()
             env["SHARDLINE_STATE_DIR"] = str(tmp_path / "state")  # embedded registry: not the user's
+            env["SHARDLINE_DEV"] = "1"  # reflection is served in development mode only
             command = [sys.executable, "-m", "services.cli", "serve", shell.name]
             if shell.name == "telemetry":
                 # Configured through the environment instead of flags, as docker-compose does.
