@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from bench.common import machine, median_time, smollm2_dir, write_results
 from services.common.sampling import SamplingParams
 from services.modeling.kernels import TorchOps
-from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import FinishEvent, TokenEvent
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.runner import follower_loop
@@ -40,9 +40,9 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
     return [ids[: 8 + (i * 5) % 32] for i in range(n)]
 
 
-def spec_for(model_dir, dtype: str, tp: int = 1, pp: int = 1) -> EngineSpec:
-    rank = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype)
-    return EngineSpec(rank, CacheConfig(kv_cache_bytes=512 << 20))
+def spec_for(model_dir, dtype: str, tp: int = 1, pp: int = 1) -> RankSpec:
+    return RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype,
+                    cache=CacheConfig(kv_cache_bytes=512 << 20))
 
 
 def run_engine(engine, prompts, max_tokens: int) -> dict:
@@ -170,7 +170,7 @@ def weight_bytes(model) -> int:
     return total
 
 
-def layout_rank(rank: int, world: int, spec: EngineSpec, prompts, max_tokens: int) -> dict | None:
+def layout_rank(rank: int, world: int, spec: RankSpec, prompts, max_tokens: int) -> dict | None:
     runner, layout = start_rank(spec, rank)
     if rank != 0:
         follower_loop(runner)

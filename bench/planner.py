@@ -42,7 +42,7 @@ from bench.common import smollm2_dir
 from services.planner.calibrate import calibrate
 from services.planner.cost_model import Candidate, CostModel, Workload
 from services.planner.specs import ModelSpec
-from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.runner import follower_loop
 from services.worker.engine_timing import decode_intervals_s, engine_decode_steps_s
@@ -197,9 +197,8 @@ def _decode_rank(rank: int, world_size: int, spec: Any, prompt: list[int], decod
 def measure_decode(model_dir: Path, tp: int, pp: int, *, dtype: str = "float32", decode_tokens: int = 32,
                    requests: int = 2) -> list[float]:
     """Inter-token latencies of ``requests`` batch-1 greedy requests on the real engine at (tp, pp)."""
-    spec = EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype,
-                               collective_timeout_s=COLLECTIVE_TIMEOUT_S),
-                      cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES))
+    spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+                    cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES))
     prompt = list(range(10, 10 + PROMPT_TOKENS))
     return run_replica_group(tp * pp, _decode_rank, spec, prompt, decode_tokens, requests)
 

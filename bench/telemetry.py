@@ -47,7 +47,7 @@ from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.pipeline import TelemetryPipeline
 from services.telemetry.windows import WindowConfig, WindowStore
-from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.runner import follower_loop
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
@@ -291,7 +291,7 @@ def step_overhead(model_dir: str, workdir: Path, *, tp: int, batch: int, warmup:
     proc, address = start_telemetry(workdir / "overhead.log")
     try:
         flag = mp.get_context("spawn").Value("b", 1, lock=False)
-        spec = EngineSpec(RankSpec(model_dir, tp_degree=tp), max_num_seqs=batch)
+        spec = RankSpec(model_dir, tp_degree=tp, max_num_seqs=batch)
         out = run_replica_group(tp, overhead_rank, spec, ShipperConfig(address), flag, batch, warmup, phases,
                                 steps_per_phase)
         cost = shipper_cost(address)

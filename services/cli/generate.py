@@ -34,10 +34,10 @@ def run(args: argparse.Namespace) -> int:
     with exit_code_for("generate") as failed:
         spec = engine_spec(args)
         ids = (parse_ids(args.prompt_ids) if args.prompt_ids
-               else encode_prompt(stage_tokenizer_dir(spec.rank), args.prompt))
+               else encode_prompt(stage_tokenizer_dir(spec), args.prompt))
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-        [completion] = run_replica_group(spec.rank.plan.world_size, generate_rank, spec, [ids], [params],
+        [completion] = run_replica_group(spec.plan.world_size, generate_rank, spec, [ids], [params],
                                          failure_grace_s=args.collective_timeout + 3.0)
     if failed:
         return failed.code

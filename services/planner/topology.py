@@ -190,51 +190,25 @@ class Topology:
 # InfiniBand NIC per GPU (HDR 200 Gb/s ≈ 25 GB/s on A100 nodes, NDR 400 Gb/s ≈ 50 GB/s on H100/H200).
 # Per-hop latency: ~1 µs inside NVSwitch, ~5 µs across InfiniBand. Prices are on-demand-ish list
 # prices per GPU-hour; override with --usd-per-gpu-hour.
+def _hgx_8x(name: str, gpu_memory_bytes: int, nvlink_bandwidth: float, nic_bandwidth: float,
+            hbm_bandwidth: float, flops_16bit: float, flops_fp32: float, usd_per_gpu_hour: float) -> Topology:
+    """An 8-GPU node whose GPUs share one NVSwitch domain, with one InfiniBand NIC per GPU."""
+    return Topology(
+        name=name, gpus_per_node=8, gpu_memory_bytes=gpu_memory_bytes, nvlink_domain_size=8,
+        intra_node_bandwidth_bytes_per_s=nvlink_bandwidth, intra_node_latency_s=1.0e-6,
+        inter_node_bandwidth_bytes_per_s=nic_bandwidth, inter_node_latency_s=5.0e-6,
+        hbm_bandwidth_bytes_per_s=hbm_bandwidth, peak_dense_flops=flops_16bit, peak_dense_flops_fp32=flops_fp32,
+        usd_per_gpu_hour=usd_per_gpu_hour,
+    )
+
+
 PRESETS: dict[str, Topology] = {
     t.name: t
     for t in (
-        Topology(
-            name="a100-80g-8x",
-            gpus_per_node=8,
-            gpu_memory_bytes=80 * GIB,
-            nvlink_domain_size=8,
-            intra_node_bandwidth_bytes_per_s=600e9,
-            intra_node_latency_s=1.0e-6,
-            inter_node_bandwidth_bytes_per_s=25e9,
-            inter_node_latency_s=5.0e-6,
-            hbm_bandwidth_bytes_per_s=2.039e12,
-            peak_dense_flops=312e12,
-            peak_dense_flops_fp32=19.5e12,
-            usd_per_gpu_hour=2.80,
-        ),
-        Topology(
-            name="h100-80g-8x",
-            gpus_per_node=8,
-            gpu_memory_bytes=81559 * MIB,
-            nvlink_domain_size=8,
-            intra_node_bandwidth_bytes_per_s=900e9,
-            intra_node_latency_s=1.0e-6,
-            inter_node_bandwidth_bytes_per_s=50e9,
-            inter_node_latency_s=5.0e-6,
-            hbm_bandwidth_bytes_per_s=3.35e12,
-            peak_dense_flops=989e12,
-            peak_dense_flops_fp32=67e12,
-            usd_per_gpu_hour=4.00,
-        ),
-        Topology(
-            name="h200-141g-8x",
-            gpus_per_node=8,
-            gpu_memory_bytes=143771 * MIB,
-            nvlink_domain_size=8,
-            intra_node_bandwidth_bytes_per_s=900e9,
-            intra_node_latency_s=1.0e-6,
-            inter_node_bandwidth_bytes_per_s=50e9,
-            inter_node_latency_s=5.0e-6,
-            hbm_bandwidth_bytes_per_s=4.8e12,
-            peak_dense_flops=989e12,
-            peak_dense_flops_fp32=67e12,
-            usd_per_gpu_hour=4.50,
-        ),
+        # name, GPU memory, NVLink B/s, NIC B/s, HBM B/s, 16-bit FLOP/s, fp32 FLOP/s, $/GPU-hour
+        _hgx_8x("a100-80g-8x", 80 * GIB, 600e9, 25e9, 2.039e12, 312e12, 19.5e12, 2.80),
+        _hgx_8x("h100-80g-8x", 81559 * MIB, 900e9, 50e9, 3.35e12, 989e12, 67e12, 4.00),
+        _hgx_8x("h200-141g-8x", 143771 * MIB, 900e9, 50e9, 4.8e12, 989e12, 67e12, 4.50),
     )
 }
 

@@ -19,16 +19,17 @@ from services.common.health.base import HealthStore, rank_field
 from services.common.registry import ShardRegistry, registry_group_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
-from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.runner import follower_loop
 from services.worker.launch import Followers
+from services.worker.runtime import RankSpec
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 
-def follower_rank(rank: int, world_size: int, spec: EngineSpec, telemetry: ShipperConfig | None = None) -> None:
+def follower_rank(rank: int, world_size: int, spec: RankSpec, telemetry: ShipperConfig | None = None) -> None:
     shipper = TelemetryShipper(telemetry) if telemetry is not None else None
     try:
         runner, _ = start_rank(spec, rank, sink=shipper)
@@ -48,10 +49,10 @@ class ServingOptions:
 
 
 class ReplicaDriver:
-    def __init__(self, spec: EngineSpec, options: ServingOptions) -> None:
+    def __init__(self, spec: RankSpec, options: ServingOptions) -> None:
         self.spec = spec
         self.options = options
-        self.replica_group_id = spec.rank.replica_group_id
+        self.replica_group_id = spec.replica_group_id
         self.engine: LLMEngine | None = None
         self.followers: Followers | None = None
         self._stop = threading.Event()
@@ -61,7 +62,7 @@ class ReplicaDriver:
         self.shipper: TelemetryShipper | None = None
 
     def start(self) -> LLMEngine:
-        plan = self.spec.rank.plan
+        plan = self.spec.plan
         if plan.world_size > 1:
             self.followers = Followers(plan.world_size, follower_rank, self.spec, self.options.telemetry)
         if self.options.telemetry is not None:
@@ -88,7 +89,7 @@ class ReplicaDriver:
             self._report_failure(self.engine.failure)
 
     def _rank_statuses(self, status: str) -> dict[str, str]:
-        plan = self.spec.rank.plan
+        plan = self.spec.plan
         return {rank_field(tp, pp): status for pp in range(plan.pp_degree) for tp in range(plan.tp_degree)}
 
     def _register(self, weight_bytes: int) -> None:
@@ -97,7 +98,7 @@ class ReplicaDriver:
             self.health = make_health_store(opts.health_url)
         if not opts.registry_url:
             return
-        plan = self.spec.rank.plan
+        plan = self.spec.plan
         self.registry = ShardRegistry(opts.registry_url, migrate_schema=True)
         group_uuid = registry_group_id(self.replica_group_id)
         self.registry.create_replica_group(opts.model_name or plan.config.name, plan.tp_degree, plan.pp_degree,
@@ -140,7 +141,7 @@ class ReplicaDriver:
 
     def _beat_registry(self, kv_bytes_used: int) -> None:
         assert self.registry is not None
-        plan = self.spec.rank.plan
+        plan = self.spec.plan
         for pp in range(plan.pp_degree):
             for tp in range(plan.tp_degree):
                 self.registry.heartbeat(f"{self.replica_group_id}:pp{pp}-tp{tp}", kv_bytes_used)

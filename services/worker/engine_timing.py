@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from services.common.sampling import SamplingParams
-from services.worker.engine.bootstrap import EngineSpec, build_engine, start_rank
+from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.runtime import RankSpec
@@ -49,7 +49,7 @@ def engine_decode_steps_s(model_dirs: dict[int, str], *, prompt_tokens: int, dec
     of other work on the host lands on every depth alike instead of skewing the slope."""
     engines = {}
     for key, model_dir in model_dirs.items():
-        spec = EngineSpec(RankSpec(model_dir), cache=CacheConfig(kv_cache_bytes=16 << 20))
+        spec = RankSpec(model_dir, cache=CacheConfig(kv_cache_bytes=16 << 20))
         runner, layout = start_rank(spec, 0)
         engines[key] = build_engine(spec, runner, layout)
     prompt = list(range(4, 4 + prompt_tokens))

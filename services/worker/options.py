@@ -1,4 +1,4 @@
-"""The worker's command-line flags and the specs built from them.
+"""The worker's command-line flags and the spec built from them.
 
 ``shardline serve worker``, ``shardline generate`` and ``shardline score`` take the same layout
 flags (model, TP, PP, dtype, checkpoint) and the first two the same engine flags (KV cache,
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-from services.worker.engine.bootstrap import EngineSpec
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.runtime import RankSpec
 
@@ -40,14 +39,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + completion (default: the model's max_position_embeddings)")
 
 
-def rank_spec(args: argparse.Namespace) -> RankSpec:
+def rank_spec(args: argparse.Namespace, **engine: object) -> RankSpec:
     """The layout flags as a spec; resolves the plan (a bad layout raises here)."""
     return RankSpec(args.model, tp_degree=args.tp, pp_degree=args.pp, dtype=args.dtype,
                     replica_group_id=args.replica_group_id, collective_timeout_s=args.collective_timeout,
-                    checkpoint=args.checkpoint)
+                    checkpoint=args.checkpoint, **engine)
 
 
-def engine_spec(args: argparse.Namespace) -> EngineSpec:
+def engine_spec(args: argparse.Namespace) -> RankSpec:
+    """The layout and engine flags as a spec (``shardline serve worker``, ``shardline generate``)."""
     cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
-    return EngineSpec(rank_spec(args), cache, max_num_seqs=args.max_num_seqs,
-                      max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len)
+    return rank_spec(args, cache=cache, max_num_seqs=args.max_num_seqs,
+                     max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len)

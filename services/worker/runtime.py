@@ -17,17 +17,22 @@ from services.modeling.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinato
 from services.modeling.parallel.groups import ParallelGroups, init_parallel_groups
 from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import CheckpointReader, load_weights
+from services.worker.engine.kv_cache import CacheConfig
+from services.worker.engine.scheduler import SchedulerConfig
 from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 
 # Loading takes different times on different ranks; the first meeting after it may wait that long.
 LOAD_BARRIER_TIMEOUT_S = 600.0
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB per rank on CPU; GPUs default to the plan's 20 GiB
 
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What a rank is asked to run (picklable: it crosses the process spawn). The parallel plan
-    is resolved once, when the spec is made (reading config.json or the checkpoint's manifest),
-    so a bad layout fails there and nothing re-reads it later."""
+    """What every rank of a replica group is asked to run (picklable: it crosses the process
+    spawn): the layout to load, the KV cache each rank allocates, and the scheduler limits the
+    driver applies. The parallel plan is resolved once, when the spec is made (reading
+    config.json or the checkpoint's manifest), so a bad layout fails there and nothing re-reads
+    it later."""
 
     model_dir: str | None
     tp_degree: int = field(default=1, kw_only=True)
@@ -36,6 +41,11 @@ class RankSpec:
     replica_group_id: str = field(default="local", kw_only=True)
     collective_timeout_s: float = field(default=DEFAULT_TIMEOUT_S, kw_only=True)
     checkpoint: str | None = field(default=None, kw_only=True)  # manifest URI of a pre-sharded checkpoint
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(kv_cache_bytes=CPU_DEFAULT_KV_CACHE_BYTES),
+                               kw_only=True)
+    max_num_seqs: int = field(default=256, kw_only=True)
+    max_batched_tokens: int = field(default=2048, kw_only=True)
+    max_model_len: int | None = field(default=None, kw_only=True)  # None: the model's max_position_embeddings
     plan: ParallelPlan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +58,11 @@ class RankSpec:
             plan = ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree,
                                 self.dtype or "float32")
         object.__setattr__(self, "plan", plan)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        max_position = self.plan.config.max_position_embeddings
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
+                               max_model_len=min(self.max_model_len or max_position, max_position))
 
 
 def stage_tokenizer_dir(spec: RankSpec) -> str | None:

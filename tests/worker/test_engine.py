@@ -8,7 +8,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
-from services.worker.engine.bootstrap import EngineSpec, generate_rank
+from services.worker.engine.bootstrap import generate_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
@@ -19,9 +19,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def generate(model_dir, prompts, params, *, tp=1, pp=1, cache=None, max_batched_tokens=2048):
-    spec = EngineSpec(RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp),
-                      cache or CacheConfig(kv_cache_bytes=64 << 20),
-                      max_batched_tokens=max_batched_tokens)
+    spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, cache=cache or CacheConfig(kv_cache_bytes=64 << 20),
+                    max_batched_tokens=max_batched_tokens)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     return run_replica_group(tp * pp, generate_rank, spec, prompts, params)
@@ -102,7 +101,7 @@ def _overlap_rank(rank, world, spec, prompts, params):
 def test_pipeline_keeps_pp_micro_batches_in_flight(tiny_model_dir):
     prompts = prompts_of([12, 20, 7, 30], seed=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    spec = EngineSpec(RankSpec(str(tiny_model_dir), pp_degree=2), CacheConfig(kv_cache_bytes=16 << 20))
+    spec = RankSpec(str(tiny_model_dir), pp_degree=2, cache=CacheConfig(kv_cache_bytes=16 << 20))
     peak, outs = run_replica_group(2, _overlap_rank, spec, prompts, params)
     assert peak == 2
     assert outs == [reference_greedy(tiny_model_dir, p, 12) for p in prompts]

@@ -8,16 +8,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .base import (
-    DEFAULT_TTL_S,
-    HealthStore,
-    check_rank_statuses,
-    check_ratio,
-    check_status,
-    check_ttl,
-    group_key,
-    normalize_read,
-)
+from . import base
 
 
 @dataclass
@@ -32,12 +23,12 @@ class _GroupHealth:
         return {f: s for f, s in self.statuses.items() if self.deadlines[f] > now}
 
 
-class MemoryHealthStore(HealthStore):
+class MemoryHealthStore(base.HealthStore):
     """Thread-safe, process-local; expiry on the monotonic clock (``clock`` for tests)."""
 
-    def __init__(self, *, default_ttl_s: float = DEFAULT_TTL_S,
+    def __init__(self, *, default_ttl_s: float = base.DEFAULT_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.default_ttl_s = check_ttl(default_ttl_s)
+        self.default_ttl_s = base.check_ttl(default_ttl_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._groups: dict[str, _GroupHealth] = {}
@@ -53,9 +44,9 @@ class MemoryHealthStore(HealthStore):
 
     def heartbeat(self, group_id: str | uuid.UUID, rank_statuses: Mapping[str, str],
                   ttl_s: float | None = None) -> None:
-        key = group_key(group_id)
-        fields = check_rank_statuses(rank_statuses)
-        ttl = check_ttl(self.default_ttl_s if ttl_s is None else ttl_s)
+        key = base.group_key(group_id)
+        fields = base.check_rank_statuses(rank_statuses)
+        ttl = base.check_ttl(self.default_ttl_s if ttl_s is None else ttl_s)
         with self._lock:
             now = self._clock()
             group = self._live_group(key, now) or self._groups.setdefault(key, _GroupHealth())
@@ -65,8 +56,8 @@ class MemoryHealthStore(HealthStore):
             group.expires_at = deadline
 
     def mark_group(self, group_id: str | uuid.UUID, status: str) -> int:
-        key = group_key(group_id)
-        check_status(status)
+        key = base.group_key(group_id)
+        base.check_status(status)
         with self._lock:
             now = self._clock()
             group = self._live_group(key, now)
@@ -78,15 +69,15 @@ class MemoryHealthStore(HealthStore):
             return len(live)
 
     def group_health(self, group_id: str | uuid.UUID) -> dict[str, str]:
-        key = group_key(group_id)
+        key = base.group_key(group_id)
         with self._lock:
             now = self._clock()
             group = self._live_group(key, now)
-            return {} if group is None else normalize_read(group.live(now))
+            return {} if group is None else base.normalize_read(group.live(now))
 
     def set_kv_utilization(self, group_id: str | uuid.UUID, ratio: float) -> None:
-        key = group_key(group_id)
-        value = check_ratio(ratio)
+        key = base.group_key(group_id)
+        value = base.check_ratio(ratio)
         with self._lock:
             self._kv_util[key] = value
 
@@ -97,7 +88,7 @@ class MemoryHealthStore(HealthStore):
         return dict(sorted(live.items(), key=lambda item: (item[1], item[0])))
 
     def remove_group(self, group_id: str | uuid.UUID) -> None:
-        key = group_key(group_id)
+        key = base.group_key(group_id)
         with self._lock:
             self._groups.pop(key, None)
             self._kv_util.pop(key, None)

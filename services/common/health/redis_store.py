@@ -19,16 +19,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .base import (
-    DEFAULT_TTL_S,
-    HealthStore,
-    check_rank_statuses,
-    check_ratio,
-    check_status,
-    check_ttl,
-    group_key,
-    normalize_read,
-)
+from . import base
 
 # Marks every live rank of one group, keeping the hash's TTL. A script, so that the existence
 # check, the read of deadlines and the writes are atomic, and HSET never recreates an expired
@@ -51,14 +42,14 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class RedisHealthStore(HealthStore):
+class RedisHealthStore(base.HealthStore):
     """Health store on a real Redis server (``redis://host:port/db``)."""
 
-    def __init__(self, url: str, *, key_prefix: str = "", default_ttl_s: float = DEFAULT_TTL_S,
+    def __init__(self, url: str, *, key_prefix: str = "", default_ttl_s: float = base.DEFAULT_TTL_S,
                  **client_kwargs: Any) -> None:
         self.url = url
         self.key_prefix = key_prefix
-        self.default_ttl_s = check_ttl(default_ttl_s)
+        self.default_ttl_s = base.check_ttl(default_ttl_s)
         client_kwargs.setdefault("decode_responses", True)
         # a server that restarts or goes away must fail a call fast, not hang its caller (a
         # worker's heartbeat, a router's poll): the next call reconnects. A pooled connection
@@ -78,10 +69,10 @@ class RedisHealthStore(HealthStore):
         self.kv_key = f"{key_prefix}replica_kv_util"
 
     def health_key(self, group_id: str | uuid.UUID) -> str:
-        return f"{self.key_prefix}shardhealth:{group_key(group_id)}"
+        return f"{self.key_prefix}shardhealth:{base.group_key(group_id)}"
 
     def seen_key(self, group_id: str | uuid.UUID) -> str:
-        return f"{self.key_prefix}shardhealth_seen:{group_key(group_id)}"
+        return f"{self.key_prefix}shardhealth_seen:{base.group_key(group_id)}"
 
     def close(self) -> None:
         self._client.close()
@@ -104,9 +95,9 @@ class RedisHealthStore(HealthStore):
 
     def heartbeat(self, group_id: str | uuid.UUID, rank_statuses: Mapping[str, str],
                   ttl_s: float | None = None) -> None:
-        key = group_key(group_id)
-        fields = check_rank_statuses(rank_statuses)
-        ttl_ms = max(1, round(check_ttl(self.default_ttl_s if ttl_s is None else ttl_s) * 1000))
+        key = base.group_key(group_id)
+        fields = base.check_rank_statuses(rank_statuses)
+        ttl_ms = max(1, round(base.check_ttl(self.default_ttl_s if ttl_s is None else ttl_s) * 1000))
         deadline = _now_ms() + ttl_ms
         health, seen = self.health_key(key), self.seen_key(key)
         with self._client.pipeline(transaction=True) as pipe:  # MULTI ... EXEC
@@ -118,7 +109,7 @@ class RedisHealthStore(HealthStore):
             pipe.execute()
 
     def mark_group(self, group_id: str | uuid.UUID, status: str) -> int:
-        check_status(status)
+        base.check_status(status)
         keys = [self.health_key(group_id), self.seen_key(group_id)]
         return int(self._mark_group(keys=keys, args=[status, _now_ms()]))
 
@@ -130,10 +121,10 @@ class RedisHealthStore(HealthStore):
         now = _now_ms()
         deadlines = dict(seen)
         live = {f: s for f, s in statuses.items() if deadlines.get(f, now + 1) > now}
-        return normalize_read(live)
+        return base.normalize_read(live)
 
     def set_kv_utilization(self, group_id: str | uuid.UUID, ratio: float) -> None:
-        self._client.zadd(self.kv_key, {group_key(group_id): check_ratio(ratio)})
+        self._client.zadd(self.kv_key, {base.group_key(group_id): base.check_ratio(ratio)})
 
     def kv_utilizations(self) -> dict[str, float]:
         with self._client.pipeline(transaction=True) as pipe:
@@ -144,7 +135,7 @@ class RedisHealthStore(HealthStore):
         return {member: float(score) for member, score in utils if member in alive}
 
     def remove_group(self, group_id: str | uuid.UUID) -> None:
-        key = group_key(group_id)
+        key = base.group_key(group_id)
         with self._client.pipeline(transaction=True) as pipe:
             pipe.delete(self.health_key(key), self.seen_key(key))
             pipe.zrem(self.groups_key, key)

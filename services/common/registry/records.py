@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
+from typing import Self
 
 from .dtypes import to_project_dtype
-from .models import CheckpointManifestRow, GpuShardRow, ReplicaGroupRow
+from .models import Base
+
+
+class _FromRow:
+    """A record made from its ORM row: every field is the row's column of the same name."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_row(cls, row: Base) -> Self:
+        return cls(**{f.name: getattr(row, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaGroup:
+class ReplicaGroup(_FromRow):
     """One replica group: TP x PP ranks serving one model at one dtype (registry short name)."""
 
     replica_group_id: uuid.UUID
@@ -36,19 +47,9 @@ class ReplicaGroup:
         """The dtype in the project's naming (``bf16`` -> ``bfloat16``)."""
         return to_project_dtype(self.dtype)
 
-    @classmethod
-    def from_row(cls, row: ReplicaGroupRow) -> ReplicaGroup:
-        return cls(
-            replica_group_id=row.replica_group_id, model_name=row.model_name,
-            tp_degree=row.tp_degree, pp_degree=row.pp_degree, dtype=row.dtype,
-            kv_cache_cap_bytes=row.kv_cache_cap_bytes, status=row.status,
-            created_at=row.created_at, updated_at=row.updated_at, name=row.name,
-            endpoint=row.endpoint, status_reason=row.status_reason,
-        )
-
 
 @dataclass(frozen=True, slots=True)
-class GpuShard:
+class GpuShard(_FromRow):
     """One rank of a replica group, placed on one GPU. ``global_rank = pp_stage * tp + tp_rank``."""
 
     gpu_id: str
@@ -61,17 +62,9 @@ class GpuShard:
     last_heartbeat: datetime
     status: str
 
-    @classmethod
-    def from_row(cls, row: GpuShardRow) -> GpuShard:
-        return cls(
-            gpu_id=row.gpu_id, replica_group_id=row.replica_group_id, node_id=row.node_id,
-            tp_rank=row.tp_rank, pp_stage=row.pp_stage, weight_bytes=row.weight_bytes,
-            kv_used_bytes=row.kv_used_bytes, last_heartbeat=row.last_heartbeat, status=row.status,
-        )
-
 
 @dataclass(frozen=True, slots=True)
-class CheckpointManifest:
+class CheckpointManifest(_FromRow):
     """A verified, sharded checkpoint: one per (model_name, dtype, layout), never patched."""
 
     manifest_id: uuid.UUID
@@ -84,15 +77,6 @@ class CheckpointManifest:
     manifest_uri: str | None = None
     tp_degree: int | None = None
     pp_degree: int | None = None
-
-    @classmethod
-    def from_row(cls, row: CheckpointManifestRow) -> CheckpointManifest:
-        return cls(
-            manifest_id=row.manifest_id, model_name=row.model_name, dtype=row.dtype,
-            shard_uri_prefix=row.shard_uri_prefix, total_bytes=row.total_bytes,
-            shard_count=row.shard_count, created_at=row.created_at,
-            manifest_uri=row.manifest_uri, tp_degree=row.tp_degree, pp_degree=row.pp_degree,
-        )
 
 
 def registry_group_id(replica_group_id: str) -> uuid.UUID:

@@ -9,45 +9,45 @@ new connection (engine.retry_on_disconnect).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from . import migrate
+from . import errors, migrate
 from .dtypes import to_registry_dtype
 from .engine import make_engine, registry_url, retry_on_disconnect
-from .errors import (
-    Conflict,
-    DuplicateManifest,
-    DuplicateShard,
-    GroupNotFound,
-    IllegalTransition,
-    InvalidValue,
-    ManifestNotFound,
-    ShardNotFound,
-)
 from .lifecycle import ALLOWED_TRANSITIONS, DEAD, GROUP_STATUSES, PROVISIONING, SHARD_STATUSES
 from .models import CheckpointManifestRow, GpuShardRow, ReplicaGroupRow
 from .records import CheckpointManifest, GpuShard, ReplicaGroup
 
 GroupId = uuid.UUID | str
+Row = TypeVar("Row")
 
 # set_status retries its compare-and-set this often when another writer changes the status
 # between our read and our write (each retry re-reads and re-validates the transition)
 _CAS_ATTEMPTS = 5
 
 
-class GroupIsDead(Conflict):
+class GroupIsDead(errors.Conflict):
     """Shards cannot be added to a dead replica group; a new group replaces it."""
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _get_row(session: Session, row_type: type[Row], key: object,
+             not_found: Callable[[object], Exception]) -> Row:
+    """The row of ``row_type`` with primary key ``key``; raises ``not_found(key)`` when there is none."""
+    row = session.get(row_type, key)
+    if row is None:
+        raise not_found(key)
+    return row
 
 
 def _as_uuid(value: GroupId, what: str = "replica_group_id") -> uuid.UUID:
@@ -56,21 +56,21 @@ def _as_uuid(value: GroupId, what: str = "replica_group_id") -> uuid.UUID:
     try:
         return uuid.UUID(str(value))
     except ValueError:
-        raise InvalidValue(f"{what} must be a UUID, got {value!r}") from None
+        raise errors.InvalidValue(f"{what} must be a UUID, got {value!r}") from None
 
 
 def _require_int(name: str, value: int, minimum: int, *, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidValue(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise errors.InvalidValue(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
         upper = "" if maximum is None else f" and <= {maximum}"
-        raise InvalidValue(f"{name} must be >= {minimum}{upper}, got {value}")
+        raise errors.InvalidValue(f"{name} must be >= {minimum}{upper}, got {value}")
     return value
 
 
 def _require_text(name: str, value: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise InvalidValue(f"{name} must be a non-empty string, got {value!r}")
+        raise errors.InvalidValue(f"{name} must be a non-empty string, got {value!r}")
     return value
 
 
@@ -80,7 +80,7 @@ def _statuses(status: str | Iterable[str] | None, allowed: tuple[str, ...]) -> l
     wanted = [status] if isinstance(status, str) else list(status)
     unknown = [s for s in wanted if s not in allowed]
     if unknown:
-        raise InvalidValue(f"unknown status {unknown[0]!r}: expected one of {', '.join(allowed)}")
+        raise errors.InvalidValue(f"unknown status {unknown[0]!r}: expected one of {', '.join(allowed)}")
     return wanted
 
 
@@ -115,10 +115,7 @@ class ShardRegistry:
 
     @staticmethod
     def _group_row(session: Session, group_id: uuid.UUID) -> ReplicaGroupRow:
-        row = session.get(ReplicaGroupRow, group_id)
-        if row is None:
-            raise GroupNotFound(group_id)
-        return row
+        return _get_row(session, ReplicaGroupRow, group_id, errors.GroupNotFound)
 
     # ---- replica groups -------------------------------------------------------------------
 
@@ -142,7 +139,7 @@ class ShardRegistry:
             with self._tx() as session:
                 session.add(row)
         except IntegrityError as exc:
-            raise Conflict(f"replica group {row.replica_group_id} already exists") from exc
+            raise errors.Conflict(f"replica group {row.replica_group_id} already exists") from exc
         return ReplicaGroup.from_row(row)
 
     @retry_on_disconnect
@@ -174,7 +171,7 @@ class ShardRegistry:
         """
         gid = _as_uuid(group_id)
         if new_status not in GROUP_STATUSES:
-            raise InvalidValue(
+            raise errors.InvalidValue(
                 f"unknown replica group status {new_status!r}: expected one of "
                 f"{', '.join(GROUP_STATUSES)}"
             )
@@ -183,7 +180,7 @@ class ShardRegistry:
                 current = self._group_row(session, gid).status
                 allowed = ALLOWED_TRANSITIONS[current]
                 if new_status not in allowed:
-                    raise IllegalTransition(gid, current, new_status, allowed)
+                    raise errors.IllegalTransition(gid, current, new_status, allowed)
                 result = session.execute(
                     update(ReplicaGroupRow)
                     .where(ReplicaGroupRow.replica_group_id == gid,
@@ -194,7 +191,7 @@ class ShardRegistry:
                 if result.rowcount == 1:
                     break
         else:
-            raise Conflict(f"replica group {gid} changed status concurrently "
+            raise errors.Conflict(f"replica group {gid} changed status concurrently "
                            f"{_CAS_ATTEMPTS} times; gave up moving it to {new_status}")
         return self.get_group(gid)
 
@@ -234,7 +231,7 @@ class ShardRegistry:
                     GpuShardRow.replica_group_id == gid, GpuShardRow.tp_rank == tp_rank,
                     GpuShardRow.pp_stage == pp_stage)).first()
                 if taken is not None:
-                    raise DuplicateShard(
+                    raise errors.DuplicateShard(
                         f"replica group {gid} already has a shard at pp_stage={pp_stage} "
                         f"tp_rank={tp_rank} (gpu {taken.gpu_id}); cannot also place gpu {gpu_id}")
                 now = _now()
@@ -245,7 +242,7 @@ class ShardRegistry:
                 else:
                     owner = self._group_row(session, row.replica_group_id)
                     if owner.status != DEAD:
-                        raise DuplicateShard(
+                        raise errors.DuplicateShard(
                             f"gpu {gpu_id} already serves replica group {owner.replica_group_id} "
                             f"(status {owner.status}) at pp_stage={row.pp_stage} "
                             f"tp_rank={row.tp_rank}; a GPU serves one live group at a time")
@@ -260,7 +257,7 @@ class ShardRegistry:
                 session.flush()
                 return GpuShard.from_row(row)
         except IntegrityError as exc:  # lost a race with a concurrent registration
-            raise DuplicateShard(
+            raise errors.DuplicateShard(
                 f"gpu {gpu_id} at pp_stage={pp_stage} tp_rank={tp_rank} of group {gid} "
                 f"conflicts with a concurrent registration: {exc.orig}") from exc
 
@@ -278,15 +275,12 @@ class ShardRegistry:
                 .execution_options(synchronize_session=False)
             )
             if result.rowcount == 0:
-                raise ShardNotFound(gpu_id)
+                raise errors.ShardNotFound(gpu_id)
 
     @retry_on_disconnect
     def get_shard(self, gpu_id: str) -> GpuShard:
         with self._tx() as session:
-            row = session.get(GpuShardRow, gpu_id)
-            if row is None:
-                raise ShardNotFound(gpu_id)
-            return GpuShard.from_row(row)
+            return GpuShard.from_row(_get_row(session, GpuShardRow, gpu_id, errors.ShardNotFound))
 
     @retry_on_disconnect
     def shards_of(self, group_id: GroupId) -> list[GpuShard]:
@@ -305,7 +299,7 @@ class ShardRegistry:
         Shards of dead groups are left out unless ``include_dead``: nobody expects them to beat.
         """
         if older_than_s < 0:
-            raise InvalidValue(f"older_than_s must be >= 0, got {older_than_s}")
+            raise errors.InvalidValue(f"older_than_s must be >= 0, got {older_than_s}")
         cutoff = _now() - timedelta(seconds=older_than_s)
         query = (select(GpuShardRow).join(ReplicaGroupRow)
                  .where(GpuShardRow.last_heartbeat < cutoff)
@@ -339,12 +333,12 @@ class ShardRegistry:
                     existing = session.scalars(select(CheckpointManifestRow).where(
                         CheckpointManifestRow.manifest_uri == manifest_uri)).first()
                     if existing is not None:
-                        raise DuplicateManifest(
+                        raise errors.DuplicateManifest(
                             f"manifest_uri {manifest_uri} is already registered as manifest "
                             f"{existing.manifest_id}; a new layout needs a new manifest URI")
                 session.add(row)
         except IntegrityError as exc:
-            raise DuplicateManifest(
+            raise errors.DuplicateManifest(
                 f"manifest {row.manifest_id} (uri {manifest_uri}) conflicts with an existing "
                 f"one: {exc.orig}") from exc
         return CheckpointManifest.from_row(row)
@@ -353,10 +347,7 @@ class ShardRegistry:
     def get_manifest(self, manifest_id: GroupId) -> CheckpointManifest:
         mid = _as_uuid(manifest_id, "manifest_id")
         with self._tx() as session:
-            row = session.get(CheckpointManifestRow, mid)
-            if row is None:
-                raise ManifestNotFound(mid)
-            return CheckpointManifest.from_row(row)
+            return CheckpointManifest.from_row(_get_row(session, CheckpointManifestRow, mid, errors.ManifestNotFound))
 
     @retry_on_disconnect
     def get_manifest_by_uri(self, manifest_uri: str) -> CheckpointManifest:
@@ -364,7 +355,7 @@ class ShardRegistry:
             row = session.scalars(select(CheckpointManifestRow).where(
                 CheckpointManifestRow.manifest_uri == manifest_uri)).first()
             if row is None:
-                raise ManifestNotFound(manifest_uri)
+                raise errors.ManifestNotFound(manifest_uri)
             return CheckpointManifest.from_row(row)
 
     @retry_on_disconnect

@@ -63,6 +63,12 @@ class TPLayer(nn.Module):
         self.tp_rank = coordinator.groups.tp_rank
         self.tp_degree = coordinator.groups.tp_degree
 
+    def _split(self, size: int, what: str) -> int:
+        """This rank's part of a dimension of ``size`` split evenly across the TP group."""
+        if size % self.tp_degree:
+            raise ValueError(f"tp_degree={self.tp_degree} does not divide {what}")
+        return size // self.tp_degree
+
     def _param(self, *shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
         param = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
         param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -81,12 +87,9 @@ class MergedColumnParallelLinear(TPLayer):
     def __init__(self, in_features: int, out_sizes: list[int], coordinator: Coordinator, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__(coordinator)
-        for size in out_sizes:
-            if size % self.tp_degree:
-                raise ValueError(f"tp_degree={self.tp_degree} does not divide output size {size}")
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
-        self.local_sizes = [s // self.tp_degree for s in out_sizes]
+        self.local_sizes = [self._split(size, f"output size {size}") for size in out_sizes]
         self.weight = self._param(sum(self.local_sizes), in_features, dtype=dtype, device=device)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
@@ -114,13 +117,11 @@ class QKVParallelLinear(TPLayer):
                  device: torch.device | str | None = None) -> None:
         super().__init__(coordinator)
         tp = self.tp_degree
-        if num_heads % tp:
-            raise ValueError(f"tp_degree={tp} does not divide num_attention_heads={num_heads}")
+        self.heads_local = self._split(num_heads, f"num_attention_heads={num_heads}")
         if (tp <= num_kv_heads and num_kv_heads % tp) or (tp > num_kv_heads and tp % num_kv_heads):
             raise ValueError(f"tp_degree={tp} does not divide num_key_value_heads={num_kv_heads}")
         self.hidden_size, self.head_dim = hidden_size, head_dim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.heads_local = num_heads // tp
         self.kv_heads_local = max(1, num_kv_heads // tp)
         self.kv_head_start = (self.tp_rank * num_kv_heads) // tp if tp > num_kv_heads \
             else self.tp_rank * self.kv_heads_local
@@ -153,10 +154,8 @@ class RowParallelLinear(TPLayer):
     def __init__(self, in_features: int, out_features: int, coordinator: Coordinator, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__(coordinator)
-        if in_features % self.tp_degree:
-            raise ValueError(f"tp_degree={self.tp_degree} does not divide in_features={in_features}")
         self.in_features, self.out_features = in_features, out_features
-        self.in_local = in_features // self.tp_degree
+        self.in_local = self._split(in_features, f"in_features={in_features}")
         self.weight = self._param(out_features, self.in_local, dtype=dtype, device=device)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
@@ -174,10 +173,8 @@ class VocabParallelEmbedding(TPLayer):
     def __init__(self, vocab_size: int, hidden_size: int, coordinator: Coordinator, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__(coordinator)
-        if vocab_size % self.tp_degree:
-            raise ValueError(f"tp_degree={self.tp_degree} does not divide vocab_size={vocab_size}")
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.vocab_local = vocab_size // self.tp_degree
+        self.vocab_local = self._split(vocab_size, f"vocab_size={vocab_size}")
         self.vocab_start = self.tp_rank * self.vocab_local
         self.weight = self._param(self.vocab_local, hidden_size, dtype=dtype, device=device)
 

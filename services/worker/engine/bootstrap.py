@@ -1,13 +1,13 @@
 """Starting a serving replica group: every rank builds its runner; the driver builds the engine.
 
-``EngineSpec`` is what each rank needs (picklable, it crosses the spawn). The driver then either
+``RankSpec`` is what each rank needs (picklable, it crosses the spawn). The driver then either
 serves (``shardline serve worker``) or runs a batch of requests to completion (``shardline
 generate``, tests, benchmarks); every other rank runs :func:`follower_loop` until told to stop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -16,27 +16,9 @@ from services.common.collective_events import EventSink
 from services.common.sampling import SamplingParams
 from services.modeling.config import ModelConfigError
 from services.worker.engine.engine import ErrorEvent, FinishEvent, LLMEngine, TokenEvent
-from services.worker.engine.kv_cache import CacheConfig, KVCacheLayout
+from services.worker.engine.kv_cache import KVCacheLayout
 from services.worker.engine.runner import StageRunner, follower_loop
-from services.worker.engine.scheduler import SchedulerConfig
 from services.worker.runtime import RankRuntime, RankSpec, stage_tokenizer_dir
-
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB per rank on CPU; GPUs default to the plan's 20 GiB
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    rank: RankSpec
-    cache: CacheConfig = field(default_factory=lambda: CacheConfig(kv_cache_bytes=CPU_DEFAULT_KV_CACHE_BYTES))
-    max_num_seqs: int = field(default=256, kw_only=True)
-    max_batched_tokens: int = field(default=2048, kw_only=True)
-    max_model_len: int | None = field(default=None, kw_only=True)  # None: the model's max_position_embeddings
-
-    def scheduler_config(self, layout: KVCacheLayout, max_position: int) -> SchedulerConfig:
-        max_len = min(self.max_model_len or max_position, max_position)
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
-                               max_model_len=max_len)
-
 
 def load_tokenizer(model_dir: str | None) -> Tokenizer | None:
     if not model_dir:
@@ -54,17 +36,16 @@ def encode_prompt(model_dir: str | None, text: str) -> list[int]:
     return tokenizer.encode(text).ids
 
 
-def start_rank(spec: EngineSpec, rank: int, *, sink: EventSink | None = None) -> tuple[StageRunner, KVCacheLayout]:
-    rt = RankRuntime.start(spec.rank, rank, sink=sink)
+def start_rank(spec: RankSpec, rank: int, *, sink: EventSink | None = None) -> tuple[StageRunner, KVCacheLayout]:
+    rt = RankRuntime.start(spec, rank, sink=sink)
     layout = KVCacheLayout.for_plan(rt.plan, spec.cache)
     runner = StageRunner(rt, layout)
     return runner, layout
 
 
-def build_engine(spec: EngineSpec, runner: StageRunner, layout: KVCacheLayout) -> LLMEngine:
-    cfg = runner.rt.plan.config
-    return LLMEngine(runner, layout, tokenizer=load_tokenizer(stage_tokenizer_dir(spec.rank)),
-                     scheduler_config=spec.scheduler_config(layout, cfg.max_position_embeddings))
+def build_engine(spec: RankSpec, runner: StageRunner, layout: KVCacheLayout) -> LLMEngine:
+    return LLMEngine(runner, layout, tokenizer=load_tokenizer(stage_tokenizer_dir(spec)),
+                     scheduler_config=spec.scheduler_config())
 
 
 @dataclass
@@ -82,7 +63,7 @@ class Completion:
                 "finish_reason": self.finish_reason}
 
 
-def generate_rank(rank: int, world_size: int, spec: EngineSpec, prompts: list[list[int]],
+def generate_rank(rank: int, world_size: int, spec: RankSpec, prompts: list[list[int]],
                   params: list[SamplingParams]) -> list[Completion] | None:
     """Rank entry point: run ``prompts`` to completion as one batch; the driver returns them."""
     runner, layout = start_rank(spec, rank)
