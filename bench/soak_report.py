@@ -130,17 +130,21 @@ def plot_rss(r: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5.5))
+    fig, (ax, delta) = plt.subplots(2, 1, figsize=(10, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for s in r["rss"]["processes"]:
         if s["samples"]:
             ts, mbs = zip(*s["samples"])
-            ax.plot(ts, mbs, label=f"{s['label']} ({s['pid']})", linewidth=1.2)
-    ax.axvspan(r["rss"]["load_start_s"], r["rss"]["load_end_s"], color="0.92", zorder=0, label="load")
-    ax.set_xlabel("seconds since the stack was healthy")
-    ax.set_ylabel("RSS (MiB)")
+            line, = ax.plot(ts, mbs, label=f"{s['label']} ({s['pid']})", linewidth=1.2)
+            delta.plot(ts, [mb - mbs[0] for mb in mbs], color=line.get_color(), linewidth=1.2)
+    for a in (ax, delta):
+        a.axvspan(r["rss"]["load_start_s"], r["rss"]["load_end_s"], color="0.93", zorder=0)
+        a.grid(alpha=0.3)
+    ax.set_yscale("log")
+    ax.set_ylabel("RSS (MiB, log scale)")
+    delta.set_ylabel("RSS − first sample (MiB)")
+    delta.set_xlabel("seconds since the stack was healthy (shaded: the load)")
     c = r["config"]
     ax.set_title(f"shardline soak: {c['streams']} streams, {c['served_model']}, {r['load_s']:.0f} s")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
