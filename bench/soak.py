@@ -36,10 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 
 from bench.soak_clients import Load, Stats
 from bench.soak_report import markdown, plot_rss, verdict
+from services.common.proto import worker_pb2, worker_pb2_grpc
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed
     import psutil
@@ -197,7 +199,8 @@ class Stack:
                 try:
                     sock.bind(("127.0.0.1", self.ports[name]))
                 except OSError:
-                    raise RuntimeError(f"port {self.ports[name]} ({name}) is in use: pick another --port-base") from None
+                    raise RuntimeError(f"port {self.ports[name]} ({name}) is in use: "
+                                       f"pick another --port-base") from None
         t0 = time.monotonic()
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT,
@@ -215,6 +218,29 @@ class Stack:
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.25)
+
+    def drained(self, replicas: int, timeout_s: float = 20.0) -> dict[str, dict[str, Any]]:
+        """Each worker's queues and KV blocks once the clients are gone (waits up to ``timeout_s``
+        for them to empty): a cancelled stream must not leave a sequence or a block behind."""
+        out: dict[str, dict[str, Any]] = {}
+        for i in range(replicas):
+            address = f"127.0.0.1:{self.ports['base'] + len(INTERNAL) + i}"
+            deadline = time.monotonic() + timeout_s
+            with grpc.insecure_channel(address) as channel:
+                stub = worker_pb2_grpc.WorkerServiceStub(channel)
+                while True:
+                    try:
+                        st = stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+                        row = {"running": st.running, "waiting": st.waiting, "blocks_used": st.blocks_used,
+                               "kv_bytes_used": st.kv_bytes_used}
+                    except grpc.RpcError as exc:
+                        row = {"error": f"{exc.code().name}: {exc.details()}"}
+                    empty = row.get("running") == 0 and row.get("waiting") == 0 and row.get("blocks_used") == 0
+                    if empty or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.25)
+            out[f"worker-{i}"] = {**row, "drained": empty}
+        return out
 
     def model_name(self) -> str:
         models = httpx.get(f"{self.base_url}/models", timeout=10).json()["data"]
@@ -306,7 +332,11 @@ def results(args: argparse.Namespace, stack: Stack, model: str, stats: Stats, sa
         "client_cpu_s": round(client_cpu_s, 1), "stack_exit_code": exit_code,
         "rss": {"window_s": round(window, 1), "load_start_s": round(start_s, 2), "load_end_s": round(end_s, 2),
                 "growth": growth, "processes": series},
-        "timeline": stats.timeline,
+        # a slice's tokens/s over its part of the load (the last slice may be short; requests
+        # still in flight at the deadline finish after it and count in the slice they end in)
+        "over_time": [{"t_s": t, "outcomes": dict(b["outcomes"]),
+                       "tokens_per_s": round(b["tokens"] / max(1.0, min(stats.bucket_s, elapsed - t)), 1),
+                       "inter_token_gap_ms": ms(b["gaps_s"])} for t, b in sorted(stats.buckets.items())],
     }
     return out
 
@@ -351,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         end_s = time.monotonic() - sampler.t0
         client_cpu = sum(os.times()[:2]) - cpu0
         alive = stack.proc.poll() is None
+        after = stack.drained(args.replicas) if alive else {}
     finally:
         try:
             if sampler is not None:
@@ -362,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     result = results(args, stack, model, stats, sampler, (start_s, end_s), startup_s, client_cpu,
                      exit_code, (load_before, os.getloadavg()[0]))
     result["stack_alive_at_end"] = alive
+    result["workers_after_load"] = after
     result["verdict"] = verdict(result)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -13,6 +13,7 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,41 +27,60 @@ MAX_TOKENS = (16, 96)  # each normal stream asks for a length drawn in this rang
 OVERSIZE_EXTRA_BYTES = 4096  # the oversize body is the router's limit plus this
 ROUTER_MAX_BODY_BYTES = 8 * 2**20  # the router's default --max-body-bytes (services/router/edge.py)
 SAMPLE_ERRORS = 5  # messages kept per error class
+BUCKETS = 10  # outcomes, tokens and gaps are also kept per tenth of the load (at least 5 s)
 
 
-def _malformed(model: str) -> dict[str, tuple[int, Any]]:
-    """kind -> (expected status, a function of a random.Random giving (path, body bytes, content type))."""
+Variant = Callable[[], tuple[str, bytes, str]]  # () -> (path, body, content type)
+
+
+def _malformed(model: str) -> dict[str, tuple[int, dict[str, Variant]]]:
+    """kind -> (the status it must get, variant name -> the request)."""
+    m = model.encode()
+
     def body(**fields: Any) -> bytes:
         return json.dumps({"model": model, "max_tokens": 8, **fields}).encode()
 
-    out_of_range = [
-        lambda: body(prompt="hi", max_tokens=int("9" * 50)),
-        lambda: b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (model.encode(), b"9" * 5000),
-        lambda: body(prompt="hi", top_k=2**32),
-        lambda: body(prompt="hi", stop_token_ids=[2**32 + 1]),
-        lambda: body(prompt="hi", temperature=1e39, stream=True),
-        lambda: body(prompt="hi", top_p=5e-324, stream=True),
-        lambda: body(prompt="hi", max_tokens=-3),
-        lambda: body(prompt="hi", logprobs=10_000),
-    ]
-    oversize = b'{"model": "%s", "prompt": "%s"}' % (
-        model.encode(), b"a" * (ROUTER_MAX_BODY_BYTES + OVERSIZE_EXTRA_BYTES))
+    def completion(raw: bytes, content_type: str = "application/json") -> Variant:
+        return lambda: ("/completions", raw, content_type)
+
+    oversize = b'{"model": "%s", "prompt": "%s"}' % (m, b"a" * (ROUTER_MAX_BODY_BYTES + OVERSIZE_EXTRA_BYTES))
     return {
-        "bad_json": (400, lambda rng: ("/completions", rng.choice([
-            b'{"model": "m", "prompt": "hi",', b"{not json}", b'{"prompt": "a"}}', b"[1, 2, 3]", b"",
-            b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b'{"prompt": NaN}', b"\xff\xfe{}"]),
-            "application/json")),
-        "wrong_content_type": (415, lambda rng: ("/completions", body(prompt="hi"),
-                                                 rng.choice(["text/plain", "application/x-www-form-urlencoded"]))),
-        "out_of_range": (400, lambda rng: ("/completions", rng.choice(out_of_range)(), "application/json")),
-        "lone_surrogate": (400, lambda rng: rng.choice([
-            ("/completions", b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 4}' % model.encode(),
-             "application/json"),
-            ("/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "x\\udc00"}]}'
-             % model.encode(), "application/json")])),
-        "null_content": (400, lambda rng: ("/chat/completions", body(messages=[{"role": "user", "content": None}]),
-                                           "application/json")),
-        "oversize": (413, lambda rng: ("/completions", oversize, "application/json")),
+        "bad_json": (400, {
+            "truncated": completion(b'{"model": "%s", "prompt": "hi",' % m),
+            "not_json": completion(b"{not json}"),
+            "trailing_brace": completion(b'{"prompt": "a"}}'),
+            "array": completion(b"[1, 2, 3]"),
+            "empty": completion(b""),
+            "nested_100k": completion(b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+            "nan": completion(b'{"model": "%s", "prompt": NaN}' % m),
+            "not_utf8": completion(b"\xff\xfe{}"),
+        }),
+        "wrong_content_type": (415, {
+            "text_plain": completion(body(prompt="hi"), "text/plain"),
+            "form": completion(body(prompt="hi"), "application/x-www-form-urlencoded"),
+        }),
+        "out_of_range": (400, {
+            "max_tokens_50_digits": completion(body(prompt="hi", max_tokens=int("9" * 50))),
+            "max_tokens_5000_digits": completion(b'{"model": "%s", "prompt": "hi", "max_tokens": %s}'
+                                                 % (m, b"9" * 5000)),
+            "max_tokens_negative": completion(body(prompt="hi", max_tokens=-3)),
+            "top_k_2^32": completion(body(prompt="hi", top_k=2**32)),
+            "stop_token_id_2^32": completion(body(prompt="hi", stop_token_ids=[2**32 + 1])),
+            "temperature_1e39_stream": completion(body(prompt="hi", temperature=1e39, stream=True)),
+            "top_p_5e-324_stream": completion(body(prompt="hi", top_p=5e-324, stream=True)),
+            "logprobs_10000": completion(body(prompt="hi", logprobs=10_000)),
+        }),
+        "lone_surrogate": (400, {
+            "prompt": completion(b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 4}' % m),
+            "chat": lambda: ("/chat/completions",
+                             b'{"model": "%s", "messages": [{"role": "user", "content": "x\\udc00"}]}' % m,
+                             "application/json"),
+        }),
+        "null_content": (400, {
+            "chat": lambda: ("/chat/completions", body(messages=[{"role": "user", "content": None}]),
+                             "application/json"),
+        }),
+        "oversize": (413, {"8MiB+4KiB": completion(oversize)}),
     }
 
 
@@ -71,13 +91,18 @@ class Stats:
     outcomes: Counter = field(default_factory=Counter)  # completed, cancelled, malformed_rejected, ...
     errors: Counter = field(default_factory=Counter)  # error class -> count (only what went wrong)
     error_samples: dict[str, list[str]] = field(default_factory=dict)
-    malformed: dict[str, Counter] = field(default_factory=dict)  # kind -> status -> count
-    expected: dict[str, int] = field(default_factory=dict)  # kind -> the status it must get
+    malformed: dict[str, Counter] = field(default_factory=dict)  # "kind.variant" -> status -> count
+    expected: dict[str, int] = field(default_factory=dict)  # "kind.variant" -> the status it must get
     status_5xx: int = 0
     gaps_s: list[float] = field(default_factory=list)  # inter-token gaps of the normal streams
     ttft_s: list[float] = field(default_factory=list)
     tokens: int = 0  # completion tokens streamed (normal and cancelled streams)
-    timeline: list[tuple[float, str]] = field(default_factory=list)  # (seconds since start, outcome)
+    bucket_s: float = 10.0
+    buckets: dict[float, dict[str, Any]] = field(default_factory=dict)  # start (s) -> that slice of the load
+
+    def bucket(self, t0: float) -> dict[str, Any]:
+        key = round((time.monotonic() - t0) // self.bucket_s * self.bucket_s, 1)
+        return self.buckets.setdefault(key, {"outcomes": Counter(), "tokens": 0, "gaps_s": []})
 
     def error(self, cls: str, message: str) -> None:
         self.errors[cls] += 1
@@ -87,7 +112,7 @@ class Stats:
 
     def end(self, t0: float, outcome: str) -> None:
         self.outcomes[outcome] += 1
-        self.timeline.append((round(time.monotonic() - t0, 2), outcome))
+        self.bucket(t0)["outcomes"][outcome] += 1
 
 
 class Load:
@@ -100,10 +125,11 @@ class Load:
         self.malformed_share, self.cancel_share = malformed_share, cancel_share
         self.seed, self.timeout_s = seed, timeout_s
         self.kinds = _malformed(model)
-        self.stats = Stats(malformed={kind: Counter() for kind in self.kinds},
-                           expected={kind: status for kind, (status, _) in self.kinds.items()})
+        names = {f"{kind}.{v}": status for kind, (status, variants) in self.kinds.items() for v in variants}
+        self.stats = Stats(malformed={name: Counter() for name in names}, expected=names)
 
     async def run(self, duration_s: float) -> Stats:
+        self.stats.bucket_s = max(5.0, duration_s / BUCKETS)
         limits = httpx.Limits(max_connections=self.streams * 2, max_keepalive_connections=self.streams)
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, limits=limits) as raw, \
                 openai.AsyncOpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=self.timeout_s,
@@ -129,22 +155,24 @@ class Load:
 
     async def _malformed_request(self, rng: random.Random, raw: httpx.AsyncClient) -> None:
         kind = rng.choice(sorted(self.kinds))
-        expected, make = self.kinds[kind]
-        path, content, content_type = make(rng)
+        expected, variants = self.kinds[kind]
+        variant = rng.choice(sorted(variants))
+        path, content, content_type = variants[variant]()
+        name = f"{kind}.{variant}"
         try:
             response = await raw.post(path, content=content, headers={"content-type": content_type})
         except httpx.HTTPError as exc:
-            self.stats.error(f"malformed_connection:{kind}", f"{type(exc).__name__}: {exc}")
+            self.stats.error(f"malformed_connection:{name}", f"{type(exc).__name__}: {exc}")
             self.stats.end(self.t0, "malformed_connection_error")
             return
         status = response.status_code
-        self.stats.malformed[kind][str(status)] += 1
+        self.stats.malformed[name][str(status)] += 1
         if status >= 500:
             self.stats.status_5xx += 1
         if status == expected and _is_openai_error(response):
             self.stats.end(self.t0, "malformed_rejected")
         else:
-            self.stats.error(f"malformed_{kind}_got_{status}", response.text[:300])
+            self.stats.error(f"malformed_{name}_got_{status}", response.text[:300])
             self.stats.end(self.t0, "malformed_unexpected")
 
     async def _stream(self, rng: random.Random, client: openai.AsyncOpenAI, *, cancel: bool) -> None:
@@ -198,6 +226,7 @@ class Load:
             self.stats.ttft_s.append(arrivals[0] - start)
         if cut_after is not None and seen >= cut_after:
             self.stats.tokens += seen
+            self.stats.bucket(self.t0)["tokens"] += seen
             self.stats.end(self.t0, "cancelled")
             return
         if finish is None:
@@ -205,8 +234,13 @@ class Load:
                                            f"with no finish_reason")
             self.stats.end(self.t0, "stream_error")
             return
-        self.stats.gaps_s.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
-        self.stats.tokens += usage_tokens if usage_tokens is not None else seen
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        tokens = usage_tokens if usage_tokens is not None else seen
+        self.stats.gaps_s.extend(gaps)
+        self.stats.tokens += tokens
+        bucket = self.stats.bucket(self.t0)
+        bucket["gaps_s"].extend(gaps)
+        bucket["tokens"] += tokens
         self.stats.end(self.t0, "completed" if not cancel else "completed_before_cancel")
 
     def _status_error(self, exc: openai.APIStatusError) -> None:

@@ -24,6 +24,8 @@ def verdict(r: dict[str, Any]) -> dict[str, Any]:
         "no_connection_errors": outcomes.get("connection_error", 0) == 0,
         "no_client_bugs": outcomes.get("client_bug", 0) == 0,
         "stack_alive_at_end": bool(r.get("stack_alive_at_end", True)),
+        "workers_drained": bool(r.get("workers_after_load")) and all(
+            w.get("drained") for w in r["workers_after_load"].values()),
         "served_streams": outcomes.get("completed", 0) > 0,
     }
     return {**checks, "pass": all(checks.values()), "rss_flat": not growing, "rss_growing": growing}
@@ -67,6 +69,9 @@ def markdown(r: dict[str, Any], plotted: bool) -> str:
             for g in r["rss"]["growth"]),
         f"- RSS: {'flat' if v['rss_flat'] else 'GROWS in ' + ', '.join(v['rss_growing'])} (a process grows when "
         f"both +{GROWTH_MB:g} MiB and +{GROWTH_PCT:g} %)",
+        "- workers after the load (queues and KV blocks must be empty once the clients are gone): " + ", ".join(
+            f"{name} running {w.get('running')}, waiting {w.get('waiting')}, KV blocks {w.get('blocks_used')}"
+            + ("" if w.get("drained") else " NOT DRAINED") for name, w in r.get("workers_after_load", {}).items()),
         f"- overall: **{'pass' if v['pass'] else 'FAIL'}**",
         "",
         "## Requests",
@@ -101,6 +106,15 @@ def markdown(r: dict[str, Any], plotted: bool) -> str:
         f"| {gap['count']:,} |",
         f"| time to first token | {_f(ttft['p50'], '.0f')} ms | {_f(ttft['p99'], '.0f')} ms | "
         f"{_f(ttft['max'], '.0f')} ms | {ttft['count']:,} |",
+        "",
+        "## Over time",
+        "",
+        "| from (s) | requests | completed | tokens/s | gap p50 | gap p99 | gap max |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {b['t_s']:g} | {sum(b['outcomes'].values()):,} | {b['outcomes'].get('completed', 0):,} | "
+          f"{b['tokens_per_s']:,.0f} | {_f(b['inter_token_gap_ms']['p50'])} ms | "
+          f"{_f(b['inter_token_gap_ms']['p99'])} ms | {_f(b['inter_token_gap_ms']['max'])} ms |"
+          for b in r["over_time"]),
         "",
         "## RSS per process",
         "",

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # ~25 s on 2 idle cor
 
 KEYS = {"config", "machine", "startup_s", "load_s", "requests", "errors_by_class", "error_samples", "malformed",
         "status_5xx", "unexpected_stream_errors", "inter_token_gap_ms", "ttft_ms", "tokens", "tokens_per_s",
-        "requests_per_s", "client_cpu_s", "stack_exit_code", "rss", "timeline", "stack_alive_at_end", "verdict"}
+        "requests_per_s", "client_cpu_s", "stack_exit_code", "rss", "over_time", "stack_alive_at_end",
+        "workers_after_load", "verdict"}
 
 
 def test_a_short_soak_has_no_5xx_and_writes_its_results(tmp_path):
@@ -40,6 +41,7 @@ def test_a_short_soak_has_no_5xx_and_writes_its_results(tmp_path):
     assert all(p["samples"] for p in result["rss"]["processes"])
     assert {"no_5xx", "pass", "rss_flat"} <= set(result["verdict"])
     assert result["stack_alive_at_end"] and result["stack_exit_code"] == 0
+    assert result["verdict"]["workers_drained"], result["workers_after_load"]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     md = (out / "soak.md").read_text()
     assert "5xx responses: **0**" in md and "RSS growth per process" in md
