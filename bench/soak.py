@@ -5,7 +5,7 @@
 
 Starts the stack as a user does (``shardline up --model ...`` on free ports, its own state and
 log directory), waits until ``/health`` is 200, then runs ``--streams`` client loops for
-``--duration`` seconds through the OpenAI HTTP API (``bench/soak_clients.py``): normal streamed
+``--duration`` seconds through the OpenAI HTTP API (``bench/_soak_clients.py``): normal streamed
 completions and chats with the ``openai`` client, a share of malformed requests with ``httpx``
 (bad JSON, wrong Content-Type, out-of-range fields, lone surrogates, null content, an oversize
 body; each has the 4xx it must get) and a share of streams the client closes mid-stream.
@@ -39,8 +39,8 @@ from typing import Any
 import grpc
 import httpx
 
-from bench.soak_clients import Load, Stats
-from bench.soak_report import markdown, plot_rss, verdict
+from bench._soak_clients import Load, Stats
+from bench._soak_report import markdown, plot_rss, verdict
 from services.common.proto import worker_pb2, worker_pb2_grpc
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed
