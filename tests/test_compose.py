@@ -26,10 +26,21 @@ def compose() -> dict:
                     "(Debian package docker-compose, via `make system-deps`)")
     result = subprocess.run([binary, "-f", str(REPO / "docker-compose.yml"), "config"],
                             cwd=REPO, capture_output=True, text=True, timeout=120,
-                            # The file's ${SHARDLINE_*:-default}s must resolve to their defaults.
-                            env={k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")})
+                            # The file's ${SHARDLINE_*:-default}s must resolve to their defaults;
+                            # the internal token has none, on purpose.
+                            env={**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")},
+                                 "SHARDLINE_INTERNAL_TOKEN": "compose-test-token"})
     assert result.returncode == 0, f"docker-compose config rejected the file:\n{result.stderr}"
     return yaml.safe_load(result.stdout)
+
+
+def test_the_internal_token_is_required_and_reaches_every_service(compose: dict) -> None:
+    for name in SHARDLINE_SERVICES:
+        assert compose["services"][name]["environment"]["SHARDLINE_INTERNAL_TOKEN"] == "compose-test-token"
+    result = subprocess.run([shutil.which("docker-compose"), "-f", str(REPO / "docker-compose.yml"), "config"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")})
+    assert result.returncode != 0 and "SHARDLINE_INTERNAL_TOKEN" in result.stderr
 
 
 def test_all_seven_services_exist(compose: dict) -> None:
