@@ -9,7 +9,7 @@ the driver.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -23,11 +23,12 @@ class ScoreResult:
     logprobs: list[float]
     nll: float
     perplexity: float
+    argmax: list[int] = field(default_factory=list)  # the model's top-1 token at each position
 
     @classmethod
-    def from_logprobs(cls, n_tokens: int, logprobs: list[float]) -> ScoreResult:
+    def from_logprobs(cls, n_tokens: int, logprobs: list[float], argmax: list[int] | None = None) -> ScoreResult:
         nll = -sum(logprobs) / len(logprobs) if logprobs else 0.0
-        return cls(n_tokens=n_tokens, logprobs=logprobs, nll=nll, perplexity=math.exp(nll))
+        return cls(n_tokens=n_tokens, logprobs=logprobs, nll=nll, perplexity=math.exp(nll), argmax=argmax or [])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,8 +57,9 @@ def score_tokens(rt: RankRuntime, ids: list[int]) -> ScoreResult | None:
     else:
         logits = model.compute_logits(hidden[:-1])
         targets = torch.tensor(ids[1:], device=logits.device)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-        result = ScoreResult.from_logprobs(n, logprobs.cpu().tolist())
+        log_softmax = torch.log_softmax(logits, dim=-1)
+        logprobs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+        result = ScoreResult.from_logprobs(n, logprobs.cpu().tolist(), log_softmax.argmax(-1).cpu().tolist())
     last_leader = g.last_stage_leader
     if last_leader == 0:
         return result if g.is_driver else None
@@ -73,3 +75,12 @@ def score_rank(rank: int, world_size: int, spec: RankSpec, token_ids: list[int])
     """Rank entry point for ``shardline score`` (spawned locally or under torchrun)."""
     rt = RankRuntime.start(spec, rank)
     return prefill_logprobs(rt, token_ids if rank == 0 else None)
+
+
+def score_chunks_rank(rank: int, world_size: int, spec: RankSpec,
+                      chunks: list[list[int]]) -> list[ScoreResult] | None:
+    """Rank entry point that scores many chunks in one start of the group (``shardline compare``):
+    each chunk is an independent prompt."""
+    rt = RankRuntime.start(spec, rank)
+    results = [score_tokens(rt, chunk) for chunk in chunks]  # every rank was handed the chunks
+    return results if rank == 0 else None

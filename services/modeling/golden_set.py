@@ -1,0 +1,79 @@
+"""The golden set: a fixed English text, cut into token chunks, on which two shard plans are scored.
+
+The text is the prose of CPython's own reference documentation (``pydoc_data.topics``, the pages
+``help("assert")`` prints), which every Python installation has, so no model hub and no download
+is needed. Grammar productions and code examples (the indented blocks) are left out and each
+paragraph is joined into one line, which leaves ordinary English with some Python words in it.
+
+The text depends on the Python version that ships it, so it carries a fingerprint (the SHA-256 of
+the text): two scores are comparable only when their fingerprints agree. Within one run both
+plans are scored on the same chunks.
+
+Chunks are consecutive windows of ``chunk_tokens`` ids of the tokenized text; each is scored as an
+independent prompt, so ``chunk_tokens - 1`` positions of each count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pydoc_data import topics as pydoc_topics
+
+DEFAULT_CHUNK_TOKENS = 512
+DEFAULT_CHUNKS = 32  # 32 x 511 = 16,352 scored positions
+# a paragraph counts as prose when at least this share of its characters are letters or spaces
+MIN_PROSE_SHARE = 0.85
+
+
+def _is_prose(paragraph: str) -> bool:
+    if not paragraph or paragraph[0].isspace():  # indented: a grammar rule or a code example
+        return False
+    first = paragraph.splitlines()[0]
+    if set(first) <= set("*=-~^ "):  # a heading's underline
+        return False
+    letters = sum(ch.isalpha() or ch == " " for ch in paragraph)
+    return letters >= MIN_PROSE_SHARE * len(paragraph) and len(paragraph) >= 80
+
+
+def golden_text() -> str:
+    """The prose of every topic, in the order of their names, one paragraph a line."""
+    paragraphs: list[str] = []
+    for name in sorted(pydoc_topics.topics):
+        for block in pydoc_topics.topics[name].split("\n\n"):
+            if _is_prose(block):
+                paragraphs.append(" ".join(line.strip() for line in block.splitlines()))
+    return "\n".join(paragraphs)
+
+
+def fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class GoldenSet:
+    """Token chunks of the golden text under one tokenizer."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    text_fingerprint: str
+    chunk_tokens: int
+
+    @property
+    def scored_tokens(self) -> int:
+        return sum(len(chunk) - 1 for chunk in self.chunks)
+
+    @classmethod
+    def build(cls, encode: Callable[[str], Sequence[int]], *, chunks: int = DEFAULT_CHUNKS,
+              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> GoldenSet:
+        """``chunks`` consecutive windows of ``chunk_tokens`` ids of ``encode(golden_text())``;
+        fails when the text is shorter than asked."""
+        if chunks < 1 or chunk_tokens < 2:
+            raise ValueError(f"need chunks >= 1 and chunk_tokens >= 2, got {chunks} and {chunk_tokens}")
+        text = golden_text()
+        ids = list(encode(text))
+        if len(ids) < chunks * chunk_tokens:
+            raise ValueError(f"the golden text has {len(ids)} tokens; {chunks} chunks of {chunk_tokens} need "
+                             f"{chunks * chunk_tokens}")
+        windows = tuple(tuple(ids[i * chunk_tokens:(i + 1) * chunk_tokens]) for i in range(chunks))
+        return cls(chunks=windows, text_fingerprint=fingerprint(text), chunk_tokens=chunk_tokens)
