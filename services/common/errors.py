@@ -73,6 +73,12 @@ class FailedPrecondition(ShardlineError, grpc_status="FAILED_PRECONDITION", http
     does not match the plan, or an illegal replica-group status transition."""
 
 
+class Unimplemented(ShardlineError, grpc_status="UNIMPLEMENTED", http_status=501,
+                    openai_type="not_implemented_error"):
+    """This server does not do what was asked (a feature it was built without)."""
+
+
 # Every class a client may be shown, most general first.
 ERROR_CLASSES: tuple[type[ShardlineError], ...] = (
-    InvalidArgument, ResourceExhausted, Unavailable, Unauthenticated, NotFound, AlreadyExists, FailedPrecondition)
+    InvalidArgument, ResourceExhausted, Unavailable, Unauthenticated, NotFound, AlreadyExists, FailedPrecondition,
+    Unimplemented)

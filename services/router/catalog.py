@@ -93,6 +93,13 @@ class ServedModel:
             return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text without the special tokens, as a completion's text is (an echoed
+        prompt given as ids)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise InvalidArgument(f"model {self.name!r} has no chat template (tokenizer_config.json "

@@ -41,6 +41,7 @@ from services.router.admission import RequestCancelled
 from services.router.auth import ApiKeyCheck
 from services.router.openapi import openapi_document
 from services.router.service import Generation, RouterCore
+from services.common.sampling import FinishReason
 from services.router.types import Finished, TokenOut, trace_context_of
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,8 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         body, _size = await json_body(request)
         model = core.catalog.get(_model_name(body))
         parsed = oa.parse_completion(body, model)
+        if parsed.echo:
+            return await _serve_echo(request, parsed)
         return await _serve(request, parsed, "cmpl", chat=False)
 
     @app.post("/v1/chat/completions")
@@ -176,6 +179,38 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         else:  # many or long messages: templating and tokenizing them would hold the loop
             parsed = await core.off_loop(oa.parse_chat, body, model, token_limit=limit, release_gil=True)
         return await _serve(request, parsed, "chatcmpl", chat=True)
+
+    async def _serve_echo(request: Request, parsed: oa.ParsedRequest) -> Response:
+        """``echo``: the prompt scored on a group (its logprobs and alternatives), then, unless
+        ``max_tokens`` is 0, a generation from the same ids, as one non-streamed answer."""
+        top = parsed.request.sampling.logprobs
+        scored = await core.score(dataclasses.replace(parsed.request,
+                                                      trace_context=trace_context_of(request.headers.items())), top)
+        model = core.catalog.get(parsed.request.model)
+        prompt_text = parsed.request.prompt_text if parsed.request.prompt_text is not None else \
+            model.decode(scored.token_ids)
+        tokens: list[TokenOut] = []
+        groups = [scored.replica_group_id] if scored.replica_group_id else []
+        finished = Finished(FinishReason.LENGTH, len(scored.token_ids), 0)
+        if parsed.generate:
+            generation = await core.generate(dataclasses.replace(
+                parsed.request, prompt_text=None, prompt_ids=tuple(scored.token_ids), request_id=scored.request_id),
+                token_texts=parsed.want_logprobs)
+            try:
+                await _unless_disconnected(request, generation.start(), generation)
+                async for event in generation:
+                    if isinstance(event, Finished):
+                        finished = event
+                    else:
+                        tokens.append(event)
+            finally:
+                generation.close()
+            groups += generation.replica_group_ids
+        head = oa.ResponseHeader(f"cmpl-{scored.request_id}", model.name, groups[-1] if groups else "")
+        headers = {"x-shardline-replica-group-id": head.replica_group_id,
+                   "x-shardline-replica-group-ids": ",".join(groups)}
+        return JSONResponse(oa.echo_completion_response(head, scored, prompt_text, tokens, finished,
+                                                        parsed.want_logprobs), headers=headers)
 
     async def _serve(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
         generation_request = dataclasses.replace(parsed.request,

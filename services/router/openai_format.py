@@ -19,7 +19,7 @@ from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
-from services.router.types import Finished, GenerationRequest, TokenOut
+from services.router.types import Finished, GenerationRequest, Scored, TokenOut
 
 # A chat request without max_tokens may use the rest of the context, up to this many tokens:
 # the router reserves KV for max_tokens up front, so "the whole context" would reserve it all.
@@ -90,7 +90,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
+def _reject_unsupported(body: dict[str, Any], *, echo: bool = False) -> None:
     n = body.get("n", 1)
     if n not in (1, None):
         raise BadRequest(f"n must be 1 (one choice per request), got {n!r}", "n")
@@ -99,8 +99,8 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
             raise BadRequest(f"{name} is not supported (only 0), got {body.get(name)!r}", name)
     if body.get("logit_bias"):
         raise BadRequest("logit_bias is not supported", "logit_bias")
-    if body.get("echo"):
-        raise BadRequest("echo is not supported", "echo")
+    if body.get("echo") and not echo:
+        raise BadRequest("echo is a completions parameter", "echo")
     if body.get("best_of") not in (None, 1):
         raise BadRequest(f"best_of must be 1, got {body.get('best_of')!r}", "best_of")
 
@@ -126,6 +126,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     want_logprobs: bool  # chat: logprobs=true; completions: logprobs given
+    echo: bool = False  # completions: the prompt's own tokens (and their logprobs) come first
+    generate: bool = True  # False: echo with max_tokens 0, only the prompt is scored
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -137,8 +139,9 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
-    """/v1/completions: ``prompt`` as a string, token ids, or a one-element list of either."""
-    _reject_unsupported(body)
+    """/v1/completions: ``prompt`` as a string, token ids, or a one-element list of either.
+    ``echo`` (not streamed) puts the prompt first; with ``max_tokens: 0`` nothing is generated."""
+    _reject_unsupported(body, echo=True)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -160,10 +163,14 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
         raise BadRequest(f"prompt must be a string or a list of token ids, got {prompt!r}", "prompt")
     logprobs = _get(body, "logprobs", (int,), None)
     max_tokens = _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
-    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs or 0)
+    echo = _get(body, "echo", (bool,), False)
     stream, include_usage = _stream_flags(body)
+    if echo and stream:
+        raise BadRequest("echo is served without streaming: send stream false", "echo")
+    generate = not (echo and max_tokens == 0)  # echo alone scores the prompt, as vLLM does
+    sampling = _sampling(body, max_tokens=max_tokens if generate else 1, logprobs=logprobs or 0)
     request = GenerationRequest(model=model.name, prompt_text=text, prompt_ids=ids, sampling=sampling)
-    return ParsedRequest(request, stream, include_usage, logprobs is not None)
+    return ParsedRequest(request, stream, include_usage, logprobs is not None, echo=echo, generate=generate)
 
 
 def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
@@ -218,6 +225,30 @@ def completion_logprobs(tokens: list[TokenOut], offset0: int = 0) -> dict[str, A
     return {"tokens": [t.token_text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [{a.text: a.logprob for a in t.top_logprobs} for t in tokens],
             "text_offset": offsets}
+
+
+def echo_completion_response(head: ResponseHeader, scored: Scored, prompt_text: str, tokens: list[TokenOut],
+                             finished: Finished, want_logprobs: bool) -> dict[str, Any]:
+    """A completion that starts with its prompt (``echo``): the text is prompt + generation, and
+    the logprobs cover the prompt's tokens first (the first one ``null``: nothing precedes it)."""
+    logprobs = None
+    if want_logprobs:
+        generated = completion_logprobs(tokens, offset0=len(prompt_text))
+        offsets, at = [], 0
+        for text in scored.token_texts:
+            offsets.append(at)
+            at += len(text)
+        logprobs = {"tokens": scored.token_texts + generated["tokens"],
+                    "token_logprobs": [None, *scored.logprobs, *generated["token_logprobs"]],
+                    "top_logprobs": [None, *({a.text: a.logprob for a in at} for at in scored.top_logprobs),
+                                     *generated["top_logprobs"]],
+                    "text_offset": offsets + generated["text_offset"]}
+    completion_tokens = finished.completion_tokens
+    return {**head.base("text_completion"), "choices": [{
+        "index": 0, "text": prompt_text + finished.text, "finish_reason": finished.reason.openai,
+        "logprobs": logprobs}],
+        "usage": {"prompt_tokens": len(scored.token_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(scored.token_ids) + completion_tokens}}
 
 
 def chat_logprobs(tokens: list[TokenOut]) -> dict[str, Any]:

@@ -77,8 +77,8 @@ _USAGE = _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens":
 _FINISH = _nullable({"enum": ["stop", "length", "abort"]})
 _COMPLETION_LOGPROBS = _nullable(_obj({
     "tokens": {"type": "array", "items": _STR},
-    "token_logprobs": {"type": "array", "items": _NUM},
-    "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": _NUM}},
+    "token_logprobs": {"type": "array", "items": _nullable(_NUM), "description": "null: an echoed first token"},
+    "top_logprobs": {"type": "array", "items": _nullable({"type": "object", "additionalProperties": _NUM})},
     "text_offset": {"type": "array", "items": _INT}}, ("tokens", "token_logprobs", "top_logprobs", "text_offset")))
 _TOKEN_LOGPROB = _obj({"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}},
                       ("token", "logprob", "bytes"))
@@ -107,7 +107,11 @@ SCHEMAS: dict[str, Any] = {
         ("id", "object", "created", "owned_by", "max_model_len"))}}, ("object", "data")),
     "CompletionRequest": _obj({**_SAMPLING, "prompt": _PROMPT,
                                "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
-                               "echo": _nullable({"const": False}), "best_of": _nullable({"const": 1})},
+                               "max_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_INT32,
+                                                        "description": "0 only with echo: score the prompt"}),
+                               "echo": _nullable({"type": "boolean", "description":
+                                                  "the prompt and its logprobs first; not with stream"}),
+                               "best_of": _nullable({"const": 1})},
                               ("prompt",)),
     "ChatCompletionRequest": _obj({**_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                                    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1,

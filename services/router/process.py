@@ -25,7 +25,7 @@ from services.router.metrics import RouterMetrics
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
-from services.router.worker_client import UpstreamStream, WorkerClient
+from services.router.worker_client import UpstreamScore, UpstreamStream, WorkerClient
 
 
 class RouterProcess:
@@ -43,7 +43,7 @@ class RouterProcess:
         metrics.bind_queue_depth(admission.depth)
         self.clients: dict[str, WorkerClient] = {}
         self.core = RouterCore(catalog, replicas, router, admission, self._open_upstream, metrics=metrics,
-                               max_continuations=max_continuations)
+                               max_continuations=max_continuations, score_upstream=self._score_upstream)
         self.store = store
         self.auth = auth
         self.poll_interval_s = poll_interval_s
@@ -59,6 +59,10 @@ class RouterProcess:
     def _open_upstream(self, address: str, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        trace_context: tuple[tuple[str, str], ...]) -> UpstreamStream:
         return self.clients[address].generate(request_id, prompt_ids, sampling, trace_context=trace_context)
+
+    async def _score_upstream(self, address: str, request_id: str, token_ids: list[int],
+                              top_logprobs: int) -> UpstreamScore:
+        return await self.clients[address].score(request_id, token_ids, top_logprobs)
 
     def add_worker(self, address: str) -> None:
         """Route to the group at ``address`` from now on (polled first, so it is known at once).

@@ -116,6 +116,24 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         finally:
             generation.close()  # a client cancel (this task cancelled) reaches the worker here
 
+    async def Score(self, request: router_pb2.RouterScoreRequest,
+                    context: grpc.aio.ServicerContext) -> router_pb2.RouterScoreResponse:
+        metadata = context.invocation_metadata()
+        self.auth.check_metadata(metadata)
+        which = request.WhichOneof("prompt")
+        scored = await self.core.score(GenerationRequest(
+            model=request.model, request_id=request.request_id, prompt_text=request.text if which == "text" else None,
+            prompt_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
+            trace_context=trace_context_of(metadata)), request.top_logprobs)
+        return router_pb2.RouterScoreResponse(
+            request_id=scored.request_id, replica_group_id=scored.replica_group_id,
+            tokens=[common_pb2.TokenLogprob(token_id=t, text=text) for t, text in zip(scored.token_ids,
+                                                                                      scored.token_texts)],
+            logprobs=scored.logprobs, nll=scored.nll, perplexity=scored.perplexity,
+            top_logprobs=[common_pb2.TopLogprobs(alternatives=[
+                common_pb2.TokenLogprob(token_id=a.token_id, text=a.text, logprob=a.logprob) for a in at])
+                for at in scored.top_logprobs])
+
     async def ListModels(self, request: router_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
         self.auth.check_metadata(context.invocation_metadata())

@@ -30,21 +30,27 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
-from services.common.errors import InvalidArgument
-from services.common.sampling import FinishReason, SamplingParams
+from services.common.errors import InvalidArgument, Unimplemented
+from services.common.sampling import MAX_LOGPROBS, FinishReason, SamplingParams, is_integer
 from services.router.admission import AdmissionQueue, RequestCancelled, context_error
 from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Reservation, Router
-from services.router.types import Finished, GenerationRequest, Timings, TokenAlternative, TokenOut
-from services.router.worker_client import UpstreamFinished, UpstreamStream, WorkerFailed, WorkerRejected
+from services.router.types import Finished, GenerationRequest, Scored, Timings, TokenAlternative, TokenOut
+from services.router.worker_client import (
+    UpstreamFinished,
+    UpstreamScore,
+    UpstreamStream,
+    WorkerFailed,
+    WorkerRejected,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,6 +64,8 @@ PREPARE_THREADS = 2
 
 # (address, request_id, prompt ids, sampling, trace context) -> the request's stream on that worker
 OpenUpstream = Callable[[str, str, list[int], SamplingParams, tuple[tuple[str, str], ...]], UpstreamStream]
+# (address, request_id, token ids, top logprobs) -> the worker's Score answer
+ScoreUpstream = Callable[[str, str, list[int], int], Awaitable[UpstreamScore]]
 
 
 @dataclass(frozen=True)
@@ -76,12 +84,14 @@ class RouterCore:
     def __init__(self, catalog: ModelCatalog, replicas: ReplicaSet, router: Router, admission: AdmissionQueue,
                  open_upstream: OpenUpstream, *,
                  metrics: RouterMetrics | None = None,
-                 max_continuations: int = DEFAULT_MAX_CONTINUATIONS) -> None:
+                 max_continuations: int = DEFAULT_MAX_CONTINUATIONS,
+                 score_upstream: ScoreUpstream | None = None) -> None:
         self.catalog = catalog
         self.replicas = replicas
         self.router = router
         self.admission = admission
         self.open_upstream = open_upstream
+        self.score_upstream = score_upstream
         self.metrics = metrics
         self.max_continuations = max_continuations
         # tokenizing and chat templating of large inputs, off the event loop (a few threads: the
@@ -138,6 +148,17 @@ class RouterCore:
         """A generation of ``request``, prepared (a long prompt is tokenized off the event loop)."""
         return Generation(self, await self.prepare(request, token_texts=token_texts))
 
+    async def score(self, request: GenerationRequest, top_logprobs: int = 0) -> Scored:
+        """The prompt's per-token logprobs (and ``top_logprobs`` alternatives) from a healthy
+        group; ``request.sampling`` is not used. A one-token prompt has nothing to score."""
+        if not is_integer(top_logprobs) or not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs!r}")
+        prepared = await self.prepare(request)
+        if len(prepared.prompt_ids) < 2:
+            return Scored(prepared.request_id, "", list(prepared.prompt_ids),
+                          [prepared.model.token_text(t) for t in prepared.prompt_ids], [], [], 0.0, 1.0)
+        return await Generation(self, prepared).score(top_logprobs)
+
     def groups(self, model: str = "") -> list[ReplicaGroupView]:
         with self.replicas.lock:
             views = [v for v in self.replicas.views() if not model or v.model == model]
@@ -185,6 +206,43 @@ class Generation:
             self._finish_reservation()
             self._count_failure(exc)
             raise
+
+    async def score(self, top_logprobs: int) -> Scored:
+        """The prompt's logprobs instead of a generation: admitted like a request that generates
+        nothing (its prompt's KV must fit: the worker prefills it), scored by the group's Score,
+        released. A group that fails is marked failed and the prompt scored on another."""
+        if self._started:
+            raise RuntimeError("a request is scored or generated, once")
+        if self.core.score_upstream is None:
+            raise Unimplemented("this router cannot score prompts")
+        self._started = True
+        p = self.prepared
+        failovers = 0
+        try:
+            while True:
+                self.reservation = await self._admit(len(p.prompt_ids), 0)
+                self.admitted_ns = time.monotonic_ns()
+                group = self.reservation.group
+                self.replica_group_id = group.replica_group_id
+                try:
+                    answer = await self.core.score_upstream(group.address, self.request_id, p.prompt_ids, top_logprobs)
+                except (WorkerFailed, WorkerRejected) as exc:
+                    failovers += 1
+                    self._fail_over(self.reservation, exc, failovers)
+                    continue
+                self._finished = True
+                self.replica_group_ids.append(self.replica_group_id)
+                text = p.model.token_text
+                return Scored(self.request_id, self.replica_group_id, list(p.prompt_ids),
+                              [text(t) for t in p.prompt_ids], answer.logprobs,
+                              [tuple(TokenAlternative(t, text(t), lp) for t, lp in at) for at in answer.top_logprobs],
+                              answer.nll, answer.perplexity)
+        except BaseException as exc:
+            self._count_failure(exc)
+            raise
+        finally:
+            self._done = True
+            self._finish_reservation()
 
     async def _admit(self, prompt_tokens: int, max_tokens: int) -> Reservation:
         model = self.prepared.model

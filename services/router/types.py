@@ -87,3 +87,18 @@ class Finished:
     timings: Timings = field(default_factory=Timings)
     stop_sequence: str | None = None
     text: str = ""  # the whole completion text
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A prompt's logprobs from one group: ``logprobs[i]`` is token ``i+1``'s given the ones
+    before; ``top_logprobs[i]`` the alternatives there; ``token_texts[i]`` token ``i`` alone."""
+
+    request_id: str
+    replica_group_id: str
+    token_ids: list[int]
+    token_texts: list[str]
+    logprobs: list[float]
+    top_logprobs: list[tuple[TokenAlternative, ...]]
+    nll: float
+    perplexity: float

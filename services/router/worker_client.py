@@ -67,6 +67,16 @@ class UpstreamFinished:
     stop_sequence: str | None = None
 
 
+@dataclass(frozen=True)
+class UpstreamScore:
+    """A worker's Score answer: ``logprobs[i]`` of token ``i+1``, its alternatives, nll."""
+
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    nll: float
+    perplexity: float
+
+
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -277,6 +287,24 @@ class WorkerClient:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
+    async def score(self, request_id: str, token_ids: list[int], top_logprobs: int) -> UpstreamScore:
+        """The worker's Score (a no-cache prefill between its engine steps), on the event loop.
+        A failure raises the domain error of its status (UNAVAILABLE: WorkerFailed)."""
+        request = worker_pb2.ScoreRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=token_ids),
+                                          top_logprobs=top_logprobs)
+        try:
+            r = await self._aio().Score(request)
+        except grpc.aio.AioRpcError as exc:
+            raise error_for_status(exc.code(), exc.details() or "", self.address, generated=[]) from None
+        return UpstreamScore(list(r.logprobs), [[(a.token_id, a.logprob) for a in at.alternatives]
+                                                for at in r.top_logprobs], r.nll, r.perplexity)
+
+    def _aio(self) -> worker_pb2_grpc.WorkerServiceStub:
+        if self._aio_stub is None:
+            self._aio_channel = open_aio_channel(self.address, self.security, options=CHANNEL_OPTIONS)
+            self._aio_stub = worker_pb2_grpc.WorkerServiceStub(self._aio_channel)
+        return self._aio_stub
+
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *,
                  trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
         """Start a request on the worker's Relay stream (on the router's event loop, which the
@@ -284,10 +312,7 @@ class WorkerClient:
         ``trace_context`` goes with the request (the caller's W3C trace context)."""
         relay = self._relay
         if relay is None or relay.closed:
-            if self._aio_stub is None:
-                self._aio_channel = open_aio_channel(self.address, self.security, options=CHANNEL_OPTIONS)
-                self._aio_stub = worker_pb2_grpc.WorkerServiceStub(self._aio_channel)
-            relay = self._relay = WorkerRelay(self._aio_stub, self.address)
+            relay = self._relay = WorkerRelay(self._aio(), self.address)
         return relay.submit(request_id, prompt_ids, sampling, trace_context=trace_context)
 
     async def aclose(self) -> None:

@@ -24,11 +24,15 @@ class ScoreResult:
     nll: float
     perplexity: float
     argmax: list[int] = field(default_factory=list)  # the model's top-1 token at each position
+    # the most likely (token id, logprob) at each position, best first, when asked for
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @classmethod
-    def from_logprobs(cls, n_tokens: int, logprobs: list[float], argmax: list[int] | None = None) -> ScoreResult:
+    def from_logprobs(cls, n_tokens: int, logprobs: list[float], argmax: list[int] | None = None,
+                      top_logprobs: list[list[tuple[int, float]]] | None = None) -> ScoreResult:
         nll = -sum(logprobs) / len(logprobs) if logprobs else 0.0
-        return cls(n_tokens=n_tokens, logprobs=logprobs, nll=nll, perplexity=math.exp(nll), argmax=argmax or [])
+        return cls(n_tokens=n_tokens, logprobs=logprobs, nll=nll, perplexity=math.exp(nll), argmax=argmax or [],
+                   top_logprobs=top_logprobs or [])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -39,9 +43,9 @@ def prefill_logprobs(rt: RankRuntime, token_ids: list[int] | None) -> ScoreResul
     return score_tokens(rt, rt.coordinator.broadcast_object(token_ids, src=0))
 
 
-def score_tokens(rt: RankRuntime, ids: list[int]) -> ScoreResult | None:
+def score_tokens(rt: RankRuntime, ids: list[int], top_logprobs: int = 0) -> ScoreResult | None:
     """Every rank, once all know ``ids``: one prefill without the KV cache (it never touches the
-    paged cache, so it can run between serving steps)."""
+    paged cache, so it can run between serving steps); ``top_logprobs`` alternatives per position."""
     c, g, model = rt.coordinator, rt.groups, rt.model
     n = len(ids)
     positions = torch.arange(n, device=rt.device)
@@ -59,7 +63,11 @@ def score_tokens(rt: RankRuntime, ids: list[int]) -> ScoreResult | None:
         targets = torch.tensor(ids[1:], device=logits.device)
         log_softmax = torch.log_softmax(logits, dim=-1)
         logprobs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
-        result = ScoreResult.from_logprobs(n, logprobs.cpu().tolist(), log_softmax.argmax(-1).cpu().tolist())
+        top = None
+        if top_logprobs > 0:
+            values, indices = log_softmax.topk(min(top_logprobs, log_softmax.shape[-1]), dim=-1)
+            top = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+        result = ScoreResult.from_logprobs(n, logprobs.cpu().tolist(), log_softmax.argmax(-1).cpu().tolist(), top)
     last_leader = g.last_stage_leader
     if last_leader == 0:
         return result if g.is_driver else None

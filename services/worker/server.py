@@ -171,10 +171,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if len(ids) < 2:
             raise InvalidArgument(f"input: need at least 2 tokens to score, got {len(ids)}")
         t0 = time.perf_counter_ns()
-        result = self.engine.score(ids)
+        result = self.engine.score(ids, top_logprobs=request.top_logprobs)
+        top = [common_pb2.TopLogprobs(alternatives=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in at])
+               for at in result.top_logprobs]
         return worker_pb2.ScoreResponse(token_ids=ids, n_tokens=result.n_tokens, logprobs=result.logprobs,
                                         nll=result.nll, perplexity=result.perplexity,
-                                        total_ns=time.perf_counter_ns() - t0)
+                                        total_ns=time.perf_counter_ns() - t0, top_logprobs=top)
 
     def Stats(self, request: worker_pb2.StatsRequest, context: grpc.ServicerContext) -> worker_pb2.StatsResponse:
         engine = self.engine

@@ -300,7 +300,7 @@ def error_server() -> Iterator[tuple[grpc.Channel, object]]:
 def test_every_shardline_error_class_is_in_the_table() -> None:
     assert set(STATUS_FOR_ERROR) == {
         errors.InvalidArgument, errors.ResourceExhausted, errors.Unavailable,
-        errors.Unauthenticated, errors.NotFound, errors.FailedPrecondition, errors.AlreadyExists,
+        errors.Unauthenticated, errors.NotFound, errors.FailedPrecondition, errors.AlreadyExists, errors.Unimplemented,
     }
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -59,3 +62,35 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.wait()
+
+
+@dataclass(frozen=True)
+class RouterStack:
+    http: str  # http://127.0.0.1:PORT (no /v1)
+    router: str  # the router's gRPC host:port
+    worker: str  # the worker's gRPC host:port
+
+
+@contextlib.contextmanager
+def router_and_worker(model_dir: Path, logs: Path, *, worker_flags: list[str] = (),
+                      router_flags: list[str] = ()) -> Iterator[RouterStack]:
+    """One worker (a replica group) on ``model_dir`` and a router in front of it with HTTP, both
+    real processes; stopped (router first) when the block ends, and the router must exit 0
+    with no traceback in its log."""
+    worker, worker_address = start_service("worker", ["--model", str(model_dir), *worker_flags], logs / "worker.log")
+    procs = [worker]
+    try:
+        wait_serving(worker, worker_address, logs / "worker.log")
+        http_port = free_port()
+        router, router_address = start_service("router", [
+            "--model", str(model_dir), "--worker", worker_address, "--http-port", str(http_port), *router_flags],
+            logs / "router.log")
+        procs.append(router)
+        wait_serving(router, router_address, logs / "router.log", timeout_s=30)
+        wait_healthy(f"http://127.0.0.1:{http_port}")
+        yield RouterStack(f"http://127.0.0.1:{http_port}", router_address, worker_address)
+    finally:
+        codes = [stop(p, timeout_s=20) for p in reversed(procs)]
+    router_log = (logs / "router.log").read_text()
+    assert codes[0] == 0, router_log
+    assert "Traceback" not in router_log, router_log

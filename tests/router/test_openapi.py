@@ -19,8 +19,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.router.processes import start_service, stop, wait_healthy, wait_serving
-from tests.stack import free_port
+from tests.router.processes import router_and_worker
 
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
 EXAMPLES_PER_MODE = 25  # per operation, positive and negative each
@@ -29,27 +28,12 @@ DEADLINE_S = 90.0  # the whole fuzzing run; a slow machine fuzzes less, never lo
 
 @pytest.fixture(scope="module")
 def http(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("openapi")
     # a small context: a fuzzed max_tokens that the worker would have to generate for long is a 400
-    worker, worker_address = start_service("worker", [
-        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.02",
-        "--replica-group-id", "rg-fuzz"], logs / "worker.log")
-    procs = [worker]
-    try:
-        wait_serving(worker, worker_address, logs / "worker.log")
-        http_port = free_port()
-        router, router_address = start_service("router", [
-            "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--worker", worker_address,
-            "--max-model-len", "256", "--http-port", str(http_port)], logs / "router.log")
-        procs.append(router)
-        wait_serving(router, router_address, logs / "router.log", timeout_s=30)
-        wait_healthy(f"http://127.0.0.1:{http_port}")
-        yield f"http://127.0.0.1:{http_port}"
-    finally:
-        codes = [stop(p, timeout_s=20) for p in reversed(procs)]
-    router_log = (logs / "router.log").read_text()
-    assert codes[0] == 0, router_log
-    assert "Traceback" not in router_log, router_log
+    with router_and_worker(tiny_model_dir, tmp_path_factory.mktemp("openapi"),
+                           worker_flags=["--served-model-name", "tiny", "--kv-cache-gb", "0.02",
+                                         "--replica-group-id", "rg-fuzz"],
+                           router_flags=["--served-model-name", "tiny", "--max-model-len", "256"]) as stack:
+        yield stack.http
 
 
 def test_the_document_describes_the_api(http):

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from services.common.detokenizer import Detokenizer, TokenTexts
 from services.common.errors import Unavailable
-from services.common.sampling import FinishReason, InvalidRequest, SamplingParams
+from services.common.sampling import MAX_LOGPROBS, FinishReason, InvalidRequest, SamplingParams
 from services.modeling.parallel.coordinator import ShardGroupUnhealthy
 from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.kv_cache import KVCacheLayout
@@ -173,8 +173,9 @@ class LLMEngine:
         self._wakeup.set()
         return handle
 
-    def score(self, token_ids: list[int], timeout_s: float = 600.0):
-        """Prompt logprobs through the group (the quality gate's input); any thread."""
+    def score(self, token_ids: list[int], timeout_s: float = 600.0, *, top_logprobs: int = 0):
+        """Prompt logprobs through the group (the quality gate's input), with ``top_logprobs``
+        alternatives per position; any thread."""
         if self.failure is not None:
             raise Unavailable(f"replica group {self.coordinator.replica_group_id} is unhealthy: {self.failure}")
         vocab = self.runner.rt.plan.config.vocab_size
@@ -184,7 +185,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequest(f"token ids must be in [0, {vocab})")
         done: queue.SimpleQueue = queue.SimpleQueue()
-        self._commands.put(("score", (list(token_ids), done)))
+        if not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}")
+        self._commands.put(("score", (list(token_ids), top_logprobs, done)))
         self._wakeup.set()
         try:
             outcome = done.get(timeout=timeout_s)
@@ -313,13 +316,14 @@ class LLMEngine:
             elif kind == "score":
                 self._score(*arg)
 
-    def _score(self, token_ids: list[int], done: queue.SimpleQueue) -> None:
+    def _score(self, token_ids: list[int], top_logprobs: int, done: queue.SimpleQueue) -> None:
         while self._in_flight:  # results come back in order: finish the micro-batches first
             result = self.coordinator.recv_object(src=self.groups.last_stage_leader)
             self._apply_result(self._in_flight.popleft(), result)
         try:
-            self.coordinator.broadcast_object(StepPlan(-1, "score", [SeqStep(0, token_ids, [], [], [], 0, False)]))
-            done.put(score_tokens(self.runner.rt, token_ids))
+            self.coordinator.broadcast_object(StepPlan(-1, "score", [SeqStep(0, token_ids, [], [], [], 0, False,
+                                                                             top_logprobs=top_logprobs)]))
+            done.put(score_tokens(self.runner.rt, token_ids, top_logprobs))
         except ShardGroupUnhealthy as exc:
             done.put(Unavailable(str(exc)))
             raise

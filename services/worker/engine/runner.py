@@ -92,7 +92,7 @@ def follower_loop(runner: StageRunner) -> None:
         if plan.kind == "idle":
             continue
         if plan.kind == "score":
-            score_tokens(runner.rt, plan.seqs[0].token_ids)
+            score_tokens(runner.rt, plan.seqs[0].token_ids, plan.seqs[0].top_logprobs)
             continue
         result = runner.execute(plan)
         if result is not None and not g.is_driver:

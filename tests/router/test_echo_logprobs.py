@@ -1,0 +1,117 @@
+"""Prompt logprobs through the front door: ``echo`` with ``logprobs`` on /v1/completions (raw
+HTTP and the official `openai` client) and RouterService.Score over gRPC give the numbers
+`shardline score` gives on the same text (float32, the tiny model), in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
+from tests.router.processes import REPO, RouterStack, router_and_worker
+
+pytestmark = pytest.mark.slow
+
+TEXT = "The quick brown fox jumps over the lazy dog."
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
+    with router_and_worker(tiny_model_dir, tmp_path_factory.mktemp("echo"),
+                           worker_flags=["--served-model-name", MODEL, "--kv-cache-gb", "0.02"],
+                           router_flags=["--served-model-name", MODEL]) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> dict:
+    result = subprocess.run([sys.executable, "-m", "services.cli", "score", "--model", str(tiny_model_dir),
+                             "--text", TEXT, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_echo_gives_the_prompt_logprobs_of_shardline_score(stack: RouterStack, reference: dict) -> None:
+    response = httpx.post(f"{stack.http}/v1/completions", json={
+        "model": MODEL, "prompt": TEXT, "echo": True, "logprobs": 3, "max_tokens": 0, "temperature": 0}, timeout=60)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == TEXT and choice["finish_reason"] == "length"
+    assert len(logprobs["tokens"]) == reference["n_tokens"] == response.json()["usage"]["prompt_tokens"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx(reference["logprobs"], abs=1e-5)
+    assert logprobs["tokens"][0] == "<s>" and "".join(logprobs["tokens"][1:]) == TEXT  # BOS, as the model adds it
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    for i, top in enumerate(logprobs["top_logprobs"][1:]):
+        assert 1 <= len(top) <= 3  # fewer when two tokens render alike (partial UTF-8 shows as U+FFFD)
+        assert max(top.values()) >= logprobs["token_logprobs"][i + 1]
+    assert response.headers["x-shardline-replica-group-id"]
+
+
+def test_openai_client_echo_with_generated_tokens(stack: RouterStack, reference: dict) -> None:
+    client = openai.OpenAI(base_url=f"{stack.http}/v1", api_key="none", max_retries=0, timeout=60)
+    completion = client.completions.create(model=MODEL, prompt=TEXT, echo=True, logprobs=1, max_tokens=4,
+                                           temperature=0)
+    choice = completion.choices[0]
+    assert choice.text.startswith(TEXT) and completion.usage.completion_tokens == 4
+    lp = choice.logprobs
+    n = reference["n_tokens"]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 4
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(reference["logprobs"], abs=1e-5)
+    # greedy generation: each generated token is its position's best alternative (lm-eval's is_greedy)
+    for token_lp, top in zip(lp.token_logprobs[n:], lp.top_logprobs[n:]):
+        assert token_lp == max(top.values())
+    # token ids as the prompt, as lm-eval's local-completions sends them
+    ids_answer = httpx.post(f"{stack.http}/v1/completions", json={
+        "model": MODEL, "prompt": [reference_ids(stack)], "echo": True, "logprobs": 1, "max_tokens": 0},
+        timeout=60).json()
+    assert ids_answer["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(reference["logprobs"],
+                                                                                        abs=1e-5)
+    assert ids_answer["choices"][0]["text"] == TEXT
+
+
+def reference_ids(stack: RouterStack) -> list[int]:
+    with grpc.insecure_channel(stack.router) as channel:
+        scored = router_pb2_grpc.RouterServiceStub(channel).Score(router_pb2.RouterScoreRequest(text=TEXT),
+                                                                  timeout=60)
+    return [t.token_id for t in scored.tokens]
+
+
+def test_grpc_score(stack: RouterStack, reference: dict) -> None:
+    with grpc.insecure_channel(stack.router) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        scored = stub.Score(router_pb2.RouterScoreRequest(model=MODEL, text=TEXT, top_logprobs=2), timeout=60)
+        assert len(scored.tokens) == reference["n_tokens"] and scored.replica_group_id
+        assert list(scored.logprobs) == pytest.approx(reference["logprobs"], abs=1e-5)
+        assert scored.perplexity == pytest.approx(reference["perplexity"], rel=1e-5)
+        assert [len(t.alternatives) for t in scored.top_logprobs] == [2] * (reference["n_tokens"] - 1)
+        assert [t.alternatives[0].token_id for t in scored.top_logprobs] == reference["argmax"]
+        by_ids = stub.Score(router_pb2.RouterScoreRequest(
+            token_ids=common_pb2.TokenIds(ids=[t.token_id for t in scored.tokens])), timeout=60)
+        assert list(by_ids.logprobs) == list(scored.logprobs)
+        with pytest.raises(grpc.RpcError) as too_many:
+            stub.Score(router_pb2.RouterScoreRequest(text=TEXT, top_logprobs=21), timeout=60)
+        assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("completions", {"prompt": TEXT, "echo": True, "stream": True}, "echo"),
+    ("completions", {"prompt": TEXT, "echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs"),
+    ("completions", {"prompt": TEXT, "max_tokens": 0}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+])
+def test_bad_echo_requests_are_400(stack: RouterStack, route: str, body: dict, param: str) -> None:
+    response = httpx.post(f"{stack.http}/v1/{route}", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
