@@ -14,6 +14,7 @@ Both plans score the same chunks of token ids (teacher forcing: position ``i`` p
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -73,3 +74,45 @@ def compare(reference: Sequence[ChunkScores], candidate: Sequence[ChunkScores]) 
                       candidate_perplexity=cand_ppl, perplexity_delta_pct=100.0 * (cand_ppl / ref_ppl - 1.0),
                       mean_abs_logprob_delta=sum(deltas) / n, p99_abs_logprob_delta=percentile(deltas, 99.0),
                       max_abs_logprob_delta=max(deltas), top1_agreement=agree / n)
+
+
+def bootstrap_delta_interval(reference: Sequence[ChunkScores], candidate: Sequence[ChunkScores], *,
+                             samples: int = 1000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """A ``confidence`` interval of the perplexity delta (%) by the percentile bootstrap over
+    chunks: ``samples`` times, draw as many chunks as there are, with replacement, and take the
+    delta of the draw; the interval is the draws' central ``confidence`` share. Seeded, so the
+    same scores give the same interval."""
+    if not 0 < confidence < 1 or samples < 1:
+        raise ValueError(f"need 0 < confidence < 1 and samples >= 1, got {confidence} and {samples}")
+    sums = [(sum(r.logprobs), sum(c.logprobs), len(r.logprobs)) for r, c in zip(reference, candidate, strict=True)]
+    rng = random.Random(seed)
+    deltas = []
+    for _ in range(samples):
+        draw = [sums[rng.randrange(len(sums))] for _ in sums]
+        n = sum(d[2] for d in draw)
+        ref_nll, cand_nll = -sum(d[0] for d in draw) / n, -sum(d[1] for d in draw) / n
+        deltas.append(100.0 * (math.exp(cand_nll - ref_nll) - 1.0))
+    tail = 100.0 * (1 - confidence) / 2
+    return percentile(deltas, tail), percentile(deltas, 100.0 - tail)
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    passed: bool
+    reasons: tuple[str, ...]  # why it failed (empty when it passed)
+    delta_interval_pct: tuple[float, float]
+    threshold_pct: float
+    min_top1_agreement: float | None
+
+
+def gate(comparison: Comparison, interval: tuple[float, float], *, threshold_pct: float,
+         min_top1_agreement: float | None) -> GateVerdict:
+    """Pass only if the interval's upper end is within the threshold (the delta is small with
+    confidence, not just on average) and, when a floor is set, top-1 agreement reaches it."""
+    reasons = []
+    if interval[1] > threshold_pct:
+        reasons.append(f"perplexity delta {comparison.perplexity_delta_pct:+.3f} % (95 % interval "
+                       f"{interval[0]:+.3f} .. {interval[1]:+.3f} %) exceeds {threshold_pct:g} %")
+    if min_top1_agreement is not None and comparison.top1_agreement < min_top1_agreement:
+        reasons.append(f"top-1 agreement {comparison.top1_agreement:.4f} is below {min_top1_agreement:g}")
+    return GateVerdict(not reasons, tuple(reasons), interval, threshold_pct, min_top1_agreement)

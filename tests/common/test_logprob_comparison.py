@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import pytest
 
-from services.common.logprob_comparison import compare, percentile
+from services.common.logprob_comparison import bootstrap_delta_interval, compare, gate, percentile
 
 
 @dataclass
@@ -47,3 +48,19 @@ def test_mismatched_chunks_are_refused() -> None:
         compare([Scores([-1.0], [1])], [])
     with pytest.raises(ValueError, match="chunk 0"):
         compare([Scores([-1.0], [1])], [Scores([-1.0, -2.0], [1, 2])])
+
+
+def test_bootstrap_interval_brackets_the_delta_and_is_seeded() -> None:
+    gen = random.Random(1)
+    reference = [Scores([-2.0 + gen.uniform(-0.5, 0.5) for _ in range(50)], [0] * 50) for _ in range(20)]
+    candidate = [Scores([lp - 0.01 + gen.uniform(-0.02, 0.02) for lp in r.logprobs], [0] * 50) for r in reference]
+    c = compare(reference, candidate)
+    low, high = bootstrap_delta_interval(reference, candidate)
+    assert low < c.perplexity_delta_pct < high and 0 < low
+    assert bootstrap_delta_interval(reference, candidate) == (low, high)
+    assert gate(c, (low, high), threshold_pct=5.0, min_top1_agreement=0.97).passed
+    failed = gate(c, (low, high), threshold_pct=low / 2, min_top1_agreement=None)
+    assert not failed.passed and "exceeds" in failed.reasons[0]
+    disagree = compare(reference, [Scores(s.logprobs, [1] * 50) for s in candidate])
+    verdict = gate(disagree, (low, high), threshold_pct=5.0, min_top1_agreement=0.97)
+    assert not verdict.passed and "top-1 agreement 0.0000" in verdict.reasons[0]
