@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -58,3 +59,56 @@ def test_bad_plans_exit_2(tiny_model_dir: Path) -> None:
         result = compare(tiny_model_dir, "dtype=float32", bad)
         assert result.returncode == 2, (bad, result.stdout, result.stderr)
         assert "shardline compare:" in result.stderr
+
+
+def gate(model: Path, reference: str, candidate: str, registry: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "gate", "--model", str(model),
+                           "--reference", reference, "--candidate", candidate, "--chunks", "4",
+                           "--chunk-tokens", "64", "--registry-url", registry, *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_gate_passes_resharding_fails_a_perturbed_copy_and_a_tight_threshold(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    registry = f"sqlite:///{tmp_path / 'registry.db'}"
+    passed = gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "verdict: PASS" in passed.stdout and "95 % interval" in passed.stdout
+    measured = json.loads(gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry, "--json",
+                               "--no-record").stdout)
+    low, high = measured["delta_interval_pct"]
+    assert low <= measured["perplexity_delta_pct"] <= high and measured["passed"]
+    tight = gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry,
+                 "--threshold-pct", f"{high / 2:.6f}")
+    assert tight.returncode == 1 and "verdict: FAIL" in tight.stdout and "exceeds" in tight.stdout
+
+    noisy = tmp_path / "tiny-noisy"
+    shutil.copytree(tiny_model_dir, noisy)
+    weights = load_file(noisy / "model.safetensors")
+    w = weights["model.layers.2.self_attn.o_proj.weight"]
+    weights["model.layers.2.self_attn.o_proj.weight"] = w + torch.randn(
+        w.shape, generator=torch.Generator().manual_seed(1)) * w.std() * 2
+    save_file(weights, noisy / "model.safetensors", metadata={"format": "pt"})
+    perturbed = gate(tiny_model_dir, "dtype=float32", f"model={noisy}", registry, "--json")
+    assert perturbed.returncode == 1
+    verdict = json.loads(perturbed.stdout)
+    assert not verdict["passed"] and any("top-1 agreement" in r for r in verdict["reasons"])
+
+    from services.common.registry import ShardRegistry  # noqa: PLC0415 - after the CLI made the schema
+
+    with ShardRegistry(registry) as reg:
+        results = reg.list_gate_results()
+    assert [r.passed for r in results] == [False, False, True]  # newest first; --no-record left one out
+    assert results[-1].candidate == "tp=2,dtype=bfloat16" and results[-1].candidate_dtype == "bfloat16"
+
+
+@pytest.mark.slow
+def test_gate_smollm2_tp3_bfloat16_against_tp1_float32(smollm2_dir: Path, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "services.cli", "gate", "--model", str(smollm2_dir),
+                             "--reference", "dtype=float32", "--candidate", "tp=3,dtype=bfloat16", "--chunks", "8",
+                             "--chunk-tokens", "256", "--registry-url", f"sqlite:///{tmp_path / 'r.db'}", "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    verdict = json.loads(result.stdout)
+    assert result.returncode == 0 and verdict["passed"], verdict
+    assert verdict["min_top1_agreement"] is None  # float32 and bfloat16 are two families
+    assert verdict["top1_agreement"] > 0.9 and verdict["delta_interval_pct"][1] <= 0.5

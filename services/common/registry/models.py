@@ -9,6 +9,8 @@ written by the original DDL is still a valid row:
 - ``gpu_shards``: ``status`` (what the rank last reported, see ``SHARD_STATUSES``).
 - ``checkpoint_manifests``: ``manifest_uri`` (unique), ``tp_degree``, ``pp_degree``.
 
+And one table of our own: ``quality_gate_results``, each verdict of the golden-set gate.
+
 The schema itself is created by the Alembic migration in ``migrations/``; a test checks that the
 migrated database and these models agree.
 """
@@ -20,9 +22,11 @@ from datetime import UTC, datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Dialect,
+    Double,
     ForeignKey,
     Index,
     Integer,
@@ -157,4 +161,37 @@ class CheckpointManifestRow(Base):
     __table_args__ = (
         CheckConstraint(DTYPE_CHECK, name="dtype"),
         Index("idx_checkpoint_manifests_model_dtype", "model_name", "dtype"),
+    )
+
+
+class QualityGateRow(Base):
+    """One verdict of the golden-set gate: the two plans, the figures, pass or fail and why."""
+
+    __tablename__ = "quality_gate_results"
+
+    gate_id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    model_name: Mapped[str] = mapped_column(Text)
+    reference: Mapped[str] = mapped_column(Text)  # a plan spec, a manifest URI or a replica group
+    candidate: Mapped[str] = mapped_column(Text)
+    candidate_dtype: Mapped[str] = mapped_column(Text)
+    text_fingerprint: Mapped[str] = mapped_column(Text)
+    chunks: Mapped[int] = mapped_column(Integer)
+    scored_tokens: Mapped[int] = mapped_column(Integer)
+    reference_perplexity: Mapped[float] = mapped_column(Double)
+    candidate_perplexity: Mapped[float] = mapped_column(Double)
+    perplexity_delta_pct: Mapped[float] = mapped_column(Double)
+    delta_low_pct: Mapped[float] = mapped_column(Double)
+    delta_high_pct: Mapped[float] = mapped_column(Double)
+    mean_abs_logprob_delta: Mapped[float] = mapped_column(Double)
+    p99_abs_logprob_delta: Mapped[float] = mapped_column(Double)
+    top1_agreement: Mapped[float] = mapped_column(Double)
+    threshold_pct: Mapped[float] = mapped_column(Double)
+    min_top1_agreement: Mapped[float | None] = mapped_column(Double)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    reasons: Mapped[str] = mapped_column(Text, server_default=text("''"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+
+    __table_args__ = (
+        CheckConstraint("chunks > 0", name="chunks_positive"),
+        Index("idx_quality_gate_results_model_candidate", "model_name", "candidate", "created_at"),
     )

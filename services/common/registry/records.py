@@ -79,6 +79,33 @@ class CheckpointManifest(_FromRow):
     pp_degree: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class QualityGateResult(_FromRow):
+    """One recorded verdict of the golden-set gate (``reasons``: one per line, empty if passed)."""
+
+    gate_id: uuid.UUID
+    model_name: str
+    reference: str
+    candidate: str
+    candidate_dtype: str
+    text_fingerprint: str
+    chunks: int
+    scored_tokens: int
+    reference_perplexity: float
+    candidate_perplexity: float
+    perplexity_delta_pct: float
+    delta_low_pct: float
+    delta_high_pct: float
+    mean_abs_logprob_delta: float
+    p99_abs_logprob_delta: float
+    top1_agreement: float
+    threshold_pct: float
+    min_top1_agreement: float | None
+    passed: bool
+    reasons: str
+    created_at: datetime
+
+
 def registry_group_id(replica_group_id: str) -> uuid.UUID:
     """The registry's UUID of a replica group: the id itself when it is a UUID, else the stable
     UUID5 of the name (``rg-0-3fa2c1``), so every service that knows a group by its name finds

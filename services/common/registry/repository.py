@@ -22,8 +22,8 @@ from . import errors, migrate
 from .dtypes import to_registry_dtype
 from .engine import make_engine, registry_url, retry_on_disconnect
 from .lifecycle import ALLOWED_TRANSITIONS, DEAD, GROUP_STATUSES, PROVISIONING, SHARD_STATUSES
-from .models import CheckpointManifestRow, GpuShardRow, ReplicaGroupRow
-from .records import CheckpointManifest, GpuShard, ReplicaGroup
+from .models import CheckpointManifestRow, GpuShardRow, QualityGateRow, ReplicaGroupRow
+from .records import CheckpointManifest, GpuShard, QualityGateResult, ReplicaGroup
 
 GroupId = uuid.UUID | str
 Row = TypeVar("Row")
@@ -371,3 +371,31 @@ class ShardRegistry:
                                CheckpointManifestRow.manifest_id)
         with self._tx() as session:
             return [CheckpointManifest.from_row(row) for row in session.scalars(query)]
+
+    # ---- quality gate results ------------------------------------------------------------
+
+    @retry_on_disconnect
+    def record_gate_result(self, **figures: Any) -> QualityGateResult:
+        """Record one verdict; ``figures`` are :class:`QualityGateResult`'s fields but the id and
+        the time, which are made here."""
+        expected = {f for f in QualityGateResult.__dataclass_fields__} - {"gate_id", "created_at"}
+        if set(figures) != expected:
+            missing, extra = sorted(expected - set(figures)), sorted(set(figures) - expected)
+            raise errors.InvalidValue(f"gate result fields: missing {missing}, unknown {extra}")
+        row = QualityGateRow(gate_id=uuid.uuid4(), created_at=_now(), **figures)
+        with self._tx() as session:
+            session.add(row)
+        return QualityGateResult.from_row(row)
+
+    @retry_on_disconnect
+    def list_gate_results(self, model_name: str | None = None,
+                          candidate: str | None = None) -> list[QualityGateResult]:
+        """Verdicts, newest first, filtered by model and candidate."""
+        query = select(QualityGateRow)
+        if model_name is not None:
+            query = query.where(QualityGateRow.model_name == model_name)
+        if candidate is not None:
+            query = query.where(QualityGateRow.candidate == candidate)
+        query = query.order_by(QualityGateRow.created_at.desc(), QualityGateRow.gate_id)
+        with self._tx() as session:
+            return [QualityGateResult.from_row(row) for row in session.scalars(query)]

@@ -1,0 +1,133 @@
+"""Shard plans scored on the golden set: what ``shardline compare`` and ``shardline gate`` run,
+and what a fleet controller calls before a new plan takes traffic.
+
+A plan is written ``key=value`` pairs joined by commas, from ``tp``, ``pp``, ``dtype``,
+``checkpoint`` (a manifest.json) and ``model`` (another model directory with the same tokenizer,
+e.g. a fine-tune or a perturbed copy): ``dtype=float32``, ``tp=2,dtype=bfloat16``. Each plan runs
+as a local replica group (its ranks spawned here) that scores every chunk as its own prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.dtypes import lookup_dtype
+from services.common.errors import InvalidArgument
+from services.common.logprob_comparison import (
+    Comparison,
+    GateVerdict,
+    bootstrap_delta_interval,
+    compare,
+    gate,
+)
+from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
+from services.worker.engine.bootstrap import load_tokenizer
+from services.worker.launch import run_replica_group
+from services.worker.runtime import RankSpec, stage_tokenizer_dir
+from services.worker.scoring import ScoreResult, score_chunks_rank
+
+PLAN_KEYS = ("tp", "pp", "dtype", "checkpoint", "model")
+DEFAULT_THRESHOLD_PCT = 0.5
+DEFAULT_MIN_TOP1 = 0.97  # for plans of one dtype family
+DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0  # a chunk's prefill on a busy CPU is slow
+
+
+def parse_plan(text: str) -> dict[str, str]:
+    """``"tp=2,dtype=int8"`` -> ``{"tp": "2", "dtype": "int8"}``; unknown keys are an error."""
+    plan: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in PLAN_KEYS or not value.strip():
+            raise InvalidArgument(f"plan {text!r}: expected key=value pairs with keys {', '.join(PLAN_KEYS)}, "
+                                  f"got {item!r}")
+        plan[key] = value.strip()
+    return plan
+
+
+def plan_spec(model_dir: str | None, text: str, *,
+              collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> RankSpec:
+    """The rank spec of plan ``text`` of the model in ``model_dir``; a bad plan raises here."""
+    plan = parse_plan(text)
+    try:
+        tp, pp = int(plan.get("tp", 1)), int(plan.get("pp", 1))
+    except ValueError:
+        raise InvalidArgument(f"plan {text!r}: tp and pp are whole numbers") from None
+    checkpoint = plan.get("checkpoint")
+    return RankSpec(None if checkpoint else plan.get("model", model_dir), tp_degree=tp, pp_degree=pp,
+                    dtype=plan.get("dtype"), checkpoint=checkpoint, collective_timeout_s=collective_timeout_s,
+                    replica_group_id=f"golden-{text}")
+
+
+def dtype_family(dtype: str) -> str:
+    """A dtype's numeric format: ``16-bit float`` for bfloat16 and float16, else the dtype's own
+    name. Two plans of one family differ only in layout (TP/PP, summation order), so their top-1
+    choices must agree almost everywhere; across families the perplexity delta is the measure."""
+    name = lookup_dtype(dtype)
+    return "16-bit float" if name in ("bfloat16", "float16") else str(name)
+
+
+@dataclass(frozen=True)
+class PlanScores:
+    plan: str
+    spec: RankSpec
+    results: list[ScoreResult]
+    seconds: float
+
+
+def golden_set_for(model_dir: str | None, spec: RankSpec, *, chunks: int = DEFAULT_CHUNKS,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> GoldenSet:
+    tokenizer = load_tokenizer(model_dir or stage_tokenizer_dir(spec))
+    if tokenizer is None:
+        raise InvalidArgument("the golden set needs the model's tokenizer.json (give --model DIR)")
+    try:
+        return GoldenSet.build(lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                               chunks=chunks, chunk_tokens=chunk_tokens)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def check_comparable(specs: Sequence[RankSpec], golden: GoldenSet) -> None:
+    vocab = specs[0].plan.config.vocab_size
+    for spec in specs:
+        if spec.plan.config.vocab_size != vocab:
+            raise InvalidArgument(f"the plans' vocabularies differ ({vocab} and {spec.plan.config.vocab_size}): "
+                                  f"they cannot be scored on the same tokens")
+        if golden.chunk_tokens > spec.plan.config.max_position_embeddings:
+            raise InvalidArgument(f"chunks of {golden.chunk_tokens} tokens exceed the model's "
+                                  f"max_position_embeddings {spec.plan.config.max_position_embeddings}")
+
+
+def score_plan(spec: RankSpec, text: str, golden: GoldenSet) -> PlanScores:
+    start = time.perf_counter()
+    results = run_replica_group(spec.plan.world_size, score_chunks_rank, spec, [list(c) for c in golden.chunks],
+                                failure_grace_s=spec.collective_timeout_s + 3.0)
+    return PlanScores(text, spec, results, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class GateResult:
+    reference: PlanScores
+    candidate: PlanScores
+    golden: GoldenSet
+    comparison: Comparison
+    verdict: GateVerdict
+
+
+def run_gate(reference: PlanScores, candidate: PlanScores, golden: GoldenSet, *,
+             threshold_pct: float = DEFAULT_THRESHOLD_PCT, min_top1_agreement: float | None = None,
+             bootstrap_samples: int = 1000) -> GateResult:
+    """The verdict on ``candidate`` against ``reference``. ``min_top1_agreement`` None: the
+    default floor for two plans of one dtype family, no floor across families (a quantized
+    candidate answers to its perplexity delta)."""
+    comparison = compare(reference.results, candidate.results)
+    interval = bootstrap_delta_interval(reference.results, candidate.results, samples=bootstrap_samples)
+    if min_top1_agreement is None and dtype_family(reference.spec.plan.dtype) == \
+            dtype_family(candidate.spec.plan.dtype):
+        min_top1_agreement = DEFAULT_MIN_TOP1
+    verdict = gate(comparison, interval, threshold_pct=threshold_pct, min_top1_agreement=min_top1_agreement)
+    return GateResult(reference, candidate, golden, comparison, verdict)
