@@ -77,7 +77,8 @@ def test_several_prompts_are_one_request_each(tiny):
 
 def test_several_completions_response_has_a_choice_per_prompt():
     def answer(i: int) -> dict:
-        return {"id": f"cmpl-{i}", "object": "text_completion", "created": 1, "model": "m", "replica_group_id": f"rg-{i}",
+        return {"id": f"cmpl-{i}", "object": "text_completion", "created": 1, "model": "m",
+                "replica_group_id": f"rg-{i}",
                 "choices": [{"index": 0, "text": str(i), "finish_reason": "length", "logprobs": None}],
                 "usage": {"prompt_tokens": 2, "completion_tokens": i, "total_tokens": 2 + i}}
 
