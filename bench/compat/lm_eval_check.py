@@ -22,7 +22,9 @@ What it does, offline (no model hub, no dataset download):
    ``bench/results/lm-eval.json`` and ``.md``. Exit 0 only when the accuracies are equal and
    every |Δ loglikelihood| ≤ ``--tol``.
 
-Both runs put the BOS token first (``add_bos_token=True``) so that the token ids agree.
+Both runs send the items without a BOS token (``add_bos_token=False``), so that the token ids
+agree: ``hf`` with ``add_bos_token=True`` hands it to the tokenizer (which then prepends BOS, e.g.
+SmolLM2's), while ``local-completions`` only asks for the tokenizer's special tokens (none there).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def serve_and_evaluate(model_dir: Path, name: str, task_dir: Path, workdir: Path
         print(f"shardline up: healthy after {startup:.1f} s on {stack.base_url}", flush=True)
         result = evaluate("local-completions", {
             "model": name, "base_url": f"{stack.base_url}/completions", "tokenizer": str(model_dir),
-            "tokenizer_backend": "huggingface", "tokenized_requests": True, "add_bos_token": True,
+            "tokenizer_backend": "huggingface", "tokenized_requests": True, "add_bos_token": False,
             "num_concurrent": 1, "max_retries": 1, "timeout": 120}, task_dir, batch_size)
     except BaseException:
         print(stack.tail(), file=sys.stderr)
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         served, up_argv = serve_and_evaluate(model_dir, model_dir.name, task_dir, tmpdir / "stack",
                                              args.batch_size, args.startup_timeout)
         reference = evaluate("hf", {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu",
-                                    "add_bos_token": True}, task_dir, args.batch_size)
+                                    "add_bos_token": False}, task_dir, args.batch_size)
     comparison = compare(served, reference, args.tol)
     payload = {"command": command.strip(), "model": str(model_dir), "batch_size": args.batch_size,
                "shardline_up": shlex.join(up_argv[2:]).replace(str(tmpdir), "$TMP"), "versions": versions(),
