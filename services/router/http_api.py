@@ -163,7 +163,10 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         authorize(request)
         body, _size = await json_body(request)
         model = core.catalog.get(_model_name(body))
-        parsed = oa.parse_completion(body, model)
+        batch = oa.parse_completions(body, model)
+        if len(batch) > 1:
+            return await _serve_several(request, batch)
+        parsed = batch[0]
         if parsed.echo:
             return await _serve_echo(request, parsed)
         return await _serve(request, parsed, "cmpl", chat=False)
@@ -183,9 +186,17 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
     async def _serve_echo(request: Request, parsed: oa.ParsedRequest) -> Response:
         """``echo``: the prompt scored on a group (its logprobs and alternatives), then, unless
         ``max_tokens`` is 0, a generation from the same ids, as one non-streamed answer."""
+        answer, groups = await _echo_answer(request, parsed, trace_context_of(request.headers.items()))
+        headers = {"x-shardline-replica-group-id": answer["replica_group_id"],
+                   "x-shardline-replica-group-ids": ",".join(groups)}
+        return JSONResponse(answer, headers=headers)
+
+    async def _echo_answer(request: Request | None, parsed: oa.ParsedRequest,
+                           trace: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+        """The echo answer's body and the groups that served it; ``request`` None: the caller
+        watches for the client's disconnect (several prompts)."""
         top = parsed.request.sampling.logprobs
-        scored = await core.score(dataclasses.replace(parsed.request,
-                                                      trace_context=trace_context_of(request.headers.items())), top)
+        scored = await core.score(dataclasses.replace(parsed.request, trace_context=trace), top)
         model = core.catalog.get(parsed.request.model)
         prompt_text = parsed.request.prompt_text if parsed.request.prompt_text is not None else \
             model.decode(scored.token_ids)
@@ -197,20 +208,76 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
                 parsed.request, prompt_text=None, prompt_ids=tuple(scored.token_ids), request_id=scored.request_id),
                 token_texts=parsed.want_logprobs)
             try:
-                await _unless_disconnected(request, generation.start(), generation)
+                if request is None:
+                    await generation.start()
+                else:
+                    await _unless_disconnected(request, generation.start(), generation)
                 async for event in generation:
                     if isinstance(event, Finished):
                         finished = event
                     else:
                         tokens.append(event)
+            except BaseException:
+                generation.cancel()
+                raise
             finally:
                 generation.close()
             groups += generation.replica_group_ids
         head = oa.ResponseHeader(f"cmpl-{scored.request_id}", model.name, groups[-1] if groups else "")
-        headers = {"x-shardline-replica-group-id": head.replica_group_id,
-                   "x-shardline-replica-group-ids": ",".join(groups)}
-        return JSONResponse(oa.echo_completion_response(head, scored, prompt_text, tokens, finished,
-                                                        parsed.want_logprobs), headers=headers)
+        return oa.echo_completion_response(head, scored, prompt_text, tokens, finished, parsed.want_logprobs), groups
+
+    async def _plain_answer(parsed: oa.ParsedRequest, trace: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+        """A non-streamed completion of one of several prompts: its body and groups."""
+        generation = await core.generate(dataclasses.replace(parsed.request, trace_context=trace),
+                                         token_texts=parsed.want_logprobs)
+        tokens: list[TokenOut] = []
+        try:
+            await generation.start()
+            async for event in generation:
+                if isinstance(event, Finished):
+                    finished = event
+                    break
+                tokens.append(event)
+            else:
+                raise AssertionError("a stream always ends with Finished or an error")
+        except BaseException:
+            generation.cancel()
+            raise
+        finally:
+            generation.close()
+        groups = generation.replica_group_ids or [generation.replica_group_id]
+        head = oa.ResponseHeader(f"cmpl-{generation.request_id}", generation.prepared.model.name, groups[-1])
+        return oa.completion_response(head, tokens, finished, parsed.want_logprobs), groups
+
+    async def _serve_several(request: Request, batch: list[oa.ParsedRequest]) -> Response:
+        """Several prompts in one request: each admitted and served as its own request, all at
+        once; the answer has one choice per prompt. One that fails fails the request (the others
+        are cancelled), and so does the client leaving."""
+        trace = trace_context_of(request.headers.items())
+        tasks = [asyncio.ensure_future(_echo_answer(None, p, trace) if p.echo else _plain_answer(p, trace))
+                 for p in batch]
+
+        async def all_answers() -> list[tuple[dict[str, Any], list[str]]]:
+            return list(await asyncio.gather(*tasks))
+
+        work = asyncio.ensure_future(all_answers())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+            for task in tasks:
+                task.cancel()  # no-op for those done
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if not work.done() or work.cancelled():
+            raise RequestCancelled("a request of several prompts: the client disconnected")
+        answers = work.result()  # the first prompt's error, if one failed
+        groups = [g for _answer, answer_groups in answers for g in answer_groups]
+        body = oa.several_completions_response([answer for answer, _groups in answers])
+        return JSONResponse(body, headers={"x-shardline-replica-group-id": body["replica_group_id"],
+                                           "x-shardline-replica-group-ids": ",".join(dict.fromkeys(groups))})
 
     async def _serve(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
         generation_request = dataclasses.replace(parsed.request,
@@ -250,15 +317,16 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
     return app
 
 
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _unless_disconnected(request: Request, work: Any, generation: Generation) -> Any:
     """Await ``work``; if the client disconnects first, cancel the generation (the worker call
     and the reservation go with it) and raise RequestCancelled."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
+    watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:

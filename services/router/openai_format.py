@@ -21,6 +21,10 @@ from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
 from services.router.types import Finished, GenerationRequest, Scored, TokenOut
 
+# Most prompts one /v1/completions request may carry (``prompt`` as a list of them): each is its
+# own request to the groups, answered as one choice.
+MAX_PROMPTS = 128
+
 # A chat request without max_tokens may use the rest of the context, up to this many tokens:
 # the router reserves KV for max_tokens up front, so "the whole context" would reserve it all.
 DEFAULT_CHAT_MAX_TOKENS = 1024
@@ -173,6 +177,28 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     return ParsedRequest(request, stream, include_usage, logprobs is not None, echo=echo, generate=generate)
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def parse_completions(body: dict[str, Any], model: ServedModel) -> list[ParsedRequest]:
+    """/v1/completions with one prompt or several: ``prompt`` as a list of strings or of token-id
+    lists (OpenAI's and vLLM's batch form, which lm-eval's ``local-completions`` sends with
+    ``batch_size`` > 1) is one request per prompt, answered as one choice each (``index`` is the
+    prompt's position). Several prompts are not streamed."""
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+    if not several:
+        return [parse_completion(body, model)]
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+    if not all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise BadRequest("prompt: a list of prompts holds strings or lists of token ids", "prompt")
+    if _get(body, "stream", (bool,), False):
+        raise BadRequest("several prompts are served without streaming: send stream false", "stream")
+    return [parse_completion({**body, "prompt": p}, model) for p in prompt]
+
+
 def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
                release_gil: bool = False) -> ParsedRequest:
     """/v1/chat/completions: render the messages with the model's chat template, as
@@ -249,6 +275,15 @@ def echo_completion_response(head: ResponseHeader, scored: Scored, prompt_text: 
         "logprobs": logprobs}],
         "usage": {"prompt_tokens": len(scored.token_ids), "completion_tokens": completion_tokens,
                   "total_tokens": len(scored.token_ids) + completion_tokens}}
+
+
+def several_completions_response(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer to several prompts: each prompt's completion is a choice, ``index`` its prompt's
+    position; usage is the sum; the id is the first prompt's, the group the last one's."""
+    choices = [{**answer["choices"][0], "index": i} for i, answer in enumerate(answers)]
+    totals = {key: sum(a["usage"][key] for a in answers) for key in ("prompt_tokens", "completion_tokens",
+                                                                      "total_tokens")}
+    return {**answers[0], "replica_group_id": answers[-1]["replica_group_id"], "choices": choices, "usage": totals}
 
 
 def chat_logprobs(tokens: list[TokenOut]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.sampling import MAX_INT32, MAX_LOGPROBS, MAX_SEED, MAX_UINT32
+from services.router.openai_format import MAX_PROMPTS
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
@@ -59,7 +60,8 @@ _SAMPLING: dict[str, Any] = {
 _PROMPT = {"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "items": _INT, "minItems": 1, "description": "token ids"},
-    {"type": "array", "minItems": 1, "maxItems": 1,
+    {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "description": "several prompts: one choice each, "
+     "index its position; not with stream",
      "items": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INT, "minItems": 1}]}},
 ]}
 

@@ -81,6 +81,35 @@ def test_openai_client_echo_with_generated_tokens(stack: RouterStack, reference:
     assert ids_answer["choices"][0]["text"] == TEXT
 
 
+def test_several_prompts_in_one_request_as_lm_eval_batches_them(stack: RouterStack, reference: dict) -> None:
+    """lm-eval's local-completions with batch_size > 1: token-id prompts in one request, echo with
+    logprobs and one generated token; one choice per prompt, ``index`` its position, each the
+    answer that prompt gets alone."""
+    ids = reference_ids(stack)
+    prompts = [ids, ids[:5], ids[:9]]
+    lm_eval_body = {"model": MODEL, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    batch = httpx.post(f"{stack.http}/v1/completions", json={**lm_eval_body, "prompt": prompts}, timeout=60)
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    alone = [httpx.post(f"{stack.http}/v1/completions", json={**lm_eval_body, "prompt": [p]}, timeout=60).json()
+             for p in prompts]
+    for prompt, choice, single in zip(prompts, choices, alone, strict=True):
+        assert len(choice["logprobs"]["token_logprobs"]) == len(prompt) + 1
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            single["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
+        assert choice["text"] == single["choices"][0]["text"]
+    assert choices[0]["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(reference["logprobs"], abs=1e-5)
+    assert batch.json()["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    # without echo: greedy completions of two text prompts, each as it comes alone
+    plain = {"model": MODEL, "temperature": 0, "max_tokens": 3}
+    two = httpx.post(f"{stack.http}/v1/completions", json={**plain, "prompt": [TEXT, "hello"]}, timeout=60).json()
+    for i, text in enumerate([TEXT, "hello"]):
+        single = httpx.post(f"{stack.http}/v1/completions", json={**plain, "prompt": text}, timeout=60).json()
+        assert two["choices"][i]["index"] == i and two["choices"][i]["text"] == single["choices"][0]["text"]
+    assert two["usage"]["completion_tokens"] == 6
+
+
 def reference_ids(stack: RouterStack) -> list[int]:
     with grpc.insecure_channel(stack.router) as channel:
         scored = router_pb2_grpc.RouterServiceStub(channel).Score(router_pb2.RouterScoreRequest(text=TEXT),
@@ -109,6 +138,8 @@ def test_grpc_score(stack: RouterStack, reference: dict) -> None:
     ("completions", {"prompt": TEXT, "echo": True, "stream": True}, "echo"),
     ("completions", {"prompt": TEXT, "echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs"),
     ("completions", {"prompt": TEXT, "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": [TEXT, TEXT], "stream": True}, "stream"),
+    ("completions", {"prompt": [TEXT, [1, 2], 3]}, "prompt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
 ])
 def test_bad_echo_requests_are_400(stack: RouterStack, route: str, body: dict, param: str) -> None:

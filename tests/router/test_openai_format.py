@@ -55,6 +55,39 @@ def test_completion_prompt_forms(tiny):
     assert (s.max_tokens, s.temperature, s.stop, s.seed) == (7, 0, ("x",), 3)
 
 
+def test_several_prompts_are_one_request_each(tiny):
+    one = oa.parse_completions({"prompt": [[5, 6]], "echo": True, "logprobs": 1, "max_tokens": 1}, tiny)
+    assert [p.request.prompt_ids for p in one] == [(5, 6)]
+    several = oa.parse_completions({"prompt": [[5, 6], "hi", [7]], "echo": True, "logprobs": 1, "max_tokens": 1,
+                                    "seed": 1234, "temperature": 0}, tiny)
+    assert [(p.request.prompt_ids, p.request.prompt_text) for p in several] == [((5, 6), None), (None, "hi"),
+                                                                                ((7,), None)]
+    assert all(p.echo and p.generate and p.request.sampling.logprobs == 1 for p in several)
+    assert [p.request.prompt_ids for p in oa.parse_completions({"prompt": [5, 6]}, tiny)] == [(5, 6)]
+    for body, message in [
+        ({"prompt": ["a", "b"], "stream": True}, "several prompts are served without streaming"),
+        ({"prompt": [[5], [[6]]]}, "prompt: a list of prompts holds strings or lists of token ids"),
+        ({"prompt": ["a", 5]}, "prompt: a list of prompts holds strings or lists of token ids"),
+        ({"prompt": ["a", ""]}, "prompt must not be empty"),
+        ({"prompt": ["a"] * (oa.MAX_PROMPTS + 1)}, f"prompt: at most {oa.MAX_PROMPTS} prompts"),
+    ]:
+        with pytest.raises(oa.BadRequest, match=message):
+            oa.parse_completions(body, tiny)
+
+
+def test_several_completions_response_has_a_choice_per_prompt():
+    def answer(i: int) -> dict:
+        return {"id": f"cmpl-{i}", "object": "text_completion", "created": 1, "model": "m",
+                "replica_group_id": f"rg-{i}",
+                "choices": [{"index": 0, "text": str(i), "finish_reason": "length", "logprobs": None}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": i, "total_tokens": 2 + i}}
+
+    body = oa.several_completions_response([answer(0), answer(1), answer(2)])
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "0"), (1, "1"), (2, "2")]
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+    assert (body["id"], body["replica_group_id"]) == ("cmpl-0", "rg-2")
+
+
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"prompt": ""}, "prompt", "prompt must not be empty"),
     ({"prompt": []}, "prompt", "prompt must not be empty"),

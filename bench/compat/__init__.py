@@ -1,0 +1,1 @@
+"""Compatibility checks: standard clients run against `shardline up`."""
