@@ -138,16 +138,21 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 KERNEL_MAX_ROWS = 64
 
 
+# torch._weight_int8pack_mm on CPU (torch 2.13) needs K % 16 == 0: other K give wrong sums or
+# crash; such weights take the blocked path
+INT8PACK_K_MULTIPLE = 16
+
+
 def quant_linear_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The same product from torch's own ops (any device): x [M, K] → [M, N]."""
-    if q.dtype == torch.int8:
+    if q.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise QuantizationError(f"quantized weight must be int8 or float8_e4m3fn, got {q.dtype}")
+    if q.dtype == torch.int8 and q.shape[1] % INT8PACK_K_MULTIPLE == 0:
         # torch wants the scales in x's dtype: bfloat16 scales round them (relative 2^-9)
         return torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
-    if q.dtype != torch.float8_e4m3fn:
-        raise QuantizationError(f"quantized weight must be int8 or float8_e4m3fn, got {q.dtype}")
     out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
     for start in range(0, q.shape[0], DEQUANT_BLOCK_ROWS):
         stop = min(start + DEQUANT_BLOCK_ROWS, q.shape[0])
-        # e4m3 values are exact in bfloat16 (3 mantissa bits); the scale multiplies the output
+        # int8 and e4m3 values are exact in bfloat16; the scale multiplies the output
         out[:, start:stop] = F.linear(x, q[start:stop].to(x.dtype)).float() * scale[start:stop]
     return out

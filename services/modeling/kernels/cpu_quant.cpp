@@ -91,37 +91,41 @@ inline __m512 dequant16(const uint8_t* p) {
 
 template <Kind kind> constexpr float unit() { return kind == kFp8 ? 256.0f : 1.0f; }
 
-// float32 path: y[m0:m0+MB, n0:n0+4] for K a multiple of 16, weights dequantized in registers
-template <Kind kind, int MB, typename T>
+// float32 path: y[m0:m0+MB, n0:n0+NB] for K a multiple of 16, weights dequantized in registers
+template <Kind kind, int MB, int NB, typename T>
 inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y, int64_t K, int64_t N,
                      int64_t m0, int64_t n0) {
-  __m512 acc[MB][4];
+  __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   const uint8_t* q0 = q + n0 * K;
   for (int64_t k = 0; k < K; k += 16) {
-    __m512 w[4];
-    for (int j = 0; j < 4; ++j) w[j] = dequant16<kind>(q0 + j * K + k);
+    __m512 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = dequant16<kind>(q0 + j * K + k);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < NB; ++j)
       Elem<T>::store(y + (m0 + i) * N + n0 + j, _mm512_reduce_add_ps(acc[i][j]) * (scale[n0 + j] * unit<kind>()));
 }
 
 template <Kind kind, typename T>
 void rows_f32(const float* x, const uint8_t* q, const float* scale, T* y, int64_t M, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 4) {
+  int64_t n = n0;
+  if (M == 1) {  // one row: 8 channels per tile, more independent loads and FMA chains in flight
+    for (; n + 8 <= n1; n += 8) tile_f32<kind, 1, 8>(x, q, scale, y, K, N, 0, n);
+  }
+  for (; n < n1; n += 4) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile_f32<kind, 4>(x, q, scale, y, K, N, m, n);
+    for (; m + 4 <= M; m += 4) tile_f32<kind, 4, 4>(x, q, scale, y, K, N, m, n);
     switch (M - m) {
-      case 3: tile_f32<kind, 3>(x, q, scale, y, K, N, m, n); break;
-      case 2: tile_f32<kind, 2>(x, q, scale, y, K, N, m, n); break;
-      case 1: tile_f32<kind, 1>(x, q, scale, y, K, N, m, n); break;
+      case 3: tile_f32<kind, 3, 4>(x, q, scale, y, K, N, m, n); break;
+      case 2: tile_f32<kind, 2, 4>(x, q, scale, y, K, N, m, n); break;
+      case 1: tile_f32<kind, 1, 4>(x, q, scale, y, K, N, m, n); break;
       default: break;
     }
   }
