@@ -28,10 +28,13 @@ from its slice: a TP=3 plan and a TP=1 plan hold the same numbers.
 **The matmul** (:func:`quant_linear`) never materialises a dequantized weight: on CPU the C++
 kernel (``kernels/cpu_quant.cpp``) reads each weight byte once and converts it in registers, so
 a decode step reads one byte per weight instead of two. Measured on the project's CPU against
-the bfloat16 ``F.linear`` and torch's own int8 kernels (``bench/results/quant-kernels.md``).
+the bfloat16 ``F.linear`` and torch's own int8 and fp8 kernels (``bench/results/quant-kernels.md``).
 Elsewhere (no kernel build, ``SHARDLINE_CPU_KERNELS=0``, CUDA) torch's ops run:
-``torch._weight_int8pack_mm`` for int8, and for fp8 a blocked dequantize-and-matmul that converts
-:data:`DEQUANT_BLOCK_ROWS` rows at a time (never the whole weight).
+``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the activations are bfloat16:
+torch's requirement), and for fp8 — and int8 weights whose K it cannot take — a blocked
+dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never the whole
+weight; correct, but slow on CPU: torch's float8 conversion is). That is the portable path, not
+a fast one.
 """
 
 from __future__ import annotations
@@ -122,20 +125,16 @@ DEQUANT_BLOCK_ROWS = 256
 
 def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``y = x · (scale ⊙ q)ᵀ``: ``x`` [..., K] (bfloat16 or float32), ``q`` [N, K] int8 or
-    float8_e4m3fn, ``scale`` float32 [N] → ``y`` [..., N] in ``x``'s dtype."""
+    float8_e4m3fn, ``scale`` float32 [N] → ``y`` [..., N] in ``x``'s dtype.
+
+    The C++ kernel wherever it runs (CPU, built, enabled): measured faster than
+    ``torch._weight_int8pack_mm`` from 1 to 512 rows, and the only fp8 kernel on CPU that is not
+    tens of times slower than bfloat16 (``bench/results/quant-kernels.md``)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     module = _cpu_module(x.device)
-    if module is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-        out = module.quant_linear(rows, q, scale)
-    else:
-        out = quant_linear_torch(rows, q, scale)
+    out = module.quant_linear(rows, q, scale) if module is not None else quant_linear_torch(rows, q, scale)
     return out.view(*lead, q.shape[0])
-
-
-# Up to this many rows (tokens) the C++ kernel is used; longer prefills go to torch's kernels,
-# which are compute-bound there and better blocked for it (measured: bench/results/quant-kernels.md).
-KERNEL_MAX_ROWS = 64
 
 
 # torch._weight_int8pack_mm on CPU (torch 2.13) needs K % 16 == 0: other K give wrong sums or

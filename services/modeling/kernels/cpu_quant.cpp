@@ -89,6 +89,11 @@ inline __m512 dequant16(const uint8_t* p) {
   }
 }
 
+#ifndef SHARDLINE_QUANT_PREFETCH
+#define SHARDLINE_QUANT_PREFETCH 256
+#endif
+constexpr int64_t kPrefetchBytes = SHARDLINE_QUANT_PREFETCH;  // how far ahead in a weight row
+
 template <Kind kind> constexpr float unit() { return kind == kFp8 ? 256.0f : 1.0f; }
 
 // float32 path: y[m0:m0+MB, n0:n0+NB] for K a multiple of 16, weights dequantized in registers
@@ -101,6 +106,9 @@ inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y,
   const uint8_t* q0 = q + n0 * K;
   for (int64_t k = 0; k < K; k += 16) {
     __m512 w[NB];
+    if (k % 64 == 0 && k + kPrefetchBytes < K) {  // a line per row, ahead of the hardware prefetcher
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(q0 + j * K + k + kPrefetchBytes), _MM_HINT_T0);
+    }
     for (int j = 0; j < NB; ++j) w[j] = dequant16<kind>(q0 + j * K + k);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
