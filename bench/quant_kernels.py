@@ -20,9 +20,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.common import RESULTS, machine
+from bench.common import RESULTS, machine, smollm2_dir
+from services.modeling.attention import AttentionMetadata
+from services.modeling.config import ModelConfig
 from services.modeling.kernels import cpu_kernels
+from services.modeling.llama import LlamaForCausalLM
+from services.modeling.parallel.coordinator import Coordinator
+from services.modeling.parallel.groups import ParallelGroups
+from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.quant import FP8, INT8, quant_linear_torch, quantize
+from services.modeling.weights import CheckpointReader, load_weights
 
 SHAPES = {  # name: (N, K), SmolLM2-135M (hidden 576, intermediate 1536, vocab 49152)
     "qkv_proj": (960, 576),
@@ -110,6 +117,41 @@ def bench_shape(name: str, n: int, k: int, rows: int, *, reps: int, budget_mb: f
     return results
 
 
+def model_steps(reps: int) -> list[dict]:
+    """SmolLM2-135M forward + logits for 1 and 16 tokens (no KV cache: the matmuls, norms and
+    element-wise kernels of a decode step, attention over the step's own tokens only), per dtype,
+    rounds alternating between the dtypes."""
+    model_dir = smollm2_dir()
+    cfg = ModelConfig.from_dir(model_dir)
+    models = {}
+    for dtype in ("bfloat16", "int8", "fp8"):
+        model = LlamaForCausalLM(ParallelPlan(cfg, 1, 1, dtype), Coordinator(ParallelGroups.single()))
+        with CheckpointReader(model_dir) as reader:
+            load_weights(model, reader, tie_word_embeddings=cfg.tie_word_embeddings)
+        models[dtype] = model
+    rows = []
+    for tokens in (1, 16):
+        ids = torch.arange(tokens) + 100
+        meta = AttentionMetadata.prefill([1] * tokens)  # independent one-token sequences, as a decode batch
+
+        def step(model=None):
+            model.compute_logits(model(torch.zeros(tokens, dtype=torch.long), meta, input_ids=ids))
+        times: dict[str, list[float]] = {d: [] for d in models}
+        for model in models.values():
+            step(model)
+        for _ in range(reps):
+            for dtype, model in models.items():
+                t0 = time.perf_counter()
+                step(model)
+                times[dtype].append(time.perf_counter() - t0)
+        base = statistics.median(times["bfloat16"])
+        for dtype, model in models.items():
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            rows.append({"tokens": tokens, "dtype": dtype, "median_ms": statistics.median(times[dtype]) * 1e3,
+                         "weight_bytes": nbytes, "ratio_to_bf16": statistics.median(times[dtype]) / base})
+    return rows
+
+
 def markdown(results: list[dict], info: dict) -> str:
     lines = ["# Quantized matmul kernels at SmolLM2-135M decode shapes", "",
              f"`python -m bench.quant_kernels` — {info['processor']}, {info['cpu_count']} CPUs, torch "
@@ -124,6 +166,15 @@ def markdown(results: list[dict], info: dict) -> str:
         lines.append(f"| {r['shape']} ({r['n']}×{r['k']}) | {r['rows']} | {r['dtype']} | {r['method']} | "
                      f"{r['median_us']:.1f} | {r['weight_bytes']:,} | {r['ratio_to_bf16']:.2f} | "
                      f"{r['max_rel_err']:.1e} |")
+    if info.get("steps"):
+        lines += ["", "## The whole model: SmolLM2-135M, one step without a KV cache", "",
+                  "Forward + logits for 1 token and for 16 one-token sequences (a decode batch without "
+                  "the cache: every matmul, norm and element-wise kernel of a step), rounds alternating "
+                  "between the dtypes; weight bytes from the loaded tensors (scales included).", "",
+                  "| tokens | dtype | median ms | weight bytes | ratio to bf16 |", "|---|---|---|---|---|"]
+        for r in info["steps"]:
+            lines.append(f"| {r['tokens']} | {r['dtype']} | {r['median_ms']:.2f} | {r['weight_bytes']:,} | "
+                         f"{r['ratio_to_bf16']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -134,6 +185,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--rows", nargs="*", type=int, default=[1, 16])
     parser.add_argument("--out", default=str(RESULTS / "quant-kernels.md"))
+    parser.add_argument("--no-model", action="store_true", help="skip the whole-model step (needs SmolLM2)")
     args = parser.parse_args()
     info = {**machine(), "reps": args.reps, "budget_mb": args.budget_mb, "load": os.getloadavg()[0]}
     kernels = cpu_kernels()
@@ -144,6 +196,9 @@ def main() -> None:
                 results += bench_shape(name, *SHAPES[name], rows, reps=args.reps, budget_mb=args.budget_mb,
                                        kernels=kernels)
                 print(f"{name} rows={rows} done", flush=True)
+    if not args.no_model:
+        with torch.inference_mode():
+            info["steps"] = model_steps(max(args.reps, 5) * 2)
     text = markdown(results, info)
     with open(args.out, "w") as f:
         f.write(text)
