@@ -31,14 +31,16 @@ a decode step reads one byte per weight instead of two. Measured on the project'
 the bfloat16 ``F.linear`` and torch's own int8 and fp8 kernels (``bench/results/quant-kernels.md``).
 Elsewhere (no kernel build, ``SHARDLINE_CPU_KERNELS=0``, CUDA) torch's ops run:
 ``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the activations are bfloat16:
-torch's requirement), and for fp8 — and int8 weights whose K it cannot take — a blocked
-dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never the whole
-weight; correct, but slow on CPU: torch's float8 conversion is). That is the portable path, not
-a fast one.
+torch's requirement); on a CUDA device of compute capability 8.9+ with bfloat16 activations,
+``torch._scaled_mm`` for fp8 — the e4m3 tensor cores, so the activations are quantized to e4m3 per
+token there (W8A8); otherwise, for fp8 and for int8 weights whose K torch's kernel cannot take, a
+blocked dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never the
+whole weight; correct, but slow on CPU, where torch's float8 conversion is slow).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -146,12 +148,46 @@ def quant_linear_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     """The same product from torch's own ops (any device): x [M, K] → [M, N]."""
     if q.dtype not in (torch.int8, torch.float8_e4m3fn):
         raise QuantizationError(f"quantized weight must be int8 or float8_e4m3fn, got {q.dtype}")
-    if q.dtype == torch.int8 and q.shape[1] % INT8PACK_K_MULTIPLE == 0:
+    if q.dtype == torch.float8_e4m3fn and x.is_cuda and _cuda_fp8_ok(x, q):
+        return _scaled_mm_fp8(x, q, scale)
+    if q.dtype == torch.int8 and q.shape[1] % INT8PACK_K_MULTIPLE == 0 and _has_int8pack(x.device.type):
         # torch wants the scales in x's dtype: bfloat16 scales round them (relative 2^-9)
         return torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
+    return _blocked(x, q, scale)
+
+
+@functools.cache
+def _has_int8pack(device_type: str) -> bool:
+    """Whether this build of torch has ``_weight_int8pack_mm`` for the device (tried once)."""
+    try:
+        x = torch.ones(1, 16, dtype=torch.bfloat16, device=device_type)
+        torch._weight_int8pack_mm(x, torch.ones(16, 16, dtype=torch.int8, device=device_type),
+                                  torch.ones(16, dtype=torch.bfloat16, device=device_type))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _blocked(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
     for start in range(0, q.shape[0], DEQUANT_BLOCK_ROWS):
         stop = min(start + DEQUANT_BLOCK_ROWS, q.shape[0])
         # int8 and e4m3 values are exact in bfloat16; the scale multiplies the output
         out[:, start:stop] = F.linear(x, q[start:stop].to(x.dtype)).float() * scale[start:stop]
     return out
+
+
+def _cuda_fp8_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """``torch._scaled_mm`` with row-wise scales: sm89+ (e4m3 tensor cores), bfloat16 output, and
+    K and N multiples of 16."""
+    return (torch.cuda.get_device_capability(x.device) >= (8, 9) and x.dtype == torch.bfloat16
+            and q.shape[1] % 16 == 0 and q.shape[0] % 16 == 0)
+
+
+def _scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """On GPU the e4m3 tensor cores multiply e4m3 by e4m3, so the activations are quantized too,
+    per token (row): ``x ≈ x_scale[m] · x8[m, k]`` with ``x_scale = max|x[m]| / 448`` (W8A8)."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8.qmax
+    x8 = (xf / x_scale).clamp_(-FP8.qmax, FP8.qmax).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(x8, q.t(), scale_a=x_scale, scale_b=scale.view(1, -1).float(), out_dtype=x.dtype)

@@ -30,8 +30,8 @@ def rank_model(plan: ParallelPlan, tp_rank: int = 0, *, device: str | None = Non
     return LlamaForCausalLM(plan, Coordinator(groups), device=device)
 
 
-def loaded(model_dir: Path, plan: ParallelPlan, tp_rank: int = 0) -> LlamaForCausalLM:
-    model = rank_model(plan, tp_rank)
+def loaded(model_dir: Path, plan: ParallelPlan, tp_rank: int = 0, *, device: str | None = None) -> LlamaForCausalLM:
+    model = rank_model(plan, tp_rank, device=device)
     with CheckpointReader(model_dir) as reader:
         load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
     return model

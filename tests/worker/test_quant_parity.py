@@ -14,6 +14,8 @@ from services.worker.scoring import score_rank
 from tests.worker.test_parallel_parity import random_ids
 
 # divides TP 3 (6 heads, 3 KV heads, intermediate 384, vocab 384) and PP 2 (2 layers)
+pytestmark = pytest.mark.slow  # about 10 s a test: real worker processes
+
 TP3_SPEC = TinyModelSpec(layers=2, hidden=192, heads=6, kv_heads=3, intermediate=384, vocab=384, seed=5)
 
 
