@@ -46,7 +46,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def rank_spec(args: argparse.Namespace) -> RankSpec:
     """The layout flags as a spec; resolves the plan (a bad layout raises here)."""
     return RankSpec(args.model, tp_degree=args.tp, pp_degree=args.pp, dtype=args.dtype,
-                    activation_dtype=getattr(args, "activation_dtype", None), replica_group_id=args.replica_group_id, collective_timeout_s=args.collective_timeout,
+                    activation_dtype=getattr(args, "activation_dtype", None),
+                    replica_group_id=args.replica_group_id, collective_timeout_s=args.collective_timeout,
                     checkpoint=args.checkpoint)
 
 

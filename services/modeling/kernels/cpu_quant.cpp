@@ -107,7 +107,8 @@ inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y,
   for (int64_t k = 0; k < K; k += 16) {
     __m512 w[NB];
     if (k % 64 == 0 && k + kPrefetchBytes < K) {  // a line per row, ahead of the hardware prefetcher
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(q0 + j * K + k + kPrefetchBytes), _MM_HINT_T0);
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + j * K + k + kPrefetchBytes), _MM_HINT_T0);
     }
     for (int j = 0; j < NB; ++j) w[j] = dequant16<kind>(q0 + j * K + k);
     for (int i = 0; i < MB; ++i) {
