@@ -148,3 +148,16 @@ def test_kernel_refuses_what_it_cannot_multiply(kernels):
         kernels.quant_linear(torch.randn(1, 32), q.to(torch.int16), scale)
     with pytest.raises(RuntimeError, match="x \\[M, K\\] and q \\[N, K\\]"):
         kernels.quant_linear(torch.randn(1, 16), q, scale)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32], ids=["float32-path", "float32-path-3", "bfloat16-block-path"])
+def test_every_e4m3_value_converts_exactly(kernels, rows):
+    """All 254 finite e4m3 bytes (subnormals, ±0, ±448) through the kernel's conversions:
+    ``y[m, n] = q[n, m]`` with ``x`` the identity's first rows and unit scales."""
+    finite = torch.arange(256, dtype=torch.int16).to(torch.uint8)
+    finite = finite[(finite & 0x7F) != 0x7F]
+    q = torch.cat([finite, finite[:2]]).view(torch.float8_e4m3fn).view(8, 32)
+    eye = torch.eye(32).to(torch.bfloat16)
+    for start in range(0, 32, rows):
+        y = kernels.quant_linear(eye[start:start + rows], q, torch.ones(8))
+        assert torch.equal(y.float(), q.float().t()[start:start + rows])
