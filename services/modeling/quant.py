@@ -26,8 +26,9 @@ So quantizing the full weight and then slicing gives bit-identical values to qua
 from its slice: a TP=3 plan and a TP=1 plan hold the same numbers.
 
 **The matmul** (:func:`quant_linear`) never materialises a dequantized weight: on CPU the C++
-kernel (``kernels/cpu_quant.cpp``) reads each weight byte once and converts it in registers, so
-a decode step reads one byte per weight instead of two. Measured on the project's CPU against
+kernel (``kernels/cpu_quant.cpp``) reads each weight byte once and converts it in registers (at
+4+ rows, 16 weight rows at a time into a few-KB bfloat16 scratch that stays in cache), so a
+decode step reads one byte per weight instead of two. Measured on the project's CPU against
 the bfloat16 ``F.linear`` and torch's own int8 and fp8 kernels (``bench/results/quant-kernels.md``).
 Elsewhere (no kernel build, ``SHARDLINE_CPU_KERNELS=0``, CUDA) torch's ops run:
 ``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the activations are bfloat16:
