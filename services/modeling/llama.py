@@ -2,7 +2,8 @@
 
 RMSNorm, rotary embeddings (with Llama-3 scaling), grouped-query attention and a SwiGLU MLP. The
 element-wise pieces run through ``services.modeling.kernels`` (fused C++ kernels on CPU, the PyTorch
-reference elsewhere); the matmuls and attention are PyTorch's. Parameter names match the Hugging
+reference elsewhere); the matmuls and attention are PyTorch's, except a quantized plan's linear
+layers, which multiply through ``services.modeling.quant``. Parameter names match the Hugging
 Face checkpoint after fusing q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; layers keep
 their *global* index (``model.layers.17``) so a stage owning layers 15..29 finds its weights by name.
 
@@ -29,6 +30,7 @@ from services.modeling.parallel.layers import (
     replicated_loader,
 )
 from services.modeling.parallel.plan import ParallelPlan
+from services.modeling.quant import QuantScheme
 from services.modeling.rotary import RotaryEmbedding
 
 
@@ -46,13 +48,15 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None,
+                 quant: QuantScheme | None = None) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, coordinator, dtype=dtype, device=device)
+                                          cfg.num_key_value_heads, coordinator, dtype=dtype, device=device,
+                                          quant=quant)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        coordinator, dtype=dtype, device=device)
+                                        coordinator, dtype=dtype, device=device, quant=quant)
         self.heads = self.qkv_proj.heads_local
         self.kv_heads = self.qkv_proj.kv_heads_local
         self.scale = cfg.head_dim ** -0.5
@@ -79,20 +83,22 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) · up(x))`` — gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None,
+                 quant: QuantScheme | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       coordinator, dtype=dtype, device=device)
+                                                       coordinator, dtype=dtype, device=device, quant=quant)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, coordinator,
-                                           dtype=dtype, device=device)
+                                           dtype=dtype, device=device, quant=quant)
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None,
+                 quant: QuantScheme | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(cfg, coordinator, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(cfg, coordinator, dtype=dtype, device=device, quant=quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device, quant=quant)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,10 +132,14 @@ class LlamaModel(nn.Module):
         self.is_first = groups.is_first_stage
         self.is_last = groups.is_last_stage
         self.layer_range = plan.stage_layers(groups.pp_stage)
-        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, coordinator,
-                                                    dtype=dtype, device=device) if self.is_first else None)
+        # the embedding is quantized only as the table a quantized tied lm_head shares (on every
+        # stage that holds it, so a PP>1 plan keeps the same values as PP=1)
+        embed_quant = plan.lm_head_quant if cfg.tie_word_embeddings else None
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, coordinator, dtype=dtype,
+                                                    device=device, quant=embed_quant) if self.is_first else None)
         self.layers = nn.ModuleDict({
-            str(i): LlamaDecoderLayer(cfg, coordinator, dtype=dtype, device=device) for i in self.layer_range
+            str(i): LlamaDecoderLayer(cfg, coordinator, dtype=dtype, device=device, quant=plan.weight_quant)
+            for i in self.layer_range
         })
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
         self.ops: LayerOps = ops_for(device)
@@ -169,13 +179,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if self.model.is_last:
             cfg = plan.config
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, coordinator,
+                                          dtype=plan.torch_dtype, device=device, quant=plan.lm_head_quant)
             if cfg.tie_word_embeddings and self.model.embed_tokens is not None:
-                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, coordinator,
-                                              dtype=plan.torch_dtype, device=device)
-                self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, loaded once
-            else:
-                self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, coordinator,
-                                              dtype=plan.torch_dtype, device=device)
+                # one table (and, quantized, one set of scales), loaded once
+                self.lm_head.weight = self.model.embed_tokens.weight
+                if self.lm_head.quant is not None:
+                    self.lm_head.weight_scale = self.model.embed_tokens.weight_scale
 
     @property
     def is_first_stage(self) -> bool:

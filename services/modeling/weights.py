@@ -26,6 +26,8 @@ STACKED_PARAMS_MAPPING: tuple[tuple[str, str, Any], ...] = (
     (".gate_up_proj.", ".up_proj.", 1),
 )
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# a quantized layer's per-output-channel scales sit beside its weight: ``….weight_scale``
+SCALE_SUFFIX = "_scale"
 
 
 class CheckpointError(ValueError):
@@ -90,17 +92,25 @@ def checkpoint_assignments(params: dict[str, nn.Parameter], names: list[str], *,
 
     Tied embeddings: when the checkpoint has no ``lm_head.weight``, a stage holding an lm_head of
     its own (the last stage under PP > 1) takes it from ``model.embed_tokens.weight``.
+
+    Quantize on load: a quantized layer's ``weight_scale`` is computed from the same full-precision
+    checkpoint tensor as its ``weight``, so that tensor is assigned to both.
     """
+    def with_scale(name: str, param_name: str, shard_id: Any) -> Iterator[tuple[str, str, Any]]:
+        yield name, param_name, shard_id
+        if param_name.endswith(".weight") and param_name + SCALE_SUFFIX in params:
+            yield name, param_name + SCALE_SUFFIX, shard_id
+
     for name in names:
         if name.endswith(IGNORED_SUFFIXES):
             continue
         param_name, shard_id = map_checkpoint_name(name)
         if param_name in params:
-            yield name, param_name, shard_id
+            yield from with_scale(name, param_name, shard_id)
     if tie_word_embeddings and "lm_head.weight" not in names and "lm_head.weight" in params:
         embed_param = params.get("model.embed_tokens.weight")
         if embed_param is None or embed_param is not params["lm_head.weight"]:
-            yield "model.embed_tokens.weight", "lm_head.weight", None
+            yield from with_scale("model.embed_tokens.weight", "lm_head.weight", None)
 
 
 def load_weights(model: nn.Module, reader: CheckpointReader, *, tie_word_embeddings: bool) -> int:

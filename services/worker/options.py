@@ -22,7 +22,10 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None,
                         help="manifest.json of a pre-sharded checkpoint (path or s3://…): the fast path")
     parser.add_argument("--dtype", default=None,
-                        help="float32 | bfloat16 | float16 (default float32, or the checkpoint's dtype)")
+                        help="float32 | bfloat16 | float16 | int8 | fp8 (default float32, or the checkpoint's "
+                             "dtype); int8/fp8 quantize the linear weights on load from --model")
+    parser.add_argument("--activation-dtype", default=None,
+                        help="activations and KV cache of an int8/fp8 plan: bfloat16 (default) | float32")
     parser.add_argument("--collective-timeout", type=float, default=2.0,
                         help="seconds before a hung collective fails the group (default 2)")
     parser.add_argument("--replica-group-id", default="local", help="name of this replica group")
@@ -42,6 +45,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def rank_spec(args: argparse.Namespace, **engine: object) -> RankSpec:
     """The layout flags as a spec; resolves the plan (a bad layout raises here)."""
     return RankSpec(args.model, tp_degree=args.tp, pp_degree=args.pp, dtype=args.dtype,
+                    activation_dtype=getattr(args, "activation_dtype", None),
                     replica_group_id=args.replica_group_id, collective_timeout_s=args.collective_timeout,
                     checkpoint=args.checkpoint, **engine)
 

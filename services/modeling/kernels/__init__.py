@@ -42,7 +42,8 @@ from services.modeling.attention import AttentionMetadata, gather_decode_attenti
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sampling.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sampling.cpp",
+                                                             "cpu_quant.cpp")]
 
 
 class LayerOps(Protocol):
@@ -106,8 +107,11 @@ def cpu_kernels():
         # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
         # sharing ~/.cache/torch_extensions under one name would rebuild each other's module
         tag = hashlib.sha1(str(SOURCES[0].resolve()).encode()).hexdigest()[:10]
+        # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it (torch
+        # itself links the same libgomp, so the kernels share its thread pool)
         return load(name=f"shardline_cpu_ops_{tag}", sources=[str(p) for p in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build problem means: run the reference
         log.warning("CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
         return None

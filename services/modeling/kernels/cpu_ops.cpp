@@ -159,10 +159,12 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   }
 }
 
-// cpu_attention.cpp, cpu_sampling.cpp
+// cpu_attention.cpp, cpu_sampling.cpp, cpu_quant.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor tables, torch::Tensor context_lens, double scale, bool vectorized);
 std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale);
+bool quant_linear_vectorized();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
@@ -173,4 +175,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"), py::arg("vectorized") = true);
   m.def("greedy_logsumexp", &greedy_logsumexp);
+  m.def("quant_linear", &quant_linear);
+  m.def("quant_linear_vectorized", &quant_linear_vectorized);
 }

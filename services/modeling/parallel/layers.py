@@ -17,6 +17,13 @@ With ``p`` TP ranks and ``X`` the input rows:
 * ParallelLMHead         column-parallel over the vocabulary; the logit slices are all-gathered.
 
 (PyTorch stores ``A`` transposed, ``weight = A^T``, so column-parallel slices weight *rows*.)
+
+Quantized (``quant=`` a :class:`~services.modeling.quant.QuantScheme`): a linear layer holds
+``weight`` in the scheme's dtype and ``weight_scale`` (float32, one per local output row), and
+multiplies through :func:`~services.modeling.quant.quant_linear`. The loaders quantize on the way
+in, from the full-precision checkpoint tensor: each rank's scales come from its rows — whole rows,
+also in a row-parallel layer, which reads the full rows to get them — so every rank holds exactly
+the values a TP=1 model holds. Both parameters share the layer's loader; a 1-D target is the scale.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.modeling.parallel.coordinator import Coordinator
+from services.modeling.quant import QuantScheme, channel_scales, quant_linear, quantize_with_scales
 
 WeightSource = Any  # torch.Tensor or safetensors PySafeSlice
 
@@ -78,19 +86,48 @@ class TPLayer(nn.Module):
         raise NotImplementedError
 
 
-class MergedColumnParallelLinear(TPLayer):
+class LinearBase(TPLayer):
+    """``weight`` [out_local, in_local], dense or quantized (then with ``weight_scale`` [out_local])."""
+
+    def _weights(self, out_local: int, in_local: int, *, dtype: torch.dtype, device: torch.device | str | None,
+                 quant: QuantScheme | None) -> None:
+        self.quant = quant
+        self.weight = self._param(out_local, in_local, dtype=quant.weight_dtype if quant else dtype, device=device)
+        self.weight_scale = self._param(out_local, dtype=quant.scale_dtype, device=device) if quant else None
+
+    def _place(self, target: torch.Tensor, piece: torch.Tensor, what: str, *,
+               rows: torch.Tensor | None = None) -> None:
+        """Copy checkpoint slice ``piece`` into ``target``; quantized, the weight or (1-D target)
+        the scales, from the whole rows ``rows`` (``piece`` itself when it has them all)."""
+        if self.quant is None:
+            _copy(target, piece, what)
+            return
+        scale = channel_scales(piece if rows is None else rows, self.quant)
+        if target.dim() == 1:
+            _copy(target, scale, f"{what} scales")
+        else:
+            _copy(target, quantize_with_scales(piece, scale, self.quant), what)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.linear(x, self.weight)
+        return quant_linear(x, self.weight, self.weight_scale)
+
+
+class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel projections of one input fused into one matmul (gate/up).
 
     Local weight = ``[W_0 slice; W_1 slice; …]``; ``shard_id`` is the index of the projection.
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], coordinator: Coordinator, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 quant: QuantScheme | None = None) -> None:
         super().__init__(coordinator)
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
         self.local_sizes = [self._split(size, f"output size {size}") for size in out_sizes]
-        self.weight = self._param(sum(self.local_sizes), in_features, dtype=dtype, device=device)
+        self._weights(sum(self.local_sizes), in_features, dtype=dtype, device=device, quant=quant)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
         index = int(shard_id)
@@ -98,13 +135,13 @@ class MergedColumnParallelLinear(TPLayer):
         local = self.local_sizes[index]
         offset = sum(self.local_sizes[:index])
         start = self.tp_rank * local
-        _copy(target[offset:offset + local], source[start:start + local], f"merged weight part {index}")
+        self._place(target[offset:offset + local], source[start:start + local], f"merged weight part {index}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self._matmul(x)
 
 
-class QKVParallelLinear(TPLayer):
+class QKVParallelLinear(LinearBase):
     """Fused Q, K, V projections split by attention heads.
 
     Rank i holds query heads ``[i·H/p, (i+1)·H/p)`` and KV heads ``[i·K/p, (i+1)·K/p)``; when
@@ -114,7 +151,7 @@ class QKVParallelLinear(TPLayer):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  coordinator: Coordinator, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, quant: QuantScheme | None = None) -> None:
         super().__init__(coordinator)
         tp = self.tp_degree
         self.heads_local = self._split(num_heads, f"num_attention_heads={num_heads}")
@@ -127,67 +164,88 @@ class QKVParallelLinear(TPLayer):
             else self.tp_rank * self.kv_heads_local
         self.q_size = self.heads_local * head_dim
         self.kv_size = self.kv_heads_local * head_dim
-        self.weight = self._param(self.q_size + 2 * self.kv_size, hidden_size, dtype=dtype, device=device)
+        self._weights(self.q_size + 2 * self.kv_size, hidden_size, dtype=dtype, device=device, quant=quant)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
         d = self.head_dim
         if shard_id == "q":
             _expect_shape(source, (self.num_heads * d, self.hidden_size), "q_proj")
             start = self.tp_rank * self.q_size
-            _copy(target[:self.q_size], source[start:start + self.q_size], "q_proj")
+            self._place(target[:self.q_size], source[start:start + self.q_size], "q_proj")
             return
         if shard_id not in ("k", "v"):
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         _expect_shape(source, (self.num_kv_heads * d, self.hidden_size), f"{shard_id}_proj")
         offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
         start = self.kv_head_start * d
-        _copy(target[offset:offset + self.kv_size], source[start:start + self.kv_size], f"{shard_id}_proj")
+        self._place(target[offset:offset + self.kv_size], source[start:start + self.kv_size], f"{shard_id}_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[tokens, q_size + 2·kv_size]``: this rank's q, k and v side by side."""
-        return F.linear(x, self.weight)
+        return self._matmul(x)
 
 
-class RowParallelLinear(TPLayer):
-    """``weight`` columns ``[tp_rank·in/p, (tp_rank+1)·in/p)``; one all-reduce on the way out."""
+class RowParallelLinear(LinearBase):
+    """``weight`` columns ``[tp_rank·in/p, (tp_rank+1)·in/p)``; one all-reduce on the way out.
+
+    Quantized, every rank keeps every row's scale, from the whole unsharded row."""
 
     def __init__(self, in_features: int, out_features: int, coordinator: Coordinator, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 quant: QuantScheme | None = None) -> None:
         super().__init__(coordinator)
         self.in_features, self.out_features = in_features, out_features
         self.in_local = self._split(in_features, f"in_features={in_features}")
-        self.weight = self._param(out_features, self.in_local, dtype=dtype, device=device)
+        self._weights(out_features, self.in_local, dtype=dtype, device=device, quant=quant)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
         _expect_shape(source, (self.out_features, self.in_features), "row-parallel weight")
         start = self.tp_rank * self.in_local
-        _copy(target, source[:, start:start + self.in_local], "row-parallel weight")
+        if self.quant is None:
+            _copy(target, source[:, start:start + self.in_local], "row-parallel weight")
+            return
+        rows = source[:]  # the scales need whole rows: this rank reads all of them
+        self._place(target, rows[:, start:start + self.in_local], "row-parallel weight", rows=rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.coordinator.all_reduce(F.linear(x, self.weight))
+        return self.coordinator.all_reduce(self._matmul(x))
 
 
-class VocabParallelEmbedding(TPLayer):
-    """Embedding rows ``[tp_rank·V/p, (tp_rank+1)·V/p)``: masked lookup, then all-reduce."""
+class VocabParallelEmbedding(LinearBase):
+    """Embedding rows ``[tp_rank·V/p, (tp_rank+1)·V/p)``: masked lookup, then all-reduce.
+
+    Quantized (only as the table a tied, quantized lm_head shares), a lookup dequantizes just the
+    rows it reads: ``out[t] = scale[id_t] · q[id_t]`` in ``dtype``, the activation dtype."""
 
     def __init__(self, vocab_size: int, hidden_size: int, coordinator: Coordinator, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 quant: QuantScheme | None = None) -> None:
         super().__init__(coordinator)
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.vocab_local = self._split(vocab_size, f"vocab_size={vocab_size}")
         self.vocab_start = self.tp_rank * self.vocab_local
-        self.weight = self._param(self.vocab_local, hidden_size, dtype=dtype, device=device)
+        self.activation_dtype = dtype
+        self._weights(self.vocab_local, hidden_size, dtype=dtype, device=device, quant=quant)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
         _expect_shape(source, (self.vocab_size, self.hidden_size), "embedding")
-        _copy(target, source[self.vocab_start:self.vocab_start + self.vocab_local], "embedding")
+        self._place(target, source[self.vocab_start:self.vocab_start + self.vocab_local], "embedding")
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        flat = ids.reshape(-1)
+        # gather the rows as bytes (index_select has no float8 kernel), then dequantize them
+        rows = self.weight.view(torch.uint8).index_select(0, flat).view(self.weight.dtype)
+        out = rows.float() * self.weight_scale.index_select(0, flat).unsqueeze(1)
+        return out.to(self.activation_dtype).view(*ids.shape, self.hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_degree == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_local)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.coordinator.all_reduce(out)
 
@@ -196,4 +254,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Column-parallel over the vocabulary; the logit slices are all-gathered before sampling."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.coordinator.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return self.coordinator.all_gather(self._matmul(hidden), dim=-1)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from services.common.dtypes import DTYPES, UnknownDtype
+from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.modeling.config import ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
+from services.modeling.quant import QuantScheme, scheme_for
+
+# The activation dtype of a quantized plan unless it names one.
+DEFAULT_QUANT_ACTIVATION_DTYPE = "bfloat16"
 
 
 def layer_split(num_layers: int, pp_degree: int) -> list[range]:
@@ -31,15 +37,38 @@ class ParallelPlan:
     """A TP×PP layout for one model; validated against the model's shape at construction.
 
     Global rank layout: ``global_rank = pp_stage * tp_degree + tp_rank``.
+
+    ``dtype`` is the serving dtype: a dense one (weights and activations alike) or a quantized one
+    (``int8``, ``fp8``: the decoder's linear weights quantized per output channel, see
+    :mod:`services.modeling.quant`), whose activations, KV cache and messages are in
+    ``activation_dtype`` (bfloat16 unless given; float32 allowed). The embedding and the norms stay
+    in the activation dtype. ``quantize_lm_head`` quantizes the lm_head too; with tied embeddings
+    that is the one table both use, so the embedding then dequantizes the rows it looks up (its
+    output is still in the activation dtype): a tied model's table is a fifth of SmolLM2-135M's
+    weights, and keeping it dense would leave the plan at 0.61 of the bfloat16 bytes.
     """
 
     config: ModelConfig
     tp_degree: int = 1
     pp_degree: int = 1
     dtype: str = "float32"
+    activation_dtype: str | None = field(default=None, kw_only=True)
+    quantize_lm_head: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        try:
+            name = canonical_serving_dtype(self.dtype)
+        except UnknownDtype as exc:
+            raise ModelConfigError(str(exc)) from None
+        object.__setattr__(self, "dtype", name)
+        if DTYPES[name].quantized:
+            activation = canonical_dtype(self.activation_dtype or DEFAULT_QUANT_ACTIVATION_DTYPE)
+        else:
+            activation = canonical_dtype(self.activation_dtype or name)
+            if activation != name:
+                raise ModelConfigError(f"a dense plan computes in its own dtype: dtype={name}, "
+                                       f"activation_dtype={activation}")
+        object.__setattr__(self, "activation_dtype", activation)
         cfg, tp = self.config, self.tp_degree
         if tp < 1:
             raise ModelConfigError(f"tp_degree must be >= 1, got {tp}")
@@ -60,7 +89,17 @@ class ParallelPlan:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
+        """The activation dtype (the weights' too, for a dense plan)."""
+        return torch_dtype(self.activation_dtype)
+
+    @property
+    def weight_quant(self) -> QuantScheme | None:
+        """The decoder linear weights' quantization scheme; None for a dense plan."""
+        return scheme_for(self.dtype)
+
+    @property
+    def lm_head_quant(self) -> QuantScheme | None:
+        return self.weight_quant if self.quantize_lm_head else None
 
     @property
     def world_size(self) -> int:

@@ -35,7 +35,8 @@ class KVCacheTooSmall(ValueError):
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How much KV cache each rank gets. ``dtype`` None means the model's dtype;
+    """How much KV cache each rank gets. ``dtype`` None means the model's activation dtype (a
+    quantized plan's KV cache is in its activation dtype, not int8/fp8);
     ``num_blocks`` overrides the count derived from ``kv_cache_bytes`` (tests, benchmarks)."""
 
     block_size: int = 16
@@ -54,7 +55,7 @@ class CacheConfig:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
     def resolved_dtype(self, plan: ParallelPlan) -> str:
-        return self.dtype or plan.dtype
+        return self.dtype or plan.activation_dtype
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -62,11 +63,11 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def kv_bytes_per_token_per_rank(plan: ParallelPlan, pp_stage: int, *, dtype: str | None = None) -> int:
-    """2 · layers_on_stage · kv_heads_per_rank · head_dim · dtype_bytes (dtype: the plan's)."""
+    """2 · layers_on_stage · kv_heads_per_rank · head_dim · dtype_bytes (dtype: the plan's activations')."""
     if not 0 <= pp_stage < plan.pp_degree:
         raise ValueError(f"pp_stage must be in [0, {plan.pp_degree}), got {pp_stage}")
     layers = len(plan.stage_layers(pp_stage))
-    return 2 * layers * plan.kv_heads_per_rank * plan.config.head_dim * dtype_bytes(dtype or plan.dtype)
+    return 2 * layers * plan.kv_heads_per_rank * plan.config.head_dim * dtype_bytes(dtype or plan.activation_dtype)
 
 
 def max_kv_bytes_per_token_per_rank(plan: ParallelPlan, *, dtype: str | None = None) -> int:

@@ -1,0 +1,325 @@
+// Weight-only quantized matmul for decode: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
+//
+// q is int8 or float8 e4m3 ([N, K], one byte per weight, see services/modeling/quant.py); x is
+// float32 or bfloat16 [M, K]; scale is float32 [N]. The weights are read once per call, one byte
+// each, and turned into float32 in registers; nothing the size of the weight is ever written.
+// A decode step at small M is bound by the bytes it reads, so half the bytes of bfloat16 is
+// (close to) half the time.
+//
+// Blocking: 4 output channels x up to 4 activation rows per tile, 16 accumulators (AVX-512: one
+// zmm each). Each 16-wide chunk of the 4 weight rows is dequantized once per tile and used by every
+// activation row of it; for M > 4 the next row tile re-reads the same 4 weight rows from L1.
+// Output channels are split across threads.
+//
+// The e4m3 -> float conversion: e4m3 is s.eeee.mmm with exponent bias 7; placing those bits at
+// float16's s.eeeee.mmmmmmmmmm positions (sign at bit 15, the rest shifted left by 7) gives a
+// float16 with exponent bias 15, i.e. the same value times 2^-8 — exactly, subnormals included
+// (e4m3's subnormals land on float16 normals). The kernel converts float16 -> float32 in hardware
+// and folds the 2^8 into the channel's scale. (e4m3fn's NaN, 0x7f, would become a finite float16;
+// quantize never writes it.)
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SHARDLINE_QUANT_AVX512 1
+#endif
+
+#include "cpu_vec.h"
+
+using shardline::Elem;
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 64;  // output channels per parallel task (a few KB of weights)
+
+enum Kind : int64_t { kInt8 = 0, kFp8 = 1 };
+
+// float value of every byte, per kind: the portable path's dequantization (a table lookup)
+struct ByteTables {
+  float v[2][256];
+  ByteTables() {
+    for (int b = 0; b < 256; ++b) {
+      v[kInt8][b] = static_cast<float>(static_cast<int8_t>(b));
+      c10::Float8_e4m3fn f;
+      f.x = static_cast<uint8_t>(b);
+      v[kFp8][b] = static_cast<float>(f);
+    }
+  }
+};
+const ByteTables& tables() { static const ByteTables t; return t; }
+
+// The portable path: one output channel at a time, the dot product vectorised by the compiler.
+template <typename T>
+void rows_portable(const float* x, const uint8_t* q, const float* scale, T* y, int64_t M, int64_t K,
+                   int64_t N, int64_t n0, int64_t n1, Kind kind) {
+  const float* table = tables().v[kind];
+  std::vector<float> w(K);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = q + n * K;
+    for (int64_t k = 0; k < K; ++k) w[k] = table[qn[k]];
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float acc = 0.f;
+SHARDLINE_SIMD_SUM(acc)
+      for (int64_t k = 0; k < K; ++k) acc += xm[k] * w[k];
+      Elem<T>::store(y + m * N + n, acc * scale[n]);
+    }
+  }
+}
+
+#ifdef SHARDLINE_QUANT_AVX512
+// 16 weights from bytes at p as float32: int8 exactly, e4m3 times 2^-8 (see the header)
+template <Kind kind>
+inline __m512 dequant16(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kind == kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  } else {
+    // the byte into bits 8..15, an arithmetic shift right by one (the sign lands on bits 15 and
+    // 14, the rest on 7..13), bit 14 cleared: the float16 bits described at the top
+    const __m256i w = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8), 1);
+    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+  }
+}
+
+#ifndef SHARDLINE_QUANT_PREFETCH
+#define SHARDLINE_QUANT_PREFETCH 256
+#endif
+constexpr int64_t kPrefetchBytes = SHARDLINE_QUANT_PREFETCH;  // how far ahead in a weight row
+
+template <Kind kind> constexpr float unit() { return kind == kFp8 ? 256.0f : 1.0f; }
+
+// The sums of four accumulators at once, {Σa, Σb, Σc, Σd}: 13 shuffles and adds instead of four
+// full reductions (~36); at K = 576 the reductions were a fifth of a 16-row tile's work.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit group g: ab = {a0+a2, b0+b2, a1+a3, b1+b3}, cd likewise
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per group: {a_g, b_g, c_g, d_g}, each the sum of that group's four elements
+  const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m512 r1 = _mm512_add_ps(r, _mm512_shuffle_f32x4(r, r, 0x4E));  // + the other 256-bit half
+  const __m512 r2 = _mm512_add_ps(r1, _mm512_shuffle_f32x4(r1, r1, 0xB1));  // + the neighbouring group
+  return _mm512_castps512_ps128(r2);
+}
+
+// y[0..3] = sums * scale[0..3] * unit, rounded to T
+template <typename T>
+inline void store4(T* y, __m128 sums, const float* scale, float unit) {
+  alignas(16) float v[4];
+  _mm_store_ps(v, _mm_mul_ps(sums, _mm_mul_ps(_mm_loadu_ps(scale), _mm_set1_ps(unit))));
+  for (int j = 0; j < 4; ++j) Elem<T>::store(y + j, v[j]);
+}
+
+// float32 path: y[m0:m0+MB, n0:n0+NB] for K a multiple of 16, weights dequantized in registers
+template <Kind kind, int MB, int NB, typename T>
+inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y, int64_t K, int64_t N,
+                     int64_t m0, int64_t n0) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint8_t* q0 = q + n0 * K;
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 w[NB];
+    if (k % 64 == 0 && k + kPrefetchBytes < K) {  // a line per row, ahead of the hardware prefetcher
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + j * K + k + kPrefetchBytes), _MM_HINT_T0);
+    }
+    for (int j = 0; j < NB; ++j) w[j] = dequant16<kind>(q0 + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; j += 4)
+      store4(y + (m0 + i) * N + n0 + j, reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]),
+             scale + n0 + j, unit<kind>());
+}
+
+template <Kind kind, typename T>
+void rows_f32(const float* x, const uint8_t* q, const float* scale, T* y, int64_t M, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M == 1) {  // one row: 8 channels per tile, more independent loads and FMA chains in flight
+    for (; n + 8 <= n1; n += 8) tile_f32<kind, 1, 8>(x, q, scale, y, K, N, 0, n);
+  }
+  for (; n < n1; n += 4) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile_f32<kind, 4, 4>(x, q, scale, y, K, N, m, n);
+    switch (M - m) {
+      case 3: tile_f32<kind, 3, 4>(x, q, scale, y, K, N, m, n); break;
+      case 2: tile_f32<kind, 2, 4>(x, q, scale, y, K, N, m, n); break;
+      case 1: tile_f32<kind, 1, 4>(x, q, scale, y, K, N, m, n); break;
+      default: break;
+    }
+  }
+}
+
+#ifdef __AVX512BF16__
+#define SHARDLINE_QUANT_BF16DOT 1
+// bfloat16 path for several rows: a block of kBlockRows weight rows is converted to bfloat16 once
+// (exact: int8 and e4m3 values fit bfloat16's 8 bits of precision) into an L1/L2-resident
+// scratch, then every activation row's tile multiplies it with the bfloat16 dot product
+// (vdpbf16ps: two products per float32 lane per instruction, twice the float32 FMA rate).
+constexpr int64_t kBlockRows = 16;
+
+template <Kind kind>
+void block_to_bf16(const uint8_t* q, uint16_t* out, int64_t rows, int64_t K) {
+  if constexpr (kind == kFp8) {
+    // e4m3 -> bfloat16 bits with integer ops, exactly, 32 at a time: a normal e4m3 s.eeee.mmm is
+    // bfloat16 s.(eeee + 120).mmm0000, i.e. (|bits| << 4) + (120 << 7); the 8 subnormal
+    // magnitudes (eeee = 0: m * 2^-9) come from a table
+    alignas(64) static const uint16_t kSubnormal[32] = {
+        0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};  // bfloat16 of m * 2^-9
+    const __m512i table = _mm512_load_si512(kSubnormal);
+    const __m512i mag_mask = _mm512_set1_epi16(0x7F), bias = _mm512_set1_epi16(120 << 7);
+    const __m512i sign_mask = _mm512_set1_epi16(0x80), eight = _mm512_set1_epi16(8);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k)));
+        const __m512i mag = _mm512_and_si512(w, mag_mask);
+        __m512i bf = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
+        bf = _mm512_mask_permutexvar_epi16(bf, _mm512_cmplt_epu16_mask(mag, eight), mag, table);
+        bf = _mm512_or_si512(bf, _mm512_slli_epi16(_mm512_and_si512(w, sign_mask), 8));
+        _mm512_storeu_si512(out + r * K + k, bf);
+      }
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512 lo = dequant16<kind>(q + r * K + k), hi = dequant16<kind>(q + r * K + k + 16);
+        _mm512_storeu_si512(out + r * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+  }
+}
+
+template <int MB>
+inline void tile_bf16(const uint16_t* x, const uint16_t* w0, const float* scale, float unit, c10::BFloat16* y,
+                      int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  __m512 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh w[4];
+    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(w0 + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    store4(y + (m0 + i) * N + n0, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), scale + n0, unit);
+}
+
+template <Kind kind>
+void rows_bf16(const uint16_t* x, const uint8_t* q, const float* scale, c10::BFloat16* y, int64_t M, int64_t K,
+               int64_t N, int64_t n0, int64_t n1) {
+  std::vector<uint16_t> scratch(kBlockRows * K);
+  for (int64_t nb = n0; nb < n1; nb += kBlockRows) {
+    const int64_t rows = std::min(kBlockRows, n1 - nb);  // a multiple of 4 (the caller's range is)
+    block_to_bf16<kind>(q + nb * K, scratch.data(), rows, K);
+    for (int64_t j = 0; j < rows; j += 4) {
+      const uint16_t* w = scratch.data() + j * K;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile_bf16<4>(x, w, scale, 1.0f, y, K, N, m, nb + j);
+      switch (M - m) {
+        case 3: tile_bf16<3>(x, w, scale, 1.0f, y, K, N, m, nb + j); break;
+        case 2: tile_bf16<2>(x, w, scale, 1.0f, y, K, N, m, nb + j); break;
+        case 1: tile_bf16<1>(x, w, scale, 1.0f, y, K, N, m, nb + j); break;
+        default: break;
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+#endif  // SHARDLINE_QUANT_AVX512
+
+// Rows below this use the float32 path even for bfloat16 activations: converting a weight block
+// to bfloat16 costs more than the faster dot product saves until a few rows share it.
+constexpr int64_t kBf16MinRows = 4;
+
+template <typename T>
+void run(const torch::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N,
+         Kind kind) {
+  // activations as float32 for the float32 and portable paths (small: M x K). A tensor (64-byte
+  // aligned, whole cache lines), not a std::vector: every thread reads it at every step, and with
+  // a malloc'd buffer 3072x576 ran 3x slower than at neighbouring shapes (measured; likely a
+  // line shared with memory another thread writes)
+  torch::Tensor xf_store;
+  const float* xf = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = x.data_ptr<float>();
+  } else {
+    xf_store = torch::empty({M * K + 16}, x.options().dtype(at::kFloat));
+    float* dst = xf_store.data_ptr<float>();
+    const T* xs = x.data_ptr<T>();
+SHARDLINE_SIMD
+    for (int64_t i = 0; i < M * K; ++i) dst[i] = Elem<T>::load(xs + i);
+    xf = dst;
+  }
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+#ifdef SHARDLINE_QUANT_AVX512
+    if (K % 16 == 0) {
+      const int64_t vec_end = n0 + (n1 - n0) / 4 * 4;
+#ifdef SHARDLINE_QUANT_BF16DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (M >= kBf16MinRows && K % 32 == 0) {
+          const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
+          if (kind == kInt8) rows_bf16<kInt8>(xb, qp, sp, yp, M, K, N, n0, vec_end);
+          else rows_bf16<kFp8>(xb, qp, sp, yp, M, K, N, n0, vec_end);
+          n0 = vec_end;
+        }
+      }
+#endif
+      if (n0 < vec_end) {
+        if (kind == kInt8) rows_f32<kInt8>(xf, qp, sp, yp, M, K, N, n0, vec_end);
+        else rows_f32<kFp8>(xf, qp, sp, yp, M, K, N, n0, vec_end);
+        n0 = vec_end;
+      }
+    }
+#endif
+    if (n0 < n1) rows_portable(xf, qp, sp, yp, M, K, N, n0, n1, kind);
+  });
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16; q [N, K] int8 or float8_e4m3fn; scale [N] float32 -> y [M, N] in x's dtype
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "quant_linear: CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "quant_linear: x [M, K] and q [N, K], got ",
+              x.sizes(), " and ", q.sizes());
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous(), "quant_linear: q and scale must be contiguous");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0),
+              "quant_linear: scale must be float32 [N], got ", scale.scalar_type(), " ", scale.sizes());
+  Kind kind;
+  if (q.scalar_type() == at::kChar) kind = kInt8;
+  else if (q.scalar_type() == at::kFloat8_e4m3fn) kind = kFp8;
+  else TORCH_CHECK(false, "quant_linear: q must be int8 or float8_e4m3fn, got ", q.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
+  torch::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) run<float>(xc, qp, sp, y.data_ptr<float>(), M, K, N, kind);
+  else run<c10::BFloat16>(xc, qp, sp, y.data_ptr<c10::BFloat16>(), M, K, N, kind);
+  return y;
+}
+
+// whether the AVX-512 path was compiled in (the portable path runs otherwise)
+bool quant_linear_vectorized() {
+#ifdef SHARDLINE_QUANT_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
