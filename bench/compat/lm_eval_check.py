@@ -124,6 +124,7 @@ def offline_env(cache: Path) -> None:
 
 def evaluate(model: str, model_args: dict[str, Any], task_dir: Path, batch_size: int) -> dict[str, Any]:
     """One lm-eval run of the task: accuracy and, per item, each choice's loglikelihood."""
+    # deferred: lm-eval is the optional extra `compat`, checked for in main()
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     args = parser.parse_args(argv)
     try:
+        # deferred: the optional extra `compat`; without it the check says how to install it
         import lm_eval  # noqa: F401
     except ImportError:
         print("lm-eval is not installed: it is the optional extra `compat`:\n"
