@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worke
 from services.router.admission import AdmissionQueue
 from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
+from services.cli.up import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
@@ -166,11 +166,6 @@ def routing_decision_us(n_groups: int, repeats: int = 4_000, trials: int = 5) ->
         out[name] = best
     return out
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(argv: list[str], log: Path):

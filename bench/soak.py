@@ -42,6 +42,7 @@ import httpx
 from bench._soak_clients import Load, Stats
 from bench._soak_report import markdown, plot_rss, verdict
 from services.common.proto import worker_pb2, worker_pb2_grpc
+from services.cli.up import free_port
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed
     import psutil
@@ -52,11 +53,6 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 INTERNAL = ("telemetry", "loader", "planner")  # `up --port-base B` gives them B, B+1, B+2; workers B+3...
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ports_for(port_base: int | None, replicas: int) -> dict[str, int]:

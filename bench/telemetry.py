@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.runner import follower_loop
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
+from services.cli.up import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
@@ -113,14 +113,9 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start_telemetry(log: Path, *flags: str, cpu: int | None = None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "telemetry", "--port", str(port),

@@ -41,6 +41,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench.common import RESULTS
+from bench.soak import Stack
+from services.cli.up import free_port, resolve_model
+
 TASK = "shardline_mc"
 RESULT_NAME = "lm-eval"
 
@@ -144,9 +148,6 @@ def evaluate(model: str, model_args: dict[str, Any], task_dir: Path, batch_size:
 
 def serve_and_evaluate(model_dir: Path, name: str, task_dir: Path, workdir: Path, batch_size: int,
                        startup_timeout_s: float) -> tuple[dict[str, Any], list[str]]:
-    from bench.soak import Stack
-    from tests.stack import free_port
-
     ports = {"router": free_port(), "http": free_port(), "base": free_port()}  # base .. base+3 free too
     workdir.mkdir(parents=True, exist_ok=True)
     stack = Stack(str(model_dir), 1, ports, workdir,
@@ -168,8 +169,6 @@ def serve_and_evaluate(model_dir: Path, name: str, task_dir: Path, workdir: Path
 
 
 def model_directory(spec: str) -> Path:
-    from services.cli.up import resolve_model
-
     return resolve_model(spec)
 
 
@@ -255,7 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         print("lm-eval is not installed: it is the optional extra `compat`:\n"
               "  .venv/bin/pip install -c constraints.txt -e '.[compat]'", file=sys.stderr)
         return 2
-    from bench.common import RESULTS
 
     command = "python -m bench.compat.lm_eval_check " + shlex.join(argv if argv is not None else sys.argv[1:])
     model_dir = model_directory(args.model)
