@@ -19,7 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel degree")
     parser.add_argument("--dtype", default=None,
-                        help="float32 | bfloat16 | float16 (default: the checkpoint's own dtype)")
+                        help="float32 | bfloat16 | float16 | int8 | fp8 (int8/fp8: linear weights quantized per "
+                             "output channel, with float32 scales; default: the checkpoint's own dtype)")
+    parser.add_argument("--activation-dtype", default=None,
+                        help="activations of an int8/fp8 checkpoint: bfloat16 (default) | float32")
     parser.add_argument("--out", required=True, help="output directory or s3://bucket/prefix")
     parser.add_argument("--name", default=None, help="model name in the manifest (default: the directory's name)")
     parser.add_argument("--endpoint-url", default=None,
@@ -34,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        job = ShardJob(args.model, args.tp, args.pp, args.out, dtype=args.dtype, model_name=args.name)
+        job = ShardJob(args.model, args.tp, args.pp, args.out, dtype=args.dtype, model_name=args.name,
+                       activation_dtype=args.activation_dtype)
         manifest = write_shards(job, endpoint_url=args.endpoint_url, progress=args.progress)
     except (ValueError, FileNotFoundError, CheckpointError, ShardlineError) as exc:
         print(f"shardline shard: {exc}", file=sys.stderr)

@@ -19,8 +19,9 @@ class DType:
 
     ``weight_bytes`` is the storage per element of a decoder linear weight (q/k/v/o, gate/up/down).
     Weight-only quantized dtypes (``int8``, ``fp8``) also keep one scale per output channel
-    (``scale_bytes`` each, float32) and leave the embedding, lm_head and norms in the
-    activation dtype, as vLLM and TGI do. ``activation_bytes`` is the element size of
+    (``scale_bytes`` each, float32). They quantize the lm_head as well (and with it a tied
+    embedding, the one table both use); an untied embedding and the norms stay in the
+    activation dtype. ``activation_bytes`` is the element size of
     activations, of the all-reduce and send/recv messages, and of the KV cache.
     """
 

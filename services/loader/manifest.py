@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.dtypes import DENSE_DTYPES
+from services.common.dtypes import DENSE_DTYPES, DTYPES, UnknownDtype
+from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.loader.errors import ManifestError, ObjectNotFound, ShardLayoutError
 from services.modeling.config import ModelConfigError, canonical_dtype
 
@@ -61,14 +62,15 @@ def _need(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: s
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Shape and dtype (canonical name) of one tensor in a shard."""
+    """Shape and dtype (canonical name) of one tensor in a shard: a dense dtype, or a quantized
+    weight's ``int8`` / ``fp8`` (e4m3)."""
 
     shape: tuple[int, ...]
     dtype: str
 
     def __post_init__(self) -> None:
-        if self.dtype not in DENSE_DTYPES:
-            raise ManifestError(f"tensor dtype {self.dtype!r} is not one of {sorted(DENSE_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ManifestError(f"tensor dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         if any((not isinstance(d, int)) or d < 0 for d in self.shape):
             raise ManifestError(f"tensor shape {self.shape!r} must be non-negative integers")
 
@@ -85,16 +87,24 @@ class PlanInfo:
 
     tp_degree: int
     pp_degree: int
-    dtype: str
+    dtype: str  # the serving dtype: dense, or int8/fp8 (quantized weights)
     layer_split: tuple[tuple[int, int], ...]
+    activation_dtype: str | None = None  # None: ``dtype`` (a dense plan)
+    quantization: dict[str, Any] | None = None  # the scheme record of a quantized plan (quant.scheme_record)
 
     def __post_init__(self) -> None:
         if self.tp_degree < 1 or self.pp_degree < 1:
             raise ManifestError(f"plan needs tp_degree, pp_degree >= 1, got tp={self.tp_degree} pp={self.pp_degree}")
         try:
-            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        except ModelConfigError as exc:
+            object.__setattr__(self, "dtype", canonical_serving_dtype(self.dtype))
+            object.__setattr__(self, "activation_dtype", canonical_dtype(self.activation_dtype or self.dtype)
+                               if self.activation_dtype or self.dtype in DENSE_DTYPES else None)
+        except (ModelConfigError, UnknownDtype) as exc:
             raise ManifestError(f"plan.dtype: {exc}") from None
+        if (self.dtype in DENSE_DTYPES) != (self.quantization is None) or \
+                (self.quantization is not None and self.activation_dtype is None):
+            raise ManifestError(f"plan: dtype {self.dtype} with quantization {self.quantization!r} and activation "
+                                f"dtype {self.activation_dtype!r}: a quantized dtype needs both, a dense one neither")
         if len(self.layer_split) != self.pp_degree:
             raise ManifestError(f"plan.layer_split has {len(self.layer_split)} stages, pp_degree is {self.pp_degree}")
         expected_start = 0
@@ -109,20 +119,31 @@ class PlanInfo:
         return self.layer_split[-1][1]
 
     def describe(self) -> str:
-        return (f"tp={self.tp_degree} pp={self.pp_degree} dtype={self.dtype} "
+        quant = f" activations={self.activation_dtype}" if self.quantization else ""
+        return (f"tp={self.tp_degree} pp={self.pp_degree} dtype={self.dtype}{quant} "
                 f"layers={[list(r) for r in self.layer_split]}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tp_degree": self.tp_degree, "pp_degree": self.pp_degree, "dtype": self.dtype,
-                "layer_split": [list(r) for r in self.layer_split]}
+        out: dict[str, Any] = {"tp_degree": self.tp_degree, "pp_degree": self.pp_degree, "dtype": self.dtype,
+                               "layer_split": [list(r) for r in self.layer_split]}
+        if self.quantization is not None:
+            out |= {"activation_dtype": self.activation_dtype, "quantization": self.quantization}
+        return out
 
     @classmethod
     def from_dict(cls, obj: Any) -> PlanInfo:
         split = _need(obj, "layer_split", list, "plan")
         if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in split):
             raise ManifestError(f"plan.layer_split must be a list of [start, end] pairs, got {split!r}")
+        quantization = obj.get("quantization")
+        if quantization is not None and not isinstance(quantization, dict):
+            raise ManifestError(f"plan.quantization must be an object, got {quantization!r}")
+        activation = obj.get("activation_dtype")
+        if activation is not None and not isinstance(activation, str):
+            raise ManifestError(f"plan.activation_dtype must be a string, got {activation!r}")
         return cls(tp_degree=_need(obj, "tp_degree", int, "plan"), pp_degree=_need(obj, "pp_degree", int, "plan"),
-                   dtype=_need(obj, "dtype", str, "plan"), layer_split=tuple((a, b) for a, b in split))
+                   dtype=_need(obj, "dtype", str, "plan"), layer_split=tuple((a, b) for a, b in split),
+                   activation_dtype=activation, quantization=quantization)
 
 
 @dataclass(frozen=True)
@@ -326,12 +347,18 @@ class Manifest:
 
 
 def shard_metadata(*, tp_degree: int, pp_degree: int, tp_rank: int, pp_stage: int, layer_start: int,
-                   layer_end: int, dtype: str, model_fingerprint: str) -> dict[str, str]:
-    """The ``__metadata__`` every shard file carries (safetensors metadata values are strings)."""
-    return {"format": "pt", "format_version": str(FORMAT_VERSION), "model_fingerprint": model_fingerprint,
-            "tp_degree": str(tp_degree), "pp_degree": str(pp_degree), "tp_rank": str(tp_rank),
-            "pp_stage": str(pp_stage), "layer_start": str(layer_start), "layer_end": str(layer_end),
-            "dtype": dtype}
+                   layer_end: int, dtype: str, model_fingerprint: str, activation_dtype: str | None = None,
+                   quantization: dict[str, Any] | None = None) -> dict[str, str]:
+    """The ``__metadata__`` every shard file carries (safetensors metadata values are strings);
+    a quantized shard also names its activation dtype and its scheme (JSON)."""
+    metadata = {"format": "pt", "format_version": str(FORMAT_VERSION), "model_fingerprint": model_fingerprint,
+                "tp_degree": str(tp_degree), "pp_degree": str(pp_degree), "tp_rank": str(tp_rank),
+                "pp_stage": str(pp_stage), "layer_start": str(layer_start), "layer_end": str(layer_end),
+                "dtype": dtype}
+    if quantization is not None:
+        metadata |= {"activation_dtype": str(activation_dtype),
+                     "quantization": json.dumps(quantization, sort_keys=True, separators=(",", ":"))}
+    return metadata
 
 
 def expected_metadata(manifest: Manifest, entry: ShardEntry) -> dict[str, str]:
@@ -339,4 +366,5 @@ def expected_metadata(manifest: Manifest, entry: ShardEntry) -> dict[str, str]:
     return shard_metadata(tp_degree=manifest.plan.tp_degree, pp_degree=manifest.plan.pp_degree,
                           tp_rank=entry.tp_rank, pp_stage=entry.pp_stage, layer_start=entry.layer_start,
                           layer_end=entry.layer_end, dtype=manifest.plan.dtype,
-                          model_fingerprint=manifest.model_fingerprint)
+                          model_fingerprint=manifest.model_fingerprint,
+                          activation_dtype=manifest.plan.activation_dtype, quantization=manifest.plan.quantization)

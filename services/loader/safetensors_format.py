@@ -17,12 +17,14 @@ from typing import BinaryIO
 
 import torch
 
-from services.common.dtypes import DENSE_DTYPES, DTYPES
+from services.common.dtypes import DENSE_DTYPES, DTYPES, lookup_dtype
 
 # safetensors dtype code <-> our canonical dtype names, and bytes per element
-SAFETENSORS_DTYPES: dict[str, str] = {name: DTYPES[name].safetensors_code for name in DENSE_DTYPES}
+# Tensor storage dtypes: the dense ones, and a quantized checkpoint's weights (int8, e4m3 as "fp8").
+SAFETENSORS_DTYPES: dict[str, str] = {**{name: DTYPES[name].safetensors_code for name in DENSE_DTYPES},
+                                      "int8": "I8", "fp8": "F8_E4M3"}
 DTYPE_OF_CODE: dict[str, str] = {code: name for name, code in SAFETENSORS_DTYPES.items()}
-ITEMSIZE: dict[str, int] = {name: DTYPES[name].weight_bytes for name in DENSE_DTYPES}
+ITEMSIZE: dict[str, int] = {**{name: DTYPES[name].weight_bytes for name in DENSE_DTYPES}, "int8": 1, "fp8": 1}
 HEADER_ALIGNMENT = 8
 # A header bigger than this is not a shard header but garbage (or an attack on the parser).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -78,7 +80,7 @@ def dtype_code(dtype: str) -> str:
 
 
 def canonical_dtype_of(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
+    name = lookup_dtype(str(dtype))
     if name not in SAFETENSORS_DTYPES:
         raise SafetensorsFormatError(f"tensor dtype {dtype} is not one of {sorted(SAFETENSORS_DTYPES)}")
     return name

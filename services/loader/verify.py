@@ -142,7 +142,9 @@ def check_plan(manifest: Manifest, plan: ParallelPlan, *, expected_fingerprint: 
     diffs = [f"{key}: checkpoint has {a!r}, plan needs {b!r}" for key, a, b in (
         ("tp_degree", got.tp_degree, plan.tp_degree), ("pp_degree", got.pp_degree, plan.pp_degree),
         ("dtype", got.dtype, plan.dtype), ("layer_split", [list(r) for r in got.layer_split],
-                                           [list(r) for r in want_split])) if a != b]
+                                           [list(r) for r in want_split]),
+        ("activation_dtype", got.activation_dtype or got.dtype, plan.activation_dtype),
+        ("quantization", got.quantization, plan.quantization)) if a != b]
     if diffs:
         raise ShardLayoutError(f"{source} was cut for {got.describe()}, the plan being run is tp={plan.tp_degree} "
                                f"pp={plan.pp_degree} dtype={plan.dtype}: " + "; ".join(diffs))

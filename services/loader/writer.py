@@ -42,7 +42,8 @@ from services.loader.manifest import (
 )
 from services.loader.object_store import ObjectStore, open_store
 from services.loader.safetensors_format import encode_header, tensor_bytes
-from services.modeling.config import ModelConfig, canonical_dtype
+from services.common.dtypes import canonical_dtype as canonical_serving_dtype
+from services.modeling.config import ModelConfig
 from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import STACKED_PARAMS_MAPPING, CheckpointError, CheckpointReader, checkpoint_assignments
 
@@ -57,21 +58,23 @@ class ShardJob:
     tp_degree: int
     pp_degree: int
     out: str
-    dtype: str | None = None  # None: the checkpoint's own dtype (config.json torch_dtype)
+    dtype: str | None = None  # None: the checkpoint's own dtype (config.json torch_dtype); or int8/fp8
     model_name: str | None = None
+    activation_dtype: str | None = None  # int8/fp8: the activations' (bfloat16 unless given)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir / 'config.json'} not found: expected a Hugging Face model directory")
         if self.dtype is not None:
-            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+            object.__setattr__(self, "dtype", canonical_serving_dtype(self.dtype))
         if not str(self.out):
             raise ValueError("out must be a directory or s3://bucket/prefix, got an empty string")
 
     def plan(self) -> ParallelPlan:
         config = ModelConfig.from_dir(self.model_dir)
-        return ParallelPlan(config, self.tp_degree, self.pp_degree, self.dtype or config.torch_dtype)
+        return ParallelPlan(config, self.tp_degree, self.pp_degree, self.dtype or config.torch_dtype,
+                            activation_dtype=self.activation_dtype)
 
 
 def _expected_shard_ids(param_name: str) -> set[Any]:
@@ -95,7 +98,8 @@ def write_rank_shard(reader: CheckpointReader, plan: ParallelPlan, global_rank: 
     layout = RankLayout.of_model(model, plan, global_rank)
     metadata = shard_metadata(tp_degree=plan.tp_degree, pp_degree=plan.pp_degree, tp_rank=layout.tp_rank,
                               pp_stage=layout.pp_stage, layer_start=layout.layer_start, layer_end=layout.layer_end,
-                              dtype=plan.dtype, model_fingerprint=fingerprint)
+                              dtype=plan.dtype, model_fingerprint=fingerprint,
+                              activation_dtype=plan.activation_dtype, quantization=plan.quantization)
     header, entries = encode_header([(n, i.dtype, i.shape) for n, i in layout.tensors.items()], metadata)
     digest = hashlib.sha256(header)
     partial = dest.with_name(dest.name + ".partial")
@@ -112,7 +116,8 @@ def write_rank_shard(reader: CheckpointReader, plan: ParallelPlan, global_rank: 
         with open(partial, "wb") as out, ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-io") as io:
             out.write(header)
             for entry, (name, param) in zip(entries, unique, strict=True):
-                tensor = torch.empty(entry.shape, dtype=plan.torch_dtype, device="cpu")
+                # the parameter's own dtype: a quantized weight int8/e4m3, its scales float32
+                tensor = torch.empty(entry.shape, dtype=param.dtype, device="cpu")
                 filled = set()
                 for ckpt_name, shard_id in sources[name]:
                     param.weight_loader(tensor, reader.get_slice(ckpt_name), shard_id)
@@ -197,7 +202,9 @@ def write_shards(job: ShardJob, *, store: ObjectStore | None = None, endpoint_ur
         model_config=plan.config.raw,
         model_fingerprint=fingerprint,
         plan=PlanInfo(plan.tp_degree, plan.pp_degree, plan.dtype,
-                      tuple((r.start, r.stop) for r in plan.layer_ranges)),
+                      tuple((r.start, r.stop) for r in plan.layer_ranges),
+                      activation_dtype=plan.activation_dtype if plan.quantization else None,
+                      quantization=plan.quantization),
         shards=tuple(entries),
         total_bytes=sum(e.bytes for e in entries),
         model_files=model_files,

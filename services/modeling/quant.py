@@ -74,6 +74,15 @@ FP8 = QuantScheme("fp8", torch.float8_e4m3fn, 448.0)
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (INT8, FP8)}
 
 
+def scheme_record(scheme: QuantScheme, *, lm_head: bool) -> dict[str, object]:
+    """What a quantized checkpoint says of its scheme (manifest and every shard header), so that
+    a loader can refuse data quantized another way: dtype, granularity, scales, lm_head."""
+    return {"scheme": scheme.name, "weight_dtype": str(scheme.weight_dtype).removeprefix("torch."),
+            "qmax": scheme.qmax, "granularity": scheme.granularity, "symmetric": True,
+            "scale_dtype": str(scheme.scale_dtype).removeprefix("torch."),
+            "quantized": "decoder linear weights" + (" and lm_head" if lm_head else ""), "lm_head": lm_head}
+
+
 def scheme_for(dtype_name: str) -> QuantScheme | None:
     """The scheme of a canonical serving dtype name; None for a dense dtype."""
     return SCHEMES.get(dtype_name)

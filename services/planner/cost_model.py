@@ -11,6 +11,9 @@ Memory, per GPU of pipeline stage s with L_s layers, TP degree t (Megatron shard
     stage 0   += ⌈vocab / t⌉·hidden               vocab-parallel embedding
     last      += ⌈vocab / t⌉·hidden + hidden      column-parallel lm_head (a tied lm_head is a
                                                  second copy when pp > 1) and the final norm
+              a quantized dtype quantizes the lm_head too (weight_bytes + a scale per vocab row),
+              and with it a tied embedding (the one table both use); an untied embedding stays
+              at activation bytes
     weights_s = L_s·layer + those extras;  the layout needs, on its fullest stage,
                 max_s weights_s + reserve + kv_cap ≤ gpu_memory
 
@@ -244,6 +247,9 @@ class CostModel:
             small += 2 * inter_r + hidden
         layer_bytes = linear * d.weight_bytes + out_channels * d.scale_bytes + small * d.activation_bytes
         vocab_shard = vocab_r * hidden
+        # the lm_head table: quantized with the linears (one scale per vocab row) or dense
+        lm_table = vocab_shard * d.weight_bytes + vocab_r * d.scale_bytes
+        embed_table = lm_table if m.tie_word_embeddings else vocab_shard * d.activation_bytes
 
         shapes: list[StageShape] = []
         counts = stage_layer_counts(m.num_layers, candidate.pp)
@@ -251,9 +257,9 @@ class CostModel:
             weight = read = layers * layer_bytes
             matmul = layers * linear
             if s == 0:
-                weight += vocab_shard * d.activation_bytes
+                weight += embed_table
             if s == candidate.pp - 1:
-                lm_head = vocab_shard * d.activation_bytes
+                lm_head = lm_table
                 weight += hidden * d.activation_bytes
                 read += hidden * d.activation_bytes + lm_head
                 shares_embedding = m.tie_word_embeddings and candidate.pp == 1

@@ -171,15 +171,20 @@ class ModelSpec:
         return 2 * self.num_layers * self.kv_size * d.activation_bytes
 
     def weight_bytes(self, dtype: str | DType = "float16") -> int:
-        """Unsharded weight bytes: decoder linears at ``weight_bytes`` (+ per-channel scales),
-        embedding, lm_head and norms at the activation dtype."""
+        """Unsharded weight bytes: decoder linears and the lm_head at ``weight_bytes`` (+ one
+        scale per output channel, for a quantized dtype); a tied embedding is the lm_head's table,
+        an untied one and the norms are at the activation dtype."""
         d = dtype if isinstance(dtype, DType) else get_dtype(dtype)
         linear = self.num_layers * (self.attention_params_per_layer + self.mlp_params_per_layer)
-        other = self.num_parameters - linear
         out_channels = self.num_layers * (
             self.q_size + 2 * self.kv_size + self.hidden_size + 2 * self.intermediate_size + self.hidden_size
         )
-        return linear * d.weight_bytes + out_channels * d.scale_bytes + other * d.activation_bytes
+        table = self.vocab_size * self.hidden_size
+        quantized_table = table * d.weight_bytes + self.vocab_size * d.scale_bytes  # the lm_head
+        dense = self.num_parameters - linear - table - self.lm_head_params  # norms (and biases)
+        untied_embedding = 0 if self.tie_word_embeddings else table * d.activation_bytes
+        return (linear * d.weight_bytes + out_channels * d.scale_bytes + quantized_table + untied_embedding
+                + dense * d.activation_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

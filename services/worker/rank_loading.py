@@ -21,6 +21,7 @@ from services.loader.layout import RankLayout, unique_parameters
 from services.loader.manifest import Manifest
 from services.loader.staging import DEFAULT_ATTEMPTS, StageResult, default_cache_dir, stage_entry
 from services.loader.verify import check_entry_layout, check_plan, read_manifest, verify_rank_shard
+from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.modeling.config import ModelConfig
 from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.plan import ParallelPlan
@@ -58,14 +59,20 @@ def load_rank_shard(model: LlamaForCausalLM, manifest: Manifest, shard_path: str
 
 
 def plan_for_checkpoint(checkpoint_uri: str | Path, *, tp_degree: int, pp_degree: int, dtype: str | None = None,
-                        endpoint_url: str | None = None) -> ParallelPlan:
+                        activation_dtype: str | None = None, endpoint_url: str | None = None) -> ParallelPlan:
     """The plan a worker runs when the checkpoint is its only source of the model's shape.
 
-    ``dtype`` defaults to the checkpoint's; a different one is refused later, by the checks.
+    ``dtype`` and ``activation_dtype`` default to the checkpoint's, and so does whether the
+    lm_head is quantized; a dtype other than the checkpoint's is refused later, by the checks.
     """
     manifest, _ = read_manifest(checkpoint_uri, endpoint_url=endpoint_url)
     config = ModelConfig.from_dict(manifest.model_config, name=manifest.model_name)
-    return ParallelPlan(config, tp_degree, pp_degree, dtype or manifest.plan.dtype)
+    got = manifest.plan
+    dtype = dtype or got.dtype
+    same_scheme = got.quantization is not None and canonical_serving_dtype(dtype) == got.dtype
+    return ParallelPlan(config, tp_degree, pp_degree, dtype,
+                        activation_dtype=activation_dtype or (got.activation_dtype if same_scheme else None),
+                        quantize_lm_head=bool(got.quantization["lm_head"]) if same_scheme else True)
 
 
 def load_checkpoint_weights(model: LlamaForCausalLM, plan: ParallelPlan, rank: int, checkpoint_uri: str | Path, *,

@@ -54,7 +54,7 @@ class RankSpec:
             raise ModelConfigError("give a model directory (--model) or a pre-sharded checkpoint (--checkpoint)")
         if self.checkpoint:
             plan = plan_for_checkpoint(self.checkpoint, tp_degree=self.tp_degree, pp_degree=self.pp_degree,
-                                       dtype=self.dtype)
+                                       dtype=self.dtype, activation_dtype=self.activation_dtype)
         else:
             plan = ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree,
                                 self.dtype or "float32", activation_dtype=self.activation_dtype)

@@ -86,7 +86,7 @@ def test_missing_shard_is_named() -> None:
     (lambda m: m["shards"].append(copy.deepcopy(m["shards"][0])), "listed twice"),
     (lambda m: m.update(total_bytes=1), "total_bytes is 1, the shards sum to 4000"),
     (lambda m: m.update(format_version=2), "format_version 2 is not supported: this build reads version 1"),
-    (lambda m: m["plan"].update(dtype="int4"), "unsupported dtype 'int4'"),
+    (lambda m: m["plan"].update(dtype="int4"), "unknown dtype 'int4'"),
     (lambda m: m["plan"].update(layer_split=[[0, 2], [3, 4]]), "stage 1 is \\[3, 4\\)"),
     (lambda m: m["model_config"].update(num_hidden_layers=6), "covers 4 layers, model_config.num_hidden_layers is 6"),
     (lambda m: m["shards"][1].update(layer_start=1), "layers \\[1, 2\\) differ from the plan's stage 0"),

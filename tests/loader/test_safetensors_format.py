@@ -56,7 +56,7 @@ def _raw(header: dict) -> bytes:
 @pytest.mark.parametrize("header, message", [
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, "offsets \\[0, 4\\) hold 4 bytes"),
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, "starts at byte 4, expected 0"),
-    ({"a": {"dtype": "I8", "shape": [1], "data_offsets": [0, 1]}}, "dtype 'I8' is not one of"),
+    ({"a": {"dtype": "I16", "shape": [1], "data_offsets": [0, 2]}}, "dtype 'I16' is not one of"),
     ({"a": {"shape": [1]}}, "lacks dtype/shape/data_offsets"),
     ({"__metadata__": {"x": 1}}, "__metadata__ must map strings to strings"),
 ])

@@ -43,10 +43,11 @@ def test_weight_bytes_per_dtype() -> None:
     assert m.weight_bytes("float16") == 2 * m.num_parameters
     assert m.weight_bytes("bfloat16") == 2 * m.num_parameters
     assert m.weight_bytes("float32") == 4 * m.num_parameters
-    linear = 80 * (m.attention_params_per_layer + m.mlp_params_per_layer)
+    linear = 80 * (m.attention_params_per_layer + m.mlp_params_per_layer) + m.lm_head_params
     rest = m.num_parameters - linear
-    out_channels = 80 * (8192 + 2 * 1024 + 8192 + 2 * 28672 + 8192)
-    # int8/fp8: 1 byte per linear weight + a float32 scale per output channel; the rest stays 16-bit.
+    out_channels = 80 * (8192 + 2 * 1024 + 8192 + 2 * 28672 + 8192) + m.vocab_size
+    # int8/fp8: 1 byte per linear weight (the lm_head's too) + a float32 scale per output channel;
+    # the untied embedding and the norms stay 16-bit.
     for dtype in ("int8", "fp8"):
         assert m.weight_bytes(dtype) == linear + 4 * out_channels + 2 * rest
 

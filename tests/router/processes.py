@@ -94,3 +94,25 @@ def router_and_worker(model_dir: Path, logs: Path, *, worker_flags: list[str] = 
     router_log = (logs / "router.log").read_text()
     assert codes[0] == 0, router_log
     assert "Traceback" not in router_log, router_log
+
+
+@contextlib.contextmanager
+def running_up(argv: list[str], env: dict[str, str], out: Path, *, timeout_s: float = 240.0) -> Iterator[Path]:
+    """`shardline up` (``argv`` from ``test_up.up_command``) until it says it is up; SIGTERM when
+    the block ends (then SIGKILL if it lingers). Yields the file its output goes to."""
+    with out.open("w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "shardline is up" not in out.read_text():
+            assert proc.poll() is None, out.read_text()
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        yield out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

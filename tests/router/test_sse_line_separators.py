@@ -11,8 +11,6 @@ cycle to the next one (and every other token, such as the chat template's last, 
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
-from tests.router.processes import REPO
+from tests.router.processes import running_up
 from tests.router.test_up import up_command
 
 pytestmark = pytest.mark.slow
@@ -58,22 +56,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("separators")
     argv, env, ports = up_command(tmp)
     argv += ["--model", str(separator_model(tmp))]
-    out = tmp / "up.out"
-    with out.open("w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while "shardline is up" not in out.read_text():
-            assert proc.poll() is None, out.read_text()
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(0.2)
+    with running_up(argv, env, tmp / "up.out"):
         yield f"http://127.0.0.1:{ports['http']}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])

@@ -9,8 +9,6 @@ API key and still re-exports telemetry's /metrics, which is HTTPS behind the tok
 from __future__ import annotations
 
 import ssl
-import subprocess
-import time
 from pathlib import Path
 
 import grpc
@@ -22,7 +20,7 @@ from services.cli.client import stream_generate
 from services.common.proto import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from services.common.transport_security import TOKEN_METADATA_KEY, TransportSecurity, open_channel
 from tests.certs import make_pki
-from tests.router.processes import REPO
+from tests.router.processes import running_up
 from tests.router.test_up import up_command
 
 pytestmark = pytest.mark.slow
@@ -38,22 +36,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     argv, env, ports = up_command(tmp, "--tls-cert", str(pki.cert), "--tls-key", str(pki.key),
                                   "--tls-ca", str(pki.ca), "--api-key", API_KEY, "--metrics-auth")
     env["SHARDLINE_INTERNAL_TOKEN"] = TOKEN  # the environment, as a secret should travel
-    out = tmp / "up.out"
-    with out.open("w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while "shardline is up" not in out.read_text():
-            assert proc.poll() is None, out.read_text()
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(0.2)
+    with running_up(argv, env, tmp / "up.out") as out:
         yield pki, ports, out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     assert TOKEN not in " ".join(argv)
 
 

@@ -9,7 +9,7 @@ import torch
 from services.common.dtypes import DTYPES, UnknownDtype
 from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.modeling.config import ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
-from services.modeling.quant import QuantScheme, scheme_for
+from services.modeling.quant import QuantScheme, scheme_for, scheme_record
 
 # The activation dtype of a quantized plan unless it names one.
 DEFAULT_QUANT_ACTIVATION_DTYPE = "bfloat16"
@@ -100,6 +100,12 @@ class ParallelPlan:
     @property
     def lm_head_quant(self) -> QuantScheme | None:
         return self.weight_quant if self.quantize_lm_head else None
+
+    @property
+    def quantization(self) -> dict[str, object] | None:
+        """The scheme record a checkpoint of this plan carries; None for a dense plan."""
+        scheme = self.weight_quant
+        return None if scheme is None else scheme_record(scheme, lm_head=self.quantize_lm_head)
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,149 @@
+"""Quantized weights against the bfloat16 plan: memory, decode speed, quality, replica density.
+
+    python -m bench.quant [--quick] [--rounds 3] [--chunks 32]   (also: shardline bench quant)
+
+SmolLM2-135M, TP1, one run: for bfloat16, int8 and fp8 (activations bfloat16) the weight bytes a
+rank holds (from its loaded tensors, scales included), TPOT at batch 1 and tokens/s at 16
+streams through the engine (its KV cache, scheduler and sampler; the dtypes alternate round by
+round and each ratio is the median of its per-round ratios), the batch-1 decode step against the
+memory roofline of that dtype's bytes, and on the golden set the perplexity delta against the
+bfloat16 plan and against float32, with greedy top-1 agreement. Replica density: how many groups
+of each dtype fit one fixed memory budget, each with the same KV cache.
+
+Writes bench/results/quant.json and quant.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from tokenizers import Tokenizer
+
+from bench.common import machine, smollm2_dir, write_results
+from bench.engine import make_prompts, read_bandwidth, run_engine, spec_for
+from services.common.logprob_comparison import compare
+from services.worker.engine.bootstrap import build_engine, start_rank
+from services.worker.plan_scoring import golden_set_for, plan_spec, score_plan
+
+DTYPES = ("bfloat16", "int8", "fp8")
+DENSITY_BUDGET_BYTES = 4 << 30  # one fixed memory budget the replica groups share
+DENSITY_KV_BYTES = 128 << 20  # the KV cache each group keeps, the same at every dtype (bfloat16 KV)
+
+
+def held_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the loaded tensors, each once (a tied table counts once): all of them, the
+    scales among them, and what a decode step reads (all but an untied embedding table)."""
+    total = scales = embedding = 0
+    for name, param in model.named_parameters():  # named_parameters yields a shared tensor once
+        nbytes = param.numel() * param.element_size()
+        total += nbytes
+        scales += nbytes if name.endswith("_scale") else 0
+        embedding += nbytes if "embed_tokens" in name else 0
+    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is getattr(
+        model.model.embed_tokens, "weight", None)
+    return {"weight_bytes": total, "scale_bytes": scales, "read_bytes": total if tied else total - embedding}
+
+
+def bench_engines(model_dir, tokenizer, *, rounds: int, max_tokens: int, streams: int) -> dict:
+    engines, held = {}, {}
+    for dtype in DTYPES:
+        spec = spec_for(model_dir, dtype)
+        runner, layout = start_rank(spec, 0)
+        engines[dtype] = build_engine(spec, runner, layout)
+        held[dtype] = held_bytes(runner.rt.model)
+    prompts = make_prompts(tokenizer, streams)
+    for engine in engines.values():
+        run_engine(engine, prompts[:2], 4)  # warm-up
+    per_round = []
+    for _ in range(rounds):
+        row = {}
+        for dtype, engine in engines.items():
+            bs1 = run_engine(engine, prompts[:1], max_tokens)
+            batch = run_engine(engine, prompts, max_tokens)
+            row[dtype] = {"tpot_s": bs1["tpot_s"], "step_s": bs1["decode_step_s"], "tok_s": batch["tok_per_s"]}
+        per_round.append(row)
+    for engine in engines.values():
+        engine.shutdown()
+    bandwidth = read_bandwidth(torch.bfloat16)
+    out = {"rounds": per_round, "read_bandwidth_bytes_per_s": bandwidth, "streams": streams,
+           "new_tokens": max_tokens}
+    for dtype in DTYPES:
+        med = {k: statistics.median(r[dtype][k] for r in per_round) for k in ("tpot_s", "step_s", "tok_s")}
+        roofline_s = held[dtype]["read_bytes"] / bandwidth
+        out[dtype] = {**held[dtype], **med, "roofline_s": roofline_s, "step_vs_roofline": med["step_s"] / roofline_s,
+                      "weight_bytes_vs_bf16": held[dtype]["weight_bytes"] / held["bfloat16"]["weight_bytes"],
+                      "tpot_vs_bf16": statistics.median(r[dtype]["tpot_s"] / r["bfloat16"]["tpot_s"] for r in per_round),
+                      "tok_s_vs_bf16": statistics.median(r[dtype]["tok_s"] / r["bfloat16"]["tok_s"] for r in per_round),
+                      "replica_groups_in_budget": DENSITY_BUDGET_BYTES // (held[dtype]["weight_bytes"] + DENSITY_KV_BYTES)}
+    return out
+
+
+def bench_quality(model_dir, *, chunks: int, chunk_tokens: int) -> dict:
+    specs = {name: plan_spec(str(model_dir), f"dtype={name}") for name in ("float32", *DTYPES)}
+    golden = golden_set_for(str(model_dir), specs["float32"], chunks=chunks, chunk_tokens=chunk_tokens)
+    scores = {name: score_plan(spec, f"dtype={name}", golden) for name, spec in specs.items()}
+    out: dict = {"chunks": chunks, "chunk_tokens": chunk_tokens, "scored_tokens": golden.scored_tokens,
+                 "text_fingerprint": golden.text_fingerprint}
+    for dtype in DTYPES:
+        vs_bf16 = compare(scores["bfloat16"].results, scores[dtype].results)
+        vs_fp32 = compare(scores["float32"].results, scores[dtype].results)
+        out[dtype] = {"perplexity": vs_bf16.candidate_perplexity,
+                      "ppl_delta_vs_bf16_pct": vs_bf16.perplexity_delta_pct,
+                      "ppl_delta_vs_fp32_pct": vs_fp32.perplexity_delta_pct,
+                      "top1_vs_bf16": vs_bf16.top1_agreement, "top1_vs_fp32": vs_fp32.top1_agreement,
+                      "mean_abs_dlogprob_vs_bf16": vs_bf16.mean_abs_logprob_delta}
+    out["float32_perplexity"] = compare(scores["float32"].results, scores["float32"].results).reference_perplexity
+    return out
+
+
+def markdown(payload: dict) -> str:
+    e, q = payload["engine"], payload["quality"]
+    lines = ["# Quantized weights vs the bfloat16 plan (SmolLM2-135M, TP1)", "",
+             f"Machine: {payload['machine']}. Command: `{payload['command']}`. Engine figures: medians of "
+             f"{len(e['rounds'])} rounds in which the dtypes alternate; ratios are per-round ratios' medians.", "",
+             "| dtype | weight bytes/rank | vs bf16 | TPOT bs1 (ms) | TPOT vs bf16 | tok/s @16 | vs bf16 "
+             "| step vs roofline | groups in 4 GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for dtype in DTYPES:
+        d = e[dtype]
+        lines.append(f"| {dtype} | {d['weight_bytes']:,} | {d['weight_bytes_vs_bf16']:.3f} | {d['tpot_s'] * 1e3:.2f} "
+                     f"| {d['tpot_vs_bf16']:.3f} | {d['tok_s']:.0f} | {d['tok_s_vs_bf16']:.3f} "
+                     f"| {d['step_vs_roofline']:.2f} | {d['replica_groups_in_budget']} |")
+    lines += ["", f"Golden set: {q['chunks']} chunks x {q['chunk_tokens']} tokens = {q['scored_tokens']} scored "
+                  f"positions (text {q['text_fingerprint']}); float32 perplexity {q['float32_perplexity']:.4f}.", "",
+              "| dtype | perplexity | Δ vs bf16 | Δ vs fp32 | top-1 vs bf16 | top-1 vs fp32 | mean abs Δlogprob vs bf16 |",
+              "|---|---|---|---|---|---|---|"]
+    for dtype in DTYPES:
+        d = q[dtype]
+        lines.append(f"| {dtype} | {d['perplexity']:.4f} | {d['ppl_delta_vs_bf16_pct']:+.3f} % | "
+                     f"{d['ppl_delta_vs_fp32_pct']:+.3f} % | {d['top1_vs_bf16']:.4f} | {d['top1_vs_fp32']:.4f} | "
+                     f"{d['mean_abs_dlogprob_vs_bf16']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round, 8 chunks of the golden set")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunks", type=int, default=32, help="golden-set chunks of 512 tokens (default 32)")
+    args = parser.parse_args(argv)
+    model_dir = smollm2_dir()
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rounds, chunks = (1, 8) if args.quick else (args.rounds, args.chunks)
+    payload = {"machine": machine(), "command": "python -m bench.quant " + " ".join(argv or sys.argv[1:]),
+               "engine": bench_engines(model_dir, tokenizer, rounds=rounds, max_tokens=32, streams=16),
+               "quality": bench_quality(model_dir, chunks=chunks, chunk_tokens=512)}
+    for dtype in ("int8", "fp8"):
+        payload[f"tpot_{dtype}_vs_bf16"] = payload["engine"][dtype]["tpot_vs_bf16"]
+        payload[f"tok_s_{dtype}_vs_bf16"] = payload["engine"][dtype]["tok_s_vs_bf16"]
+        payload[f"ppl_delta_{dtype}_vs_bf16_pct"] = payload["quality"][dtype]["ppl_delta_vs_bf16_pct"]
+    json_path, md_path = write_results("quant", payload, markdown(payload))
+    print(markdown(payload))
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
