@@ -4,7 +4,10 @@ and one router serves a bfloat16 group and an int8 group side by side."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,11 +17,13 @@ import openai
 import pytest
 
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
-from tests.router.processes import running_up, start_service, stop, wait_healthy, wait_serving
+from tests.router.processes import REPO, running_up, start_service, stop, wait_healthy, wait_serving
 from tests.router.test_up import up_command
 from tests.stack import free_port
 
 pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
 
 
 def group_dtypes(router: str) -> dict[str, str]:
@@ -37,12 +42,15 @@ def test_up_serves_smollm2_quantized(smollm2_dir: Path, tmp_path: Path, dtype: s
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="none", max_retries=0,
                                timeout=120)
         model = client.models.list().data[0].id
-        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content":
-                                                "What is the capital of France?"}],
-                                                max_tokens=12, temperature=0, stream=True)
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-        assert "Paris" in text, text
+        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         assert set(group_dtypes(f"127.0.0.1:{ports['router']}").values()) == {f"DTYPE_{dtype.upper()}"}
+    # the same greedy tokens as `shardline generate` at that dtype on its own
+    reference = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(smollm2_dir),
+                                "--dtype", dtype, "--prompt", PROMPT, "--max-tokens", "16", "--json"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    assert text == json.loads(reference.stdout)["text"] and text.strip()
     with sqlite3.connect(registry) as db:
         assert {row[0] for row in db.execute("SELECT dtype FROM replica_groups")} == {dtype}
 
