@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from bench.common import machine, smollm2_dir, write_results
 from bench.engine import make_prompts, read_bandwidth, run_engine, spec_for
 from services.common.logprob_comparison import compare
+from services.loader.layout import RankLayout
 from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.plan_scoring import golden_set_for, plan_spec, score_plan
 
@@ -45,6 +46,11 @@ def held_bytes(model: torch.nn.Module) -> dict[str, int]:
     tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is getattr(
         model.model.embed_tokens, "weight", None)
     return {"weight_bytes": total, "scale_bytes": scales, "read_bytes": total if tied else total - embedding}
+
+
+def held_bytes_of(spec) -> int:
+    """The weight bytes a rank of ``spec`` holds, from its model built on ``meta``."""
+    return RankLayout.for_rank(spec.plan, 0).nbytes
 
 
 def bench_engines(model_dir, tokenizer, *, rounds: int, max_tokens: int, streams: int) -> dict:
@@ -81,20 +87,25 @@ def bench_engines(model_dir, tokenizer, *, rounds: int, max_tokens: int, streams
     return out
 
 
+# the lm_head kept dense: the other choice for a quantized plan, scored for the comparison
+DENSE_HEAD = tuple(f"{dtype},lm_head=dense" for dtype in DTYPES[1:])
+
+
 def bench_quality(model_dir, *, chunks: int, chunk_tokens: int) -> dict:
-    specs = {name: plan_spec(str(model_dir), f"dtype={name}") for name in ("float32", *DTYPES)}
+    specs = {name: plan_spec(str(model_dir), f"dtype={name}") for name in ("float32", *DTYPES, *DENSE_HEAD)}
     golden = golden_set_for(str(model_dir), specs["float32"], chunks=chunks, chunk_tokens=chunk_tokens)
     scores = {name: score_plan(spec, f"dtype={name}", golden) for name, spec in specs.items()}
     out: dict = {"chunks": chunks, "chunk_tokens": chunk_tokens, "scored_tokens": golden.scored_tokens,
                  "text_fingerprint": golden.text_fingerprint}
-    for dtype in DTYPES:
+    for dtype in (*DTYPES, *DENSE_HEAD):
         vs_bf16 = compare(scores["bfloat16"].results, scores[dtype].results)
         vs_fp32 = compare(scores["float32"].results, scores[dtype].results)
         out[dtype] = {"perplexity": vs_bf16.candidate_perplexity,
                       "ppl_delta_vs_bf16_pct": vs_bf16.perplexity_delta_pct,
                       "ppl_delta_vs_fp32_pct": vs_fp32.perplexity_delta_pct,
                       "top1_vs_bf16": vs_bf16.top1_agreement, "top1_vs_fp32": vs_fp32.top1_agreement,
-                      "mean_abs_dlogprob_vs_bf16": vs_bf16.mean_abs_logprob_delta}
+                      "mean_abs_dlogprob_vs_bf16": vs_bf16.mean_abs_logprob_delta,
+                      "weight_bytes": held_bytes_of(specs[dtype])}
     out["float32_perplexity"] = compare(scores["float32"].results, scores["float32"].results).reference_perplexity
     return out
 
@@ -113,13 +124,24 @@ def markdown(payload: dict) -> str:
                      f"| {d['step_vs_roofline']:.2f} | {d['replica_groups_in_budget']} |")
     lines += ["", f"Golden set: {q['chunks']} chunks x {q['chunk_tokens']} tokens = {q['scored_tokens']} scored "
                   f"positions (text {q['text_fingerprint']}); float32 perplexity {q['float32_perplexity']:.4f}.", "",
-              "| dtype | perplexity | Δ vs bf16 | Δ vs fp32 | top-1 vs bf16 | top-1 vs fp32 | mean abs Δlogprob vs bf16 |",
-              "|---|---|---|---|---|---|---|"]
-    for dtype in DTYPES:
+              "| plan | weight bytes/rank | perplexity | Δ vs bf16 | Δ vs fp32 | top-1 vs bf16 | top-1 vs fp32 "
+              "| mean abs Δlogprob vs bf16 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for dtype in (*DTYPES, *DENSE_HEAD):
         d = q[dtype]
-        lines.append(f"| {dtype} | {d['perplexity']:.4f} | {d['ppl_delta_vs_bf16_pct']:+.3f} % | "
+        lines.append(f"| {dtype} | {d['weight_bytes']:,} | {d['perplexity']:.4f} | {d['ppl_delta_vs_bf16_pct']:+.3f} % | "
                      f"{d['ppl_delta_vs_fp32_pct']:+.3f} % | {d['top1_vs_bf16']:.4f} | {d['top1_vs_fp32']:.4f} | "
                      f"{d['mean_abs_dlogprob_vs_bf16']:.4f} |")
+    lines += ["", "Against the bars (perplexity delta vs the bfloat16 plan: int8 ≤ 0.5 %, fp8 ≤ 1.0 %; the design's "
+                  "gate 0.5 %; weight bytes ≤ 0.55 × bf16; TPOT int8 < 0.8 ×, fp8 < 1.0 ×; 16 streams ≥ 1.0 ×):", ""]
+    for dtype, bar in (("int8", 0.5), ("fp8", 1.0)):
+        d, q_ = e[dtype], q[dtype]
+        checks = [("bytes", d["weight_bytes_vs_bf16"] <= 0.55),
+                  ("TPOT", d["tpot_vs_bf16"] < (0.8 if dtype == "int8" else 1.0)),
+                  ("16 streams", d["tok_s_vs_bf16"] >= 1.0),
+                  (f"perplexity ≤ {bar:g} %", q_["ppl_delta_vs_bf16_pct"] <= bar),
+                  ("design gate 0.5 %", q_["ppl_delta_vs_bf16_pct"] <= 0.5)]
+        lines.append(f"- {dtype}: " + ", ".join(f"{name} {'pass' if ok else 'FAIL'}" for name, ok in checks))
     return "\n".join(lines) + "\n"
 
 

@@ -2,8 +2,9 @@
 and what a fleet controller calls before a new plan takes traffic.
 
 A plan is written ``key=value`` pairs joined by commas, from ``tp``, ``pp``, ``dtype``,
-``checkpoint`` (a manifest.json) and ``model`` (another model directory with the same tokenizer,
-e.g. a fine-tune or a perturbed copy): ``dtype=float32``, ``tp=2,dtype=bfloat16``. Each plan runs
+``checkpoint`` (a manifest.json), ``model`` (another model directory with the same tokenizer,
+e.g. a fine-tune or a perturbed copy) and ``lm_head`` (``quantized``, the default, or ``dense``:
+an int8/fp8 plan's lm_head): ``dtype=float32``, ``tp=2,dtype=bfloat16``, ``dtype=fp8,lm_head=dense``. Each plan runs
 as a local replica group (its ranks spawned here) that scores every chunk as its own prompt.
 """
 
@@ -28,7 +29,7 @@ from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec, stage_tokenizer_dir
 from services.worker.scoring import ScoreResult, score_chunks_rank
 
-PLAN_KEYS = ("tp", "pp", "dtype", "checkpoint", "model")
+PLAN_KEYS = ("tp", "pp", "dtype", "checkpoint", "model", "lm_head")
 DEFAULT_THRESHOLD_PCT = 0.5
 DEFAULT_MIN_TOP1 = 0.97  # for plans of one dtype family
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0  # a chunk's prefill on a busy CPU is slow
@@ -58,9 +59,12 @@ def plan_spec(model_dir: str | None, text: str, *,
     except ValueError:
         raise InvalidArgument(f"plan {text!r}: tp and pp are whole numbers") from None
     checkpoint = plan.get("checkpoint")
+    lm_head = plan.get("lm_head", "quantized")
+    if lm_head not in ("quantized", "dense"):
+        raise InvalidArgument(f"plan {text!r}: lm_head is 'quantized' or 'dense', got {lm_head!r}")
     return RankSpec(None if checkpoint else plan.get("model", model_dir), tp_degree=tp, pp_degree=pp,
                     dtype=plan.get("dtype"), checkpoint=checkpoint, collective_timeout_s=collective_timeout_s,
-                    replica_group_id=f"golden-{text}")
+                    replica_group_id=f"golden-{text}", quantize_lm_head=lm_head == "quantized")
 
 
 def dtype_family(dtype: str) -> str:

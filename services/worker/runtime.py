@@ -39,6 +39,7 @@ class RankSpec:
     pp_degree: int = field(default=1, kw_only=True)
     dtype: str | None = field(default=None, kw_only=True)  # None: float32 from an HF directory, the checkpoint's
     activation_dtype: str | None = field(default=None, kw_only=True)  # int8/fp8 plans: None is bfloat16
+    quantize_lm_head: bool = field(default=True, kw_only=True)  # int8/fp8 plans from an HF directory
     replica_group_id: str = field(default="local", kw_only=True)
     collective_timeout_s: float = field(default=DEFAULT_TIMEOUT_S, kw_only=True)
     checkpoint: str | None = field(default=None, kw_only=True)  # manifest URI of a pre-sharded checkpoint
@@ -57,7 +58,8 @@ class RankSpec:
                                        dtype=self.dtype, activation_dtype=self.activation_dtype)
         else:
             plan = ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree,
-                                self.dtype or "float32", activation_dtype=self.activation_dtype)
+                                self.dtype or "float32", activation_dtype=self.activation_dtype,
+                                quantize_lm_head=self.quantize_lm_head)
         object.__setattr__(self, "plan", plan)
 
     def scheduler_config(self) -> SchedulerConfig:

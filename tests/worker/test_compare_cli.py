@@ -55,7 +55,7 @@ def test_perturbed_weights_are_far(tiny_model_dir: Path, tmp_path: Path) -> None
 
 
 def test_bad_plans_exit_2(tiny_model_dir: Path) -> None:
-    for bad in ("tq=2", "tp=x", "tp=3"):
+    for bad in ("tq=2", "tp=x", "tp=3", "dtype=int8,lm_head=maybe"):
         result = compare(tiny_model_dir, "dtype=float32", bad)
         assert result.returncode == 2, (bad, result.stdout, result.stderr)
         assert "shardline compare:" in result.stderr
