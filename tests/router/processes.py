@@ -98,10 +98,11 @@ def router_and_worker(model_dir: Path, logs: Path, *, worker_flags: list[str] = 
 
 @contextlib.contextmanager
 def running_up(argv: list[str], env: dict[str, str], out: Path, *, timeout_s: float = 240.0) -> Iterator[Path]:
-    """`shardline up` (``argv`` from ``test_up.up_command``) until it says it is up; SIGTERM when
-    the block ends (then SIGKILL if it lingers). Yields the file its output goes to."""
+    """`shardline up` (``argv`` from ``test_up.up_command``) until it says it is up; stopped as
+    :func:`stop` does when the block ends. Yields the file its output goes to."""
     with out.open("w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while "shardline is up" not in out.read_text():
@@ -110,9 +111,4 @@ def running_up(argv: list[str], env: dict[str, str], out: Path, *, timeout_s: fl
             time.sleep(0.2)
         yield out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, timeout_s=60)
