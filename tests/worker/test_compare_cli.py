@@ -71,16 +71,15 @@ def gate(model: Path, reference: str, candidate: str, registry: str, *extra: str
 def test_gate_passes_resharding_fails_a_perturbed_copy_and_a_tight_threshold(tiny_model_dir: Path,
                                                                            tmp_path: Path) -> None:
     registry = f"sqlite:///{tmp_path / 'registry.db'}"
-    passed = gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry)
+    passed = gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry, "--json")
     assert passed.returncode == 0, passed.stdout + passed.stderr
-    assert "verdict: PASS" in passed.stdout and "95 % interval" in passed.stdout
-    measured = json.loads(gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry, "--json",
-                               "--no-record").stdout)
+    measured = json.loads(passed.stdout)
     low, high = measured["delta_interval_pct"]
     assert low <= measured["perplexity_delta_pct"] <= high and measured["passed"]
-    tight = gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry,
+    tight = gate(tiny_model_dir, "dtype=float32", "tp=2,dtype=bfloat16", registry, "--no-record",
                  "--threshold-pct", f"{high / 2:.6f}")
     assert tight.returncode == 1 and "verdict: FAIL" in tight.stdout and "exceeds" in tight.stdout
+    assert "95 % interval" in tight.stdout
 
     noisy = tmp_path / "tiny-noisy"
     shutil.copytree(tiny_model_dir, noisy)
@@ -98,15 +97,15 @@ def test_gate_passes_resharding_fails_a_perturbed_copy_and_a_tight_threshold(tin
 
     with ShardRegistry(registry) as reg:
         results = reg.list_gate_results()
-    assert [r.passed for r in results] == [False, False, True]  # newest first; --no-record left one out
+    assert [r.passed for r in results] == [False, True]  # newest first; --no-record left one out
     assert results[-1].candidate == "tp=2,dtype=bfloat16" and results[-1].candidate_dtype == "bfloat16"
 
 
 @pytest.mark.slow
 def test_gate_smollm2_tp3_bfloat16_against_tp1_float32(smollm2_dir: Path, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "services.cli", "gate", "--model", str(smollm2_dir),
-                             "--reference", "dtype=float32", "--candidate", "tp=3,dtype=bfloat16", "--chunks", "8",
-                             "--chunk-tokens", "256", "--registry-url", f"sqlite:///{tmp_path / 'r.db'}", "--json"],
+                             "--reference", "dtype=float32", "--candidate", "tp=3,dtype=bfloat16", "--chunks", "16",
+                             "--chunk-tokens", "128", "--registry-url", f"sqlite:///{tmp_path / 'r.db'}", "--json"],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     verdict = json.loads(result.stdout)
     assert result.returncode == 0 and verdict["passed"], verdict
