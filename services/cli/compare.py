@@ -21,7 +21,9 @@ from services.worker.plan_scoring import (
     PlanScores,
     check_comparable,
     golden_set_for,
+    live_worker,
     plan_spec,
+    score_live_group,
     score_plan,
 )
 
@@ -32,7 +34,8 @@ def add_golden_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", required=True, metavar="PLAN",
                         help="the trusted plan, e.g. 'dtype=float32' or 'tp=1,pp=1,dtype=bfloat16'")
     parser.add_argument("--candidate", required=True, metavar="PLAN",
-                        help="the plan to judge, e.g. 'tp=2,dtype=int8' or 'checkpoint=out/manifest.json'")
+                        help="the plan to judge, e.g. 'tp=2,dtype=int8' or 'checkpoint=out/manifest.json', or a "
+                             "serving replica group: 'worker=HOST:PORT'")
     parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS,
                         help=f"golden-set chunks to score (default {DEFAULT_CHUNKS})")
     parser.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
@@ -50,13 +53,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def score_both(args: argparse.Namespace) -> tuple[PlanScores, PlanScores, GoldenSet]:
-    """Both plans of ``args`` scored on the golden set (bad plans raise before anything runs)."""
-    reference_spec = plan_spec(args.model, args.reference, collective_timeout_s=args.collective_timeout)
-    candidate_spec = plan_spec(args.model, args.candidate, collective_timeout_s=args.collective_timeout)
-    golden = golden_set_for(args.model, reference_spec, chunks=args.chunks, chunk_tokens=args.chunk_tokens)
-    check_comparable([reference_spec, candidate_spec], golden)
-    return (score_plan(reference_spec, args.reference, golden), score_plan(candidate_spec, args.candidate, golden),
-            golden)
+    """Both sides of ``args`` scored on the golden set: local plans (bad ones raise before anything
+    runs) or live replica groups (``worker=HOST:PORT``), tokenized with ``--model``'s tokenizer."""
+    sides = [(text, None if live_worker(text) else plan_spec(args.model, text,
+                                                           collective_timeout_s=args.collective_timeout))
+             for text in (args.reference, args.candidate)]
+    specs = [spec for _, spec in sides if spec is not None]
+    golden = golden_set_for(args.model, specs[0] if specs else None, chunks=args.chunks,
+                            chunk_tokens=args.chunk_tokens)
+    check_comparable(specs, golden)
+    reference, candidate = (score_live_group(live_worker(text), golden) if spec is None
+                            else score_plan(spec, text, golden) for text, spec in sides)
+    return reference, candidate, golden
 
 
 def figure_lines(c: Comparison, reference: PlanScores, candidate: PlanScores, golden: GoldenSet) -> list[str]:

@@ -7,6 +7,10 @@ greedy top-1 agreement reaches ``--min-top1`` (default 0.97; across families, e.
 bfloat16 against float32, only if given). The verdict and its
 figures are printed and recorded in the registry's ``quality_gate_results``.
 
+Either side may be a serving replica group, ``worker=HOST:PORT``: the golden set goes through its
+worker's Score between its engine steps (tokenized with ``--model``'s tokenizer), so a live
+group's numbers can be checked against a trusted local plan, e.g. for drift.
+
 Exit codes: 0 passed, 1 failed (or a replica group failed), 2 bad input.
 
     shardline gate --model .models/smollm2-135m-instruct --reference dtype=float32 \\
@@ -46,8 +50,8 @@ def record(result: GateResult, registry_url: str | None) -> QualityGateResult:
     c, v = result.comparison, result.verdict
     with ShardRegistry(registry_url, migrate_schema=True) as registry:
         return registry.record_gate_result(
-            model_name=result.reference.spec.plan.config.name, reference=result.reference.plan,
-            candidate=result.candidate.plan, candidate_dtype=result.candidate.spec.plan.dtype,
+            model_name=result.reference.model_name, reference=result.reference.plan,
+            candidate=result.candidate.plan, candidate_dtype=result.candidate.dtype,
             text_fingerprint=result.golden.text_fingerprint, chunks=c.chunks, scored_tokens=c.scored_tokens,
             reference_perplexity=c.reference_perplexity, candidate_perplexity=c.candidate_perplexity,
             perplexity_delta_pct=c.perplexity_delta_pct, delta_low_pct=v.delta_interval_pct[0],

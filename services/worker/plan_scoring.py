@@ -5,7 +5,8 @@ A plan is written ``key=value`` pairs joined by commas, from ``tp``, ``pp``, ``d
 ``checkpoint`` (a manifest.json), ``model`` (another model directory with the same tokenizer,
 e.g. a fine-tune or a perturbed copy) and ``lm_head`` (``quantized``, the default, or ``dense``:
 an int8/fp8 plan's lm_head): ``dtype=float32``, ``tp=2,dtype=bfloat16``, ``dtype=fp8,lm_head=dense``. Each plan runs
-as a local replica group (its ranks spawned here) that scores every chunk as its own prompt.
+as a local replica group (its ranks spawned here) that scores every chunk as its own prompt;
+``worker=HOST:PORT`` instead names a serving replica group, scored through its worker's Score.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from services.common.dtypes import lookup_dtype
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.logprob_comparison import (
     Comparison,
     GateVerdict,
@@ -23,6 +26,9 @@ from services.common.logprob_comparison import (
     compare,
     gate,
 )
+from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.proto_convert import DTYPE_FROM_PB
+from services.common.transport_security import open_channel
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
 from services.worker.engine.bootstrap import load_tokenizer
 from services.worker.launch import run_replica_group
@@ -77,15 +83,18 @@ def dtype_family(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class PlanScores:
-    plan: str
-    spec: RankSpec
+    """One side's scores of the golden set: a local plan's, or a live replica group's."""
+
+    plan: str  # as written: a plan spec, or ``worker=HOST:PORT``
+    model_name: str
+    dtype: str
     results: list[ScoreResult]
     seconds: float
 
 
-def golden_set_for(model_dir: str | None, spec: RankSpec, *, chunks: int = DEFAULT_CHUNKS,
+def golden_set_for(model_dir: str | None, spec: RankSpec | None, *, chunks: int = DEFAULT_CHUNKS,
                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> GoldenSet:
-    tokenizer = load_tokenizer(model_dir or stage_tokenizer_dir(spec))
+    tokenizer = load_tokenizer(model_dir or (stage_tokenizer_dir(spec) if spec is not None else None))
     if tokenizer is None:
         raise InvalidArgument("the golden set needs the model's tokenizer.json (give --model DIR)")
     try:
@@ -96,6 +105,9 @@ def golden_set_for(model_dir: str | None, spec: RankSpec, *, chunks: int = DEFAU
 
 
 def check_comparable(specs: Sequence[RankSpec], golden: GoldenSet) -> None:
+    """Local plans must share a vocabulary and fit the chunks (a live group's worker checks its own)."""
+    if not specs:
+        return
     vocab = specs[0].plan.config.vocab_size
     for spec in specs:
         if spec.plan.config.vocab_size != vocab:
@@ -110,7 +122,34 @@ def score_plan(spec: RankSpec, text: str, golden: GoldenSet) -> PlanScores:
     start = time.perf_counter()
     results = run_replica_group(spec.plan.world_size, score_chunks_rank, spec, [list(c) for c in golden.chunks],
                                 failure_grace_s=spec.collective_timeout_s + 3.0)
-    return PlanScores(text, spec, results, time.perf_counter() - start)
+    return PlanScores(text, spec.plan.config.name, spec.plan.dtype, results, time.perf_counter() - start)
+
+
+def live_worker(text: str) -> str | None:
+    """The address of ``worker=HOST:PORT`` (a live replica group's WorkerService), else None."""
+    key, sep, value = text.strip().partition("=")
+    return value.strip() if sep and key.strip() == "worker" and "," not in value else None
+
+
+def score_live_group(address: str, golden: GoldenSet, *, timeout_s: float = 600.0) -> PlanScores:
+    """The golden set scored by a serving replica group through its worker's ``Score`` (one
+    prefill between its engine steps per chunk; its requests go on). TLS and the internal token
+    as the ``SHARDLINE_*`` environment says."""
+    start = time.perf_counter()
+    results = []
+    with open_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        try:
+            stats = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+            for chunk in golden.chunks:
+                r = stub.Score(worker_pb2.ScoreRequest(token_ids=common_pb2.TokenIds(ids=list(chunk)), top_logprobs=1),
+                               timeout=timeout_s)
+                results.append(ScoreResult.from_logprobs(r.n_tokens, list(r.logprobs),
+                                                         [t.alternatives[0].token_id for t in r.top_logprobs]))
+        except grpc.RpcError as exc:
+            raise Unavailable(f"worker {address}: {exc.code().name}: {exc.details()}") from None
+    return PlanScores(f"worker={address}", stats.model_name, DTYPE_FROM_PB.get(stats.layout.dtype, ""),
+                      results, time.perf_counter() - start)
 
 
 @dataclass(frozen=True)
@@ -130,8 +169,7 @@ def run_gate(reference: PlanScores, candidate: PlanScores, golden: GoldenSet, *,
     candidate answers to its perplexity delta)."""
     comparison = compare(reference.results, candidate.results)
     interval = bootstrap_delta_interval(reference.results, candidate.results, samples=bootstrap_samples)
-    if min_top1_agreement is None and dtype_family(reference.spec.plan.dtype) == \
-            dtype_family(candidate.spec.plan.dtype):
+    if min_top1_agreement is None and dtype_family(reference.dtype) == dtype_family(candidate.dtype):
         min_top1_agreement = DEFAULT_MIN_TOP1
     verdict = gate(comparison, interval, threshold_pct=threshold_pct, min_top1_agreement=min_top1_agreement)
     return GateResult(reference, candidate, golden, comparison, verdict)

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from services.cli import main as cli_main
 from services.loader.errors import ShardLayoutError
 from services.loader.layout import rank_model
 from services.loader.safetensors_format import read_header
@@ -139,8 +140,6 @@ def test_a_manifest_claiming_int8_over_bfloat16_data_is_refused(tiny_dir: Path, 
 
 
 def test_shard_cli_writes_int8(tiny_dir: Path, tmp_path: Path) -> None:
-    from services.cli import main as cli_main  # noqa: PLC0415
-
     out = tmp_path / "cli-int8"
     assert cli_main(["shard", "--model", str(tiny_dir), "--tp", "1", "--pp", "1", "--dtype", "int8",
                      "--out", str(out), "--no-progress", "--json"]) == 0

@@ -14,6 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.common.registry import ShardRegistry
+from tests.router.processes import start_service, stop, wait_serving
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -93,8 +96,6 @@ def test_gate_passes_resharding_fails_a_perturbed_copy_and_a_tight_threshold(tin
     verdict = json.loads(perturbed.stdout)
     assert not verdict["passed"] and any("top-1 agreement" in r for r in verdict["reasons"])
 
-    from services.common.registry import ShardRegistry  # noqa: PLC0415 - after the CLI made the schema
-
     with ShardRegistry(registry) as reg:
         results = reg.list_gate_results()
     assert [r.passed for r in results] == [False, True]  # newest first; --no-record left one out
@@ -111,3 +112,24 @@ def test_gate_smollm2_tp3_bfloat16_against_tp1_float32(smollm2_dir: Path, tmp_pa
     assert result.returncode == 0 and verdict["passed"], verdict
     assert verdict["min_top1_agreement"] is None  # float32 and bfloat16 are two families
     assert verdict["top1_agreement"] > 0.9 and verdict["delta_interval_pct"][1] <= 0.5
+
+
+def test_gate_scores_a_serving_group_through_its_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A live replica group against the same plan run locally: the same numbers, and its
+    requests are served meanwhile."""
+    log = tmp_path / "worker.log"
+    worker, address = start_service("worker", ["--model", str(tiny_model_dir), "--kv-cache-gb", "0.02",
+                                               "--replica-group-id", "rg-live"], log)
+    try:
+        wait_serving(worker, address, log)
+        result = gate(tiny_model_dir, "dtype=float32", f"worker={address}", f"sqlite:///{tmp_path / 'r.db'}",
+                      "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        verdict = json.loads(result.stdout)
+        assert verdict["candidate"] == f"worker={address}" and verdict["passed"]
+        assert verdict["max_abs_logprob_delta"] < 1e-4 and verdict["top1_agreement"] == 1.0
+        assert verdict["min_top1_agreement"] == 0.97  # both float32: one family
+        down = gate(tiny_model_dir, "dtype=float32", "worker=127.0.0.1:1", f"sqlite:///{tmp_path / 'r.db'}")
+        assert down.returncode == 2 and "worker 127.0.0.1:1: UNAVAILABLE" in down.stderr
+    finally:
+        stop(worker)
