@@ -36,13 +36,12 @@ from typing import Any
 
 import grpc
 
-from services.cli.up import resolve_model  # tiny / smollm2 are made under .models/ if missing
+from services.cli.up import free_port, resolve_model  # resolve_model makes tiny / smollm2 if missing
 from services.common.healthcheck import wait_serving as wait
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.router.admission import AdmissionQueue
 from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
-from services.cli.up import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]

@@ -41,8 +41,8 @@ import httpx
 
 from bench._soak_clients import Load, Stats
 from bench._soak_report import markdown, plot_rss, verdict
-from services.common.proto import worker_pb2, worker_pb2_grpc
 from services.cli.up import free_port
+from services.common.proto import worker_pb2, worker_pb2_grpc
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed
     import psutil

@@ -38,6 +38,7 @@ import grpc
 import torch
 import torch.multiprocessing as mp
 
+from services.cli.up import free_port
 from services.common.collective_events import CollectiveEvent
 from services.common.healthcheck import wait_serving
 from services.common.proto import telemetry_pb2
@@ -50,7 +51,6 @@ from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.runner import follower_loop
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
-from services.cli.up import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]

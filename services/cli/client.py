@@ -17,8 +17,8 @@ from typing import TextIO
 import grpc
 
 from services.common.config import DEFAULT_PORTS, resolve
-from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.errors import InvalidArgument
+from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.transport_security import TransportSecurity, add_security_arguments, open_channel
 
 

@@ -40,7 +40,8 @@ class MetricsHttpServer:
                     return
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
 
-            def _reply(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+            def _reply(self, status: int, body: bytes, content_type: str,
+                       headers: dict[str, str] | None = None) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))

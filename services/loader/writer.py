@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.loader.layout import RankLayout, model_fingerprint, rank_model, unique_parameters
 from services.loader.manifest import (
     MANIFEST_NAME,
@@ -42,7 +43,6 @@ from services.loader.manifest import (
 )
 from services.loader.object_store import ObjectStore, open_store
 from services.loader.safetensors_format import encode_header, tensor_bytes
-from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.modeling.config import ModelConfig
 from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import STACKED_PARAMS_MAPPING, CheckpointError, CheckpointReader, checkpoint_assignments

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
 from pydoc_data import topics as pydoc_topics
 
 DEFAULT_CHUNK_TOKENS = 512

@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from services.common.errors import InvalidArgument, NotFound, ShardlineError
+from services.common.sampling import FinishReason
 from services.common.transport_security import TransportSecurity
 from services.router import edge
 from services.router import openai_format as oa
@@ -41,7 +42,6 @@ from services.router.admission import RequestCancelled
 from services.router.auth import ApiKeyCheck
 from services.router.openapi import openapi_document
 from services.router.service import Generation, RouterCore
-from services.common.sampling import FinishReason
 from services.router.types import Finished, TokenOut, trace_context_of
 
 log = logging.getLogger(__name__)

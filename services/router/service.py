@@ -44,13 +44,7 @@ from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Reservation, Router
 from services.router.types import Finished, GenerationRequest, Scored, Timings, TokenAlternative, TokenOut
-from services.router.worker_client import (
-    UpstreamFinished,
-    UpstreamScore,
-    UpstreamStream,
-    WorkerFailed,
-    WorkerRejected,
-)
+from services.router.worker_client import UpstreamFinished, UpstreamScore, UpstreamStream, WorkerFailed, WorkerRejected
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

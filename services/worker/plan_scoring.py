@@ -19,13 +19,7 @@ import grpc
 
 from services.common.dtypes import lookup_dtype
 from services.common.errors import InvalidArgument, Unavailable
-from services.common.logprob_comparison import (
-    Comparison,
-    GateVerdict,
-    bootstrap_delta_interval,
-    compare,
-    gate,
-)
+from services.common.logprob_comparison import Comparison, GateVerdict, bootstrap_delta_interval, compare, gate
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB
 from services.common.transport_security import open_channel

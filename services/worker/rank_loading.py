@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.loader.errors import ObjectNotFound, ShardLayoutError
 from services.loader.layout import RankLayout, unique_parameters
 from services.loader.manifest import Manifest
 from services.loader.staging import DEFAULT_ATTEMPTS, StageResult, default_cache_dir, stage_entry
 from services.loader.verify import check_entry_layout, check_plan, read_manifest, verify_rank_shard
-from services.common.dtypes import canonical_dtype as canonical_serving_dtype
 from services.modeling.config import ModelConfig
 from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.plan import ParallelPlan

@@ -14,7 +14,7 @@ from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.parallel.groups import ParallelGroups
 from services.modeling.parallel.plan import ParallelPlan
-from services.modeling.quant import FP8, INT8, SCHEMES, quantize
+from services.modeling.quant import INT8, SCHEMES, quantize
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.modeling.weights import CheckpointReader, load_weights
 

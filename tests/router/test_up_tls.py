@@ -9,7 +9,6 @@ API key and still re-exports telemetry's /metrics, which is HTTPS behind the tok
 from __future__ import annotations
 
 import ssl
-from pathlib import Path
 
 import grpc
 import httpx

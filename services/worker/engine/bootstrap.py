@@ -20,6 +20,7 @@ from services.worker.engine.kv_cache import KVCacheLayout
 from services.worker.engine.runner import StageRunner, follower_loop
 from services.worker.runtime import RankRuntime, RankSpec, stage_tokenizer_dir
 
+
 def load_tokenizer(model_dir: str | None) -> Tokenizer | None:
     if not model_dir:
         return None
