@@ -21,7 +21,7 @@ from services.worker.plan_scoring import (
     PlanScores,
     check_comparable,
     golden_set_for,
-    live_worker,
+    is_live,
     plan_spec,
     score_live_group,
     score_plan,
@@ -35,7 +35,7 @@ def add_golden_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the trusted plan, e.g. 'dtype=float32' or 'tp=1,pp=1,dtype=bfloat16'")
     parser.add_argument("--candidate", required=True, metavar="PLAN",
                         help="the plan to judge, e.g. 'tp=2,dtype=int8' or 'checkpoint=out/manifest.json', or a "
-                             "serving replica group: 'worker=HOST:PORT'")
+                             "serving replica group: 'worker=HOST:PORT' or 'group=ID'")
     parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS,
                         help=f"golden-set chunks to score (default {DEFAULT_CHUNKS})")
     parser.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
@@ -43,6 +43,9 @@ def add_golden_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         help=f"seconds before a hung collective fails a group (default "
                              f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}: a chunk's prefill on a busy CPU is slow)")
+    parser.add_argument("--registry-url", default=None,
+                        help="the registry where group=ID is looked up (and where gate records its verdict) "
+                             "(env SHARDLINE_REGISTRY_URL; default the embedded SQLite registry)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -54,15 +57,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def score_both(args: argparse.Namespace) -> tuple[PlanScores, PlanScores, GoldenSet]:
     """Both sides of ``args`` scored on the golden set: local plans (bad ones raise before anything
-    runs) or live replica groups (``worker=HOST:PORT``), tokenized with ``--model``'s tokenizer."""
-    sides = [(text, None if live_worker(text) else plan_spec(args.model, text,
-                                                           collective_timeout_s=args.collective_timeout))
+    runs) or live replica groups (``worker=HOST:PORT``, ``group=ID``), tokenized with ``--model``'s tokenizer."""
+    sides = [(text, None if is_live(text) else plan_spec(args.model, text,
+                                                       collective_timeout_s=args.collective_timeout))
              for text in (args.reference, args.candidate)]
     specs = [spec for _, spec in sides if spec is not None]
     golden = golden_set_for(args.model, specs[0] if specs else None, chunks=args.chunks,
                             chunk_tokens=args.chunk_tokens)
     check_comparable(specs, golden)
-    reference, candidate = (score_live_group(live_worker(text), golden) if spec is None
+    reference, candidate = (score_live_group(text, golden, registry_url=args.registry_url) if spec is None
                             else score_plan(spec, text, golden) for text, spec in sides)
     return reference, candidate, golden
 

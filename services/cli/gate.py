@@ -7,7 +7,7 @@ greedy top-1 agreement reaches ``--min-top1`` (default 0.97; across families, e.
 bfloat16 against float32, only if given). The verdict and its
 figures are printed and recorded in the registry's ``quality_gate_results``.
 
-Either side may be a serving replica group, ``worker=HOST:PORT``: the golden set goes through its
+Either side may be a serving replica group, ``worker=HOST:PORT`` or ``group=ID``: the golden set goes through its
 worker's Score between its engine steps (tokenized with ``--model``'s tokenizer), so a live
 group's numbers can be checked against a trusted local plan, e.g. for drift.
 
@@ -39,9 +39,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "family, none across families)")
     parser.add_argument("--bootstrap-samples", type=int, default=1000,
                         help="resamples for the delta's 95%% interval (default 1000)")
-    parser.add_argument("--registry-url", default=None,
-                        help="where the verdict is recorded (env SHARDLINE_REGISTRY_URL; default the embedded "
-                             "SQLite registry)")
     parser.add_argument("--no-record", action="store_true", help="do not record the verdict")
     parser.set_defaults(func=run)
 

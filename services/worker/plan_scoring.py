@@ -6,7 +6,8 @@ A plan is written ``key=value`` pairs joined by commas, from ``tp``, ``pp``, ``d
 e.g. a fine-tune or a perturbed copy) and ``lm_head`` (``quantized``, the default, or ``dense``:
 an int8/fp8 plan's lm_head): ``dtype=float32``, ``tp=2,dtype=bfloat16``, ``dtype=fp8,lm_head=dense``. Each plan runs
 as a local replica group (its ranks spawned here) that scores every chunk as its own prompt;
-``worker=HOST:PORT`` instead names a serving replica group, scored through its worker's Score.
+``worker=HOST:PORT`` or ``group=ID`` (its endpoint in the registry) instead names a serving
+replica group, scored through its worker's Score.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.common.logprob_comparison import Comparison, GateVerdict, bootstrap_delta_interval, compare, gate
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB
+from services.common.registry import NotFound as RegistryNotFound
+from services.common.registry import ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
 from services.worker.engine.bootstrap import load_tokenizer
@@ -119,16 +122,34 @@ def score_plan(spec: RankSpec, text: str, golden: GoldenSet) -> PlanScores:
     return PlanScores(text, spec.plan.config.name, spec.plan.dtype, results, time.perf_counter() - start)
 
 
-def live_worker(text: str) -> str | None:
-    """The address of ``worker=HOST:PORT`` (a live replica group's WorkerService), else None."""
+def is_live(text: str) -> bool:
+    """Whether ``text`` names a serving replica group (``worker=HOST:PORT`` or ``group=ID``)."""
     key, sep, value = text.strip().partition("=")
-    return value.strip() if sep and key.strip() == "worker" and "," not in value else None
+    return bool(sep) and key.strip() in ("worker", "group") and "," not in value
 
 
-def score_live_group(address: str, golden: GoldenSet, *, timeout_s: float = 600.0) -> PlanScores:
+def live_address(text: str, registry_url: str | None = None) -> str:
+    """The WorkerService address of ``worker=HOST:PORT``, or of ``group=ID`` as the registry has it
+    (the group's endpoint; a dead group or one without an endpoint is refused)."""
+    key, _, value = text.strip().partition("=")
+    if key.strip() == "worker":
+        return value.strip()
+    with ShardRegistry(registry_url) as registry:
+        try:
+            group = registry.get_group(registry_group_id(value.strip()))
+        except RegistryNotFound:
+            raise InvalidArgument(f"{text}: no such replica group in the registry") from None
+    if group.status == "dead" or not group.endpoint:
+        raise InvalidArgument(f"{text}: the group is {group.status} with endpoint {group.endpoint!r}: nothing to score")
+    return group.endpoint
+
+
+def score_live_group(text: str, golden: GoldenSet, *, registry_url: str | None = None,
+                     timeout_s: float = 600.0) -> PlanScores:
     """The golden set scored by a serving replica group through its worker's ``Score`` (one
     prefill between its engine steps per chunk; its requests go on). TLS and the internal token
     as the ``SHARDLINE_*`` environment says."""
+    address = live_address(text, registry_url)
     start = time.perf_counter()
     results = []
     with open_channel(address) as channel:
@@ -142,7 +163,7 @@ def score_live_group(address: str, golden: GoldenSet, *, timeout_s: float = 600.
                                                          [t.alternatives[0].token_id for t in r.top_logprobs]))
         except grpc.RpcError as exc:
             raise Unavailable(f"worker {address}: {exc.code().name}: {exc.details()}") from None
-    return PlanScores(f"worker={address}", stats.model_name, DTYPE_FROM_PB.get(stats.layout.dtype, ""),
+    return PlanScores(text.strip(), stats.model_name, DTYPE_FROM_PB.get(stats.layout.dtype, ""),
                       results, time.perf_counter() - start)
 
 

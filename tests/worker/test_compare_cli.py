@@ -118,18 +118,22 @@ def test_gate_scores_a_serving_group_through_its_worker(tiny_model_dir: Path, tm
     """A live replica group against the same plan run locally: the same numbers, and its
     requests are served meanwhile."""
     log = tmp_path / "worker.log"
+    registry = f"sqlite:///{tmp_path / 'r.db'}"
     worker, address = start_service("worker", ["--model", str(tiny_model_dir), "--kv-cache-gb", "0.02",
-                                               "--replica-group-id", "rg-live"], log)
+                                               "--replica-group-id", "rg-live", "--registry-url", registry], log)
     try:
         wait_serving(worker, address, log)
-        result = gate(tiny_model_dir, "dtype=float32", f"worker={address}", f"sqlite:///{tmp_path / 'r.db'}",
-                      "--json")
+        result = gate(tiny_model_dir, "dtype=float32", f"worker={address}", registry, "--json")
         assert result.returncode == 0, result.stdout + result.stderr
         verdict = json.loads(result.stdout)
         assert verdict["candidate"] == f"worker={address}" and verdict["passed"]
         assert verdict["max_abs_logprob_delta"] < 1e-4 and verdict["top1_agreement"] == 1.0
         assert verdict["min_top1_agreement"] == 0.97  # both float32: one family
-        down = gate(tiny_model_dir, "dtype=float32", "worker=127.0.0.1:1", f"sqlite:///{tmp_path / 'r.db'}")
+        by_id = json.loads(gate(tiny_model_dir, "dtype=float32", "group=rg-live", registry, "--json").stdout)
+        assert by_id["candidate"] == "group=rg-live" and by_id["max_abs_logprob_delta"] < 1e-4
+        down = gate(tiny_model_dir, "dtype=float32", "worker=127.0.0.1:1", registry)
         assert down.returncode == 2 and "worker 127.0.0.1:1: UNAVAILABLE" in down.stderr
+        unknown = gate(tiny_model_dir, "dtype=float32", "group=rg-nobody", registry)
+        assert unknown.returncode == 2 and "no such replica group" in unknown.stderr
     finally:
         stop(worker)
