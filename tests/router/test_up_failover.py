@@ -166,12 +166,18 @@ def test_killed_worker_fails_over_is_marked_dead_and_restarted_once(stack):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         # the tiny model decodes a whole stream in a few hundred ms: a client starved of CPU reads
-        # its chunks after the engine is done, and the kill would then hit an idle group
-        assert stack.worker_running(0) > 0, "worker-0 finished before its client read 4 tokens"
-        killed.append(stack.kill_worker(0))
+        # its chunks after the engine is done, and the kill would then hit an idle group; such a
+        # round is run again (the fault-free reference stays valid)
+        if stack.worker_running(0) > 0:
+            killed.append(stack.kill_worker(0))
 
-    t_kill = time.monotonic()
-    faulty = run_streams(stack.client, kill_mid_stream)
+    for _round in range(3):
+        t_kill = time.monotonic()
+        faulty = run_streams(stack.client, kill_mid_stream)
+        if killed:
+            break
+        print("worker-0 finished before its clients read 4 tokens: the round is run again")
+    assert killed, "worker-0 was never caught mid-stream in 3 rounds (clients starved of CPU)"
     dead = killed[0]
     identical = errored = continued = before_first = 0
     ties: list[int] = []
