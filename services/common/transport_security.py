@@ -192,20 +192,26 @@ _REFUSAL = "this service requires the internal token (x-shardline-internal-token
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that answers UNAUTHENTICATED without running it."""
+    """A handler of ``handler``'s kind that answers UNAUTHENTICATED without running it. A call
+    that streams requests has its first one read before the answer, so the client is not still
+    sending when the server closes (its status would then read INTERNAL, not UNAUTHENTICATED)."""
 
-    def behavior(_request: Any, context: grpc.ServicerContext) -> Any:
+    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+
+    def refuse_stream(requests: Any, context: grpc.ServicerContext) -> Any:
+        next(iter(requests), None)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
 
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(behavior, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(behavior, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
     if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(behavior, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(behavior, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(refuse_stream, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
