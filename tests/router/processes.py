@@ -73,14 +73,14 @@ class RouterStack:
 
 @contextlib.contextmanager
 def router_and_worker(model_dir: Path, logs: Path, *, worker_flags: list[str] = (),
-                      router_flags: list[str] = ()) -> Iterator[RouterStack]:
+                      router_flags: list[str] = (), worker_timeout_s: float = 120.0) -> Iterator[RouterStack]:
     """One worker (a replica group) on ``model_dir`` and a router in front of it with HTTP, both
     real processes; stopped (router first) when the block ends, and the router must exit 0
     with no traceback in its log."""
     worker, worker_address = start_service("worker", ["--model", str(model_dir), *worker_flags], logs / "worker.log")
     procs = [worker]
     try:
-        wait_serving(worker, worker_address, logs / "worker.log")
+        wait_serving(worker, worker_address, logs / "worker.log", timeout_s=worker_timeout_s)
         http_port = free_port()
         router, router_address = start_service("router", [
             "--model", str(model_dir), "--worker", worker_address, "--http-port", str(http_port), *router_flags],

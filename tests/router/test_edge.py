@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from services.common.proto import router_pb2, router_pb2_grpc
-from tests.router.processes import start_service, stop, wait_healthy, wait_serving
-from tests.stack import free_port
+from tests.router.processes import router_and_worker
 
 
 @dataclass
@@ -28,26 +27,11 @@ class Edge:
 
 @pytest.fixture(scope="module")
 def edge(tiny_model_dir, tmp_path_factory) -> Iterator[Edge]:
-    logs = tmp_path_factory.mktemp("edge")
-    worker, worker_address = start_service("worker", [
-        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.05",
-        "--replica-group-id", "rg-edge"], logs / "worker.log")
-    procs = [worker]
-    try:
-        wait_serving(worker, worker_address, logs / "worker.log")
-        http_port = free_port()
-        router, router_address = start_service("router", [
-            "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--worker", worker_address,
-            "--http-port", str(http_port)], logs / "router.log")
-        procs.append(router)
-        wait_serving(router, router_address, logs / "router.log", timeout_s=30)
-        wait_healthy(f"http://127.0.0.1:{http_port}")
-        yield Edge(http=f"http://127.0.0.1:{http_port}", grpc_address=router_address, worker_address=worker_address)
-    finally:
-        codes = [stop(p, timeout_s=20) for p in reversed(procs)]
-    router_log = (logs / "router.log").read_text()
-    assert codes[0] == 0, router_log
-    assert "Traceback" not in router_log, router_log
+    with router_and_worker(tiny_model_dir, tmp_path_factory.mktemp("edge"),
+                           worker_flags=["--served-model-name", "tiny", "--kv-cache-gb", "0.05",
+                                         "--replica-group-id", "rg-edge"],
+                           router_flags=["--served-model-name", "tiny"]) as stack:
+        yield Edge(http=stack.http, grpc_address=stack.router, worker_address=stack.worker)
 
 
 def post(edge: Edge, path: str, content: bytes | str, content_type: str | None = "application/json",

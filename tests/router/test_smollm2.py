@@ -12,33 +12,19 @@ import openai
 import pytest
 
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.router.processes import REPO, clean_env, start_service, stop, wait_serving
-from tests.stack import free_port
+from tests.router.processes import REPO, clean_env, router_and_worker
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def served(smollm2_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("smollm2-router")
-    worker, worker_address = start_service("worker", ["--model", str(smollm2_dir), "--served-model-name", "smollm2",
-                                                      "--kv-cache-gb", "0.25"], logs / "worker.log")
-    procs = [worker]
-    try:
-        wait_serving(worker, worker_address, logs / "worker.log", timeout_s=300)
-        http_port = free_port()
-        router, router_address = start_service("router", [
-            "--model", str(smollm2_dir), "--served-model-name", "smollm2", "--worker", worker_address,
-            "--http-port", str(http_port)], logs / "router.log")
-        procs.append(router)
-        wait_serving(router, router_address, logs / "router.log", timeout_s=60)
-        channel = grpc.insecure_channel(worker_address)
-        yield (openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0),
+    with router_and_worker(smollm2_dir, tmp_path_factory.mktemp("smollm2-router"),
+                           worker_flags=["--served-model-name", "smollm2", "--kv-cache-gb", "0.25"],
+                           router_flags=["--served-model-name", "smollm2"], worker_timeout_s=300) as stack, \
+            grpc.insecure_channel(stack.worker) as channel:
+        yield (openai.OpenAI(base_url=f"{stack.http}/v1", api_key="none", max_retries=0),
                worker_pb2_grpc.WorkerServiceStub(channel))
-        channel.close()
-    finally:
-        codes = [stop(p) for p in reversed(procs)]
-    assert codes[0] == 0
 
 
 def worker_text(worker, ids: list[int], max_tokens: int) -> tuple[str, int]:
