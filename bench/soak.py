@@ -41,7 +41,7 @@ import httpx
 
 from bench._soak_clients import Load, Stats
 from bench._soak_report import markdown, plot_rss, verdict
-from services.cli.up import free_port
+from services.cli.up import free_port_run
 from services.common.proto import worker_pb2, worker_pb2_grpc
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed
@@ -56,11 +56,12 @@ INTERNAL = ("telemetry", "loader", "planner")  # `up --port-base B` gives them B
 
 
 def ports_for(port_base: int | None, replicas: int) -> dict[str, int]:
-    """router, http and the internal base: consecutive from ``port_base``, else free ports (the
+    """router, http and the internal base: consecutive from ``port_base``, else a run of free ports (the
     internal services take base .. base+2+replicas; a clash fails loudly, as `up` reports it)."""
     if port_base is not None:
         return {"router": port_base, "http": port_base + 1, "base": port_base + 2}
-    return {"router": free_port(), "http": free_port(), "base": free_port()}
+    start = free_port_run(2 + len(INTERNAL) + replicas)
+    return {"router": start, "http": start + 1, "base": start + 2}
 
 
 # --- the process tree -------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from typing import Any
 
 from bench.common import RESULTS
 from bench.soak import Stack
-from services.cli.up import free_port, resolve_model
+from services.cli.up import free_port_run, resolve_model
 
 TASK = "shardline_mc"
 RESULT_NAME = "lm-eval"
@@ -148,7 +148,8 @@ def evaluate(model: str, model_args: dict[str, Any], task_dir: Path, batch_size:
 
 def serve_and_evaluate(model_dir: Path, name: str, task_dir: Path, workdir: Path, batch_size: int,
                        startup_timeout_s: float) -> tuple[dict[str, Any], list[str]]:
-    ports = {"router": free_port(), "http": free_port(), "base": free_port()}  # base .. base+3 free too
+    start = free_port_run(6)  # router, http, then telemetry, loader, planner, worker-0 from base
+    ports = {"router": start, "http": start + 1, "base": start + 2}
     workdir.mkdir(parents=True, exist_ok=True)
     stack = Stack(str(model_dir), 1, ports, workdir,
                   ["--served-model-name", name, "--dtype", "float32", "--kv-cache-gb", "0.05"])
