@@ -23,7 +23,7 @@ KEYS = {"config", "machine", "startup_s", "load_s", "requests", "errors_by_class
 
 def test_a_short_soak_has_no_5xx_and_writes_its_results(tmp_path):
     out = tmp_path / "results"
-    argv = [sys.executable, "-m", "bench.soak", "--duration", "5", "--streams", "4", "--model", "tiny",
+    argv = [sys.executable, "-m", "bench.soak", "--duration", "3", "--streams", "4", "--model", "tiny",
             "--malformed-share", "0.3", "--cancel-share", "0.2", "--sample-interval", "1", "--out", str(out)]
     run = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=110)
     assert (out / "soak.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
