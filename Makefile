@@ -9,17 +9,19 @@ PYTEST_ARGS ?=
 # no faster here and only starve the ranks of the tests more.
 TEST_WORKERS ?= 2
 
-.PHONY: run demo test setup proto kernels system-deps clean
+.PHONY: run demo test test-durations setup proto kernels system-deps clean
 
 setup: $(STAMP) proto kernels
 
 # uv installs what pip would, about six times faster (a minute of every clean `make test`); pip
 # stays the fallback. uv reads none of pip's configuration, so the wheel directories pip is
 # pointed at (where a machine keeps its local torch build) and pip's CA bundle are passed on.
+# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would
+# otherwise compile torch's sources again (it doubled the suite's CPU time).
 FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null || echo $$PIP_FIND_LINKS)
 UV_FLAGS   := --python $(PY) $(foreach d,$(FIND_LINKS),--find-links $(d))
 PIP_CA     := $(or $(PIP_CERT),$(shell $(PYTHON) -m pip config get global.cert 2>/dev/null))
-UV         := $(if $(PIP_CA),SSL_CERT_FILE=$(PIP_CA)) $(VENV)/bin/uv pip install -q $(UV_FLAGS)
+UV         := $(if $(PIP_CA),SSL_CERT_FILE=$(PIP_CA)) $(VENV)/bin/uv pip install -q --compile-bytecode $(UV_FLAGS)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +56,11 @@ system-deps:
 # One file: make test PYTEST_ARGS="tests/router/test_up.py"; the quick tier: PYTEST_ARGS='-m "not slow"'.
 test: setup system-deps
 	$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The whole suite, recording each file's seconds in tests/file_seconds.json: `make test` starts the
+# longest files first. Run it on a quiet machine when files were added or grew, and commit the file.
+test-durations: setup system-deps
+	SHARDLINE_RECORD_FILE_SECONDS=$(CURDIR)/tests/file_seconds.json $(MAKE) test
 
 # Serves the model on the local stack with embedded defaults and streams a completion.
 run: setup

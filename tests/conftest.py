@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -95,22 +97,47 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _slow_files_first(items: list[pytest.Item]) -> None:
-    """Files with the most `slow` tests first, the rest in collection order, each file's tests
-    kept together and in order. `make test` hands whole files to the pytest-xdist workers in
-    this order (--dist loadfile), so the long end-to-end files start at once and the many quick
-    ones fill in behind them, instead of one long file starting last and running on alone."""
-    slow: dict[str, int] = {}
+# Seconds each test file took in a recorded run of the whole suite (`make test-durations`): the
+# longest files are handed to the pytest-xdist workers first (--dist loadfile), so that no long
+# file starts last and runs on alone while the other workers wait. A file not in the record
+# (new since) counts as long as its `slow` tests say.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+SECONDS_PER_SLOW_TEST = 10.0
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    """Files in order of their recorded (else estimated) seconds, longest first; each file's
+    tests kept together and in order."""
+    recorded = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    seconds: dict[str, float] = {}
     first: dict[str, int] = {}
     for index, item in enumerate(items):
         path = item.nodeid.split("::", 1)[0]
         first.setdefault(path, index)
-        slow[path] = slow.get(path, 0) + ("slow" in item.keywords)
-    items.sort(key=lambda item: (-slow[(path := item.nodeid.split("::", 1)[0])], first[path]))
+        seconds[path] = seconds.get(path, 0.0) + SECONDS_PER_SLOW_TEST * ("slow" in item.keywords)
+    for path in seconds:
+        seconds[path] = recorded.get(path, seconds[path])
+    items.sort(key=lambda item: (-seconds[(path := item.nodeid.split("::", 1)[0])], first[path]))
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("SHARDLINE_RECORD_FILE_SECONDS"):  # setup, call and teardown all count
+        path = report.nodeid.split("::", 1)[0]
+        _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    target = os.environ.get("SHARDLINE_RECORD_FILE_SECONDS")
+    if target and _file_seconds and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller sees every report
+        ordered = dict(sorted(((k, round(v, 1)) for k, v in _file_seconds.items()), key=lambda kv: -kv[1]))
+        Path(target).write_text(json.dumps(ordered, indent=0) + "\n")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _slow_files_first(items)
+    _longest_files_first(items)
     try:
         import torch
 
