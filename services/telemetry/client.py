@@ -35,7 +35,8 @@ import grpc
 from services.common.collective_events import CollectiveEvent
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
 from services.common.transport_security import TransportSecurity, open_channel
-from services.telemetry.convert import event_to_pb
+from services.telemetry.convert import alert_to_pb, event_to_pb
+from services.telemetry.rules import Alert
 
 log = logging.getLogger(__name__)
 
@@ -243,3 +244,13 @@ class TelemetryShipper:
         if self._thread.is_alive():
             self.dropped += len(self._buffer)
         self._channel.close()
+
+
+def raise_alert(address: str, alert: Alert, *, timeout_s: float = 5.0,
+                security: TransportSecurity | None = None) -> None:
+    """Hands a quality alert (shadow divergence, drift) to telemetry, which publishes it to the
+    Alerts subscribers and applies it to the group's status. Raises grpc.RpcError."""
+    with open_channel(address, security) as channel:
+        telemetry_pb2_grpc.TelemetryServiceStub(channel).RaiseAlert(
+            telemetry_pb2.RaiseAlertRequest(alert=alert_to_pb(alert)), timeout=timeout_s)
+

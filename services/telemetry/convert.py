@@ -15,13 +15,17 @@ ALERT_KINDS = {
     AlertKind.SLOW_RANK: telemetry_pb2.ALERT_KIND_SLOW_RANK,
     AlertKind.STAGE_LINK_FAILURE: telemetry_pb2.ALERT_KIND_STAGE_LINK_FAILURE,
     AlertKind.STAGE_LINK_FLAP: telemetry_pb2.ALERT_KIND_STAGE_LINK_FLAP,
+    AlertKind.SHADOW_DIVERGENCE: telemetry_pb2.ALERT_KIND_SHADOW_DIVERGENCE,
+    AlertKind.QUALITY_DRIFT: telemetry_pb2.ALERT_KIND_QUALITY_DRIFT,
 }
+KINDS_FROM_PB = {v: k for k, v in ALERT_KINDS.items()}
 GROUP_STATUSES = {
     GroupStatus.HEALTHY: common_pb2.REPLICA_GROUP_STATUS_HEALTHY,
     GroupStatus.DEGRADED: common_pb2.REPLICA_GROUP_STATUS_DEGRADED,
     GroupStatus.DRAINING: common_pb2.REPLICA_GROUP_STATUS_DRAINING,
     GroupStatus.UNHEALTHY: common_pb2.REPLICA_GROUP_STATUS_UNHEALTHY,
 }
+STATUSES_FROM_PB = {v: k for k, v in GROUP_STATUSES.items()}
 
 
 def event_to_pb(e: CollectiveEvent) -> telemetry_pb2.CollectiveEvent:
@@ -50,4 +54,14 @@ def alert_to_pb(a: Alert) -> telemetry_pb2.Alert:
     return telemetry_pb2.Alert(
         kind=ALERT_KINDS[a.kind], replica_group_id=a.replica_group_id, gpu_id=a.gpu_id, op_type=a.op_type,
         new_status=GROUP_STATUSES[a.new_status], message=a.message, timestamp_ms=a.timestamp_ms,
-        observed_p99_ms=a.observed_p99_ms, baseline_p99_ms=a.baseline_p99_ms)
+        observed_p99_ms=a.observed_p99_ms, baseline_p99_ms=a.baseline_p99_ms,
+        perplexity_delta_pct=a.perplexity_delta_pct, threshold_pct=a.threshold_pct, reference=a.reference)
+
+
+def alert_from_pb(pb: telemetry_pb2.Alert, now_ms: int) -> Alert:
+    """A raised alert as the pipeline keeps it; a quality alert degrades its group unless it
+    says otherwise. Raises KeyError for a kind this version does not know."""
+    status = STATUSES_FROM_PB.get(pb.new_status, GroupStatus.DEGRADED)
+    return Alert(KINDS_FROM_PB[pb.kind], pb.replica_group_id, pb.gpu_id, pb.op_type, status, pb.message,
+                 pb.timestamp_ms or now_ms, pb.observed_p99_ms, pb.baseline_p99_ms, pb.perplexity_delta_pct,
+                 pb.threshold_pct, pb.reference)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
-from services.telemetry.rules import Alert, RuleConfig, RuleEngine
+from services.telemetry.rules import QUALITY_KINDS, Alert, RuleConfig, RuleEngine
 from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowConfig, WindowStore, WindowSummary
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,14 @@ class TelemetryPipeline:
             sub.put(alert)
         if self._effects is not None:
             self._effects.submit(alert)
+
+    def raise_alert(self, alert: Alert) -> None:
+        """An alert a quality check outside the rules raised: published like the rules' own."""
+        if alert.kind not in QUALITY_KINDS:
+            raise ValueError(f"only the quality kinds are raised from outside, not {alert.kind.value}")
+        if not alert.replica_group_id:
+            raise ValueError("an alert names its replica group")
+        self._publish(alert)
 
     def subscribe(self, replica_group_id: str = "", *, replay: bool = True) -> AlertSubscription:
         """A subscription to alerts (of one group, or all); ``replay`` first delivers the

@@ -57,6 +57,12 @@ class AlertKind(enum.Enum):
     SLOW_RANK = "slow_rank"
     STAGE_LINK_FAILURE = "stage_link_failure"
     STAGE_LINK_FLAP = "stage_link_flap"
+    # raised outside telemetry by the quality checks (TelemetryService.RaiseAlert)
+    SHADOW_DIVERGENCE = "shadow_divergence"
+    QUALITY_DRIFT = "quality_drift"
+
+
+QUALITY_KINDS = frozenset({AlertKind.SHADOW_DIVERGENCE, AlertKind.QUALITY_DRIFT})
 
 
 class GroupStatus(enum.Enum):
@@ -79,6 +85,9 @@ class Alert:
     timestamp_ms: int
     observed_p99_ms: float = 0.0
     baseline_p99_ms: float = 0.0
+    perplexity_delta_pct: float = 0.0  # the quality kinds
+    threshold_pct: float = 0.0
+    reference: str = ""
     # every rank of the group telemetry has heard from (the health store marks them all)
     group_gpu_ids: tuple[str, ...] = ()
 

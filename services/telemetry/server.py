@@ -24,7 +24,7 @@ from services.common.health import make_health_store
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
 from services.common.registry import ShardRegistry
 from services.common.transport_security import TransportSecurity
-from services.telemetry.convert import alert_to_pb, window_to_pb
+from services.telemetry.convert import alert_from_pb, alert_to_pb, window_to_pb
 from services.telemetry.effects import GroupStatusEffects
 from services.telemetry.otel import (
     MetricsOptions,
@@ -74,6 +74,17 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
                     yield alert_to_pb(alert)
         finally:
             subscription.close()
+
+    def RaiseAlert(self, request: telemetry_pb2.RaiseAlertRequest,
+                   context: grpc.ServicerContext) -> telemetry_pb2.RaiseAlertResponse:
+        try:
+            alert = alert_from_pb(request.alert, int(time.time() * 1000))
+            self.pipeline.raise_alert(alert)
+        except KeyError:
+            raise InvalidArgument(f"unknown alert kind {request.alert.kind}") from None
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return telemetry_pb2.RaiseAlertResponse()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

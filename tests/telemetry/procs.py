@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -91,3 +92,21 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+def alerts_reader(address: str, group: str) -> tuple[list, threading.Event, grpc.Channel]:
+    """Collect the Alerts stream of ``group`` on a thread."""
+    channel, stub = telemetry_stub(address)
+    got: list = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            for alert in stub.Alerts(telemetry_pb2.AlertsRequest(replica_group_id=group)):
+                got.append(alert)
+        except grpc.RpcError:
+            pass
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return got, done, channel

@@ -26,7 +26,7 @@ from services.modeling.parallel.plan import ParallelPlan
 from services.telemetry.tracing import outgoing_metadata
 from services.worker.engine.runner import IDLE_HEARTBEAT_S
 from services.worker.runtime import RankSpec
-from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
+from tests.telemetry.procs import alerts_reader, query_counts, scrape, start_service, telemetry_stub, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -191,24 +191,6 @@ def _count_and_trace(tiny_model_dir, tmp_path, group, telemetry, collector, otlp
         phases = collections.Counter(next(a.value.string_value for a in s.attributes if a.key == "shardline.phase")
                                      for s in step_spans)
         assert phases == {"prefill": 1, "decode": max_tokens - 1}
-
-
-def alerts_reader(address: str, group: str) -> tuple[list, threading.Event, grpc.Channel]:
-    """Collect the Alerts stream of ``group`` on a thread."""
-    channel, stub = telemetry_stub(address)
-    got: list = []
-    done = threading.Event()
-
-    def read() -> None:
-        try:
-            for alert in stub.Alerts(telemetry_pb2.AlertsRequest(replica_group_id=group)):
-                got.append(alert)
-        except grpc.RpcError:
-            pass
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    return got, done, channel
 
 
 def keep_generating(address: str, stop: threading.Event, max_tokens: int = 8) -> list:

@@ -24,8 +24,8 @@ from services.common.health import make_health_store
 from services.common.healthcheck import check
 from services.common.proto import common_pb2, telemetry_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
-from tests.telemetry.procs import query_counts, scrape, start_service, telemetry_stub, wait_until
-from tests.telemetry.test_serving_telemetry import alerts_reader, generate, kill_stopped_children, worker_flags
+from tests.telemetry.procs import alerts_reader, query_counts, scrape, start_service, telemetry_stub, wait_until
+from tests.telemetry.test_serving_telemetry import generate, kill_stopped_children, worker_flags
 
 TIMEOUT_S = 1.0
 PROMPT = [3, 1, 4, 1, 5]
