@@ -201,7 +201,10 @@ def test_loading_peak_memory_is_about_the_shard(tmp_path_factory, tmp_path):
         print(f"rank {rank}: shard {got['loaded'] / 2**20:.0f} MiB, load peak RSS growth "
               f"{got['load_delta'] / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB")
         assert got["loaded"] < 0.3 * model_bytes
-        # RSS counts the checkpoint's mmapped pages a rank touches (a row-parallel slice strides
-        # through its whole tensor) plus one slice in flight: about twice the shard, never the model
-        assert got["load_delta"] < 2.5 * got["loaded"]
+        # RSS counts the rank's own parameters (1x the shard) and the checkpoint's mmapped pages it
+        # touches: a column-parallel slice's own rows, but a row-parallel slice (o_proj, down_proj:
+        # a third of these layers' bytes) strides through its whole tensor, twice its share. That
+        # is ~2.35x the shard, plus one slice in flight and the allocator's slack (measured 2.4x to
+        # 2.55x): never the model
+        assert got["load_delta"] < 2.75 * got["loaded"]
         assert got["load_delta"] < 0.75 * model_bytes
