@@ -15,9 +15,12 @@ independent prompt, so ``chunk_tokens - 1`` positions of each count.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from pydoc_data import topics as pydoc_topics
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -43,6 +46,28 @@ def golden_text() -> str:
         for block in pydoc_topics.topics[name].split("\n\n"):
             if _is_prose(block):
                 paragraphs.append(" ".join(line.strip() for line in block.splitlines()))
+    return "\n".join(paragraphs)
+
+
+def calibration_text() -> str:
+    """Text to calibrate quantization on, never the golden set's: the prose of the docstrings of
+    the standard library's own modules (read from their source, nothing imported), in file order,
+    one paragraph a line. Also English with Python words in it, but other pages by other authors
+    (the golden text is the language reference), so a gate on the golden set measures what the
+    calibration did not see."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paragraphs: list[str] = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
+                                                                          ast.AsyncFunctionDef)))]
+        for node in nodes:
+            for block in (ast.get_docstring(node) or "").split("\n\n"):
+                if _is_prose(block):
+                    paragraphs.append(" ".join(line.strip() for line in block.splitlines()))
     return "\n".join(paragraphs)
 
 
