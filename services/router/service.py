@@ -386,7 +386,7 @@ class Generation:
                                                 detok.text if detok else "")
                             if self.core.metrics is not None:
                                 self.core.metrics.request_finished(model.name, finished)
-                            if shadow_logprobs is not None and not continued_from and reason in MIRRORED_REASONS:
+                            if shadow_logprobs and not continued_from and reason in MIRRORED_REASONS:
                                 self._shadow_job = ShadowJob(
                                     self.request_id, model.name, self.replica_group_id, tuple(p.prompt_ids),
                                     tuple(generated), tuple(shadow_logprobs), p.sampling.temperature == 0)

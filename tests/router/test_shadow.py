@@ -300,11 +300,8 @@ def test_a_window_past_the_threshold_alerts_on_its_candidate(shadow_stack):
                                  if a.kind == telemetry_pb2.ALERT_KIND_SHADOW_DIVERGENCE], 10)
     assert alerts, (shadow_stack["logs"] / "router.log").read_text()[-3000:]
     assert {(a.reference, a.replica_group_id) for a in alerts} == set(judged)  # once per pair
-    for alert in alerts:
-        (_, delta), = metric(samples, "shardline_shadow_perplexity_delta_pct", incumbent=alert.reference,
-                             candidate=alert.replica_group_id)
+    for alert in alerts:  # its figures are the window's when it crossed (the window has grown since)
         assert alert.threshold_pct == 0.0 and abs(alert.perplexity_delta_pct) > 0
-        assert alert.perplexity_delta_pct == pytest.approx(delta, abs=1e-9) or len(alerts) > 0
         assert f"{alert.perplexity_delta_pct:+.3f} %" in alert.message
     assert total(samples, "shardline_shadow_alerts_total", outcome="raised") == len(judged)
 
@@ -320,3 +317,23 @@ def test_a_burst_overflows_the_queue_into_the_dropped_counter(shadow_stack):
     outcomes = total(samples, "shardline_shadow_requests_total")
     assert dropped >= 1 and outcomes + dropped == start + 12  # every finished request: mirrored or dropped
     assert total(samples, "shardline_shadow_queue_depth") == 0
+
+
+def test_up_passes_the_shadow_flags_and_a_dtype_per_group_on():
+    import argparse
+
+    from services.cli.up import group_dtypes as up_group_dtypes
+    from services.cli.up import register, router_flags
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["up", "--replicas", "2", "--dtype", "bfloat16,int8", "--shadow-fraction", "0.5",
+                              "--shadow-group", "rg-x", "--shadow-group", "rg-y", "--shadow-threshold-pct", "1.5"])
+    assert up_group_dtypes(args) == ["bfloat16", "int8"]
+    flags = router_flags(args, Path("/m"), [], "http://t/metrics", "127.0.0.1:50051")
+    assert flags[flags.index("--telemetry") + 1] == "127.0.0.1:50051"
+    assert flags[flags.index("--shadow-fraction"):] == ["--shadow-fraction", "0.5", "--shadow-threshold-pct", "1.5",
+                                                         "--shadow-group", "rg-x", "--shadow-group", "rg-y"]
+    args.dtype = "bfloat16,int8,fp8"
+    with pytest.raises(InvalidArgument):
+        up_group_dtypes(args)
