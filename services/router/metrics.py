@@ -93,7 +93,8 @@ SHADOW_REQUESTS = Counter("shardline_shadow_requests", "Mirrored requests by pai
                           "by the candidate; failed: its Score failed; skipped: a named candidate unknown, "
                           "unroutable or serving another model)", ["incumbent", "candidate", "outcome"])
 SHADOW_DROPPED = Counter("shardline_shadow_dropped", "Finished requests not mirrored: the shadow queue was full")
-SHADOW_QUEUE_DEPTH = Gauge("shardline_shadow_queue_depth", "Finished requests waiting to be mirrored")
+SHADOW_QUEUE_DEPTH = Gauge("shardline_shadow_queue_depth", "Finished requests waiting to be mirrored (the one being "
+                           "scored included)")
 SHADOW_TOKENS = Counter("shardline_shadow_tokens", "Generated tokens compared on the candidate",
                         ["incumbent", "candidate"])
 SHADOW_WINDOW_TOKENS = Gauge("shardline_shadow_window_tokens", "Mirrored positions in the pair's rolling window",

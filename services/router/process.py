@@ -3,7 +3,8 @@ registry discovery, the HTTP front door, built from the command line's flags.
 
 The request path (both front doors and every worker stream) runs on one asyncio event loop;
 the pollers and registry discovery are threads of their own, as is an admission that has to
-wait in the queue.
+wait in the queue, and the shadow mirror (``--shadow-fraction``) that scores finished requests on
+candidate groups.
 """
 
 from __future__ import annotations

@@ -145,11 +145,18 @@ class WindowFigures:
 class ShadowWindow:
     """The newest ``capacity`` mirrored positions of one (incumbent, candidate) pair: per position
     the incumbent's logprob, the candidate's, and (greedy requests) whether the candidate's argmax
-    is the incumbent's token. Not thread-safe: the mirror's thread owns it."""
+    is the incumbent's token. Not thread-safe: the mirror's thread owns it.
+
+    The sums behind the figures are kept as positions come and go, so a request costs its own
+    positions, not the window's (the mirror's thread shares the router's GIL); every ``capacity``
+    positions they are summed afresh, so that rounding cannot build up."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._positions: collections.deque[tuple[float, float, bool | None]] = collections.deque(maxlen=capacity)
+        self._positions: collections.deque[tuple[float, float, bool | None]] = collections.deque()
+        self._incumbent_sum = self._candidate_sum = self._abs_sum = 0.0
+        self._greedy = self._agree = 0
+        self._since_resum = 0
 
     def __len__(self) -> int:
         return len(self._positions)
@@ -162,27 +169,42 @@ class ShadowWindow:
         if agreement is not None and len(agreement) != len(incumbent_logprobs):
             raise ValueError(f"{len(agreement)} agreement flags for {len(incumbent_logprobs)} positions")
         flags = agreement if agreement is not None else [None] * len(incumbent_logprobs)
-        self._positions.extend(zip(incumbent_logprobs, candidate_logprobs, flags))
+        positions = self._positions
+        for position in zip(incumbent_logprobs, candidate_logprobs, flags):
+            self._account(position, 1)
+            positions.append(position)
+            if len(positions) > self.capacity:
+                self._account(positions.popleft(), -1)
+        self._since_resum += len(incumbent_logprobs)
+        if self._since_resum >= self.capacity:
+            self._resum()
+
+    def _account(self, position: tuple[float, float, bool | None], sign: int) -> None:
+        inc, cand, same = position
+        self._incumbent_sum += sign * inc
+        self._candidate_sum += sign * cand
+        self._abs_sum += sign * abs(inc - cand)
+        if same is not None:
+            self._greedy += sign
+            self._agree += sign * same
+
+    def _resum(self) -> None:
+        self._incumbent_sum = self._candidate_sum = self._abs_sum = 0.0
+        self._greedy = self._agree = self._since_resum = 0
+        for position in self._positions:
+            self._account(position, 1)
 
     def figures(self) -> WindowFigures | None:
         """The window's figures; None while it is empty."""
         n = len(self._positions)
         if not n:
             return None
-        inc_sum = cand_sum = abs_sum = 0.0
-        greedy = agree = 0
-        for inc, cand, same in self._positions:
-            inc_sum += inc
-            cand_sum += cand
-            abs_sum += abs(inc - cand)
-            if same is not None:
-                greedy += 1
-                agree += same
+        inc_sum, cand_sum, greedy = self._incumbent_sum, self._candidate_sum, self._greedy
         return WindowFigures(tokens=n, greedy_tokens=greedy, incumbent_perplexity=_perplexity(inc_sum, n),
                              candidate_perplexity=_perplexity(cand_sum, n),
                              perplexity_delta_pct=perplexity_delta_pct(inc_sum, cand_sum, n),
-                             mean_abs_logprob_delta=abs_sum / n,
-                             top1_agreement=agree / greedy if greedy else math.nan)
+                             mean_abs_logprob_delta=max(0.0, self._abs_sum) / n,
+                             top1_agreement=self._agree / greedy if greedy else math.nan)
 
 
 def _perplexity(logprob_sum: float, n: int) -> float:
@@ -237,7 +259,6 @@ class ShadowMirror:
         self._queue: queue.Queue[ShadowJob | None] = queue.Queue(maxsize=config.queue_size)
         self._pairs: dict[tuple[str, str], _PairState] = {}
         self._lock = threading.Lock()  # guards _pairs and the counters for readers on other threads
-        self._busy = False
         self.offered = self.dropped = self.compared = self.failed = self.skipped = 0
         self.alerts_raised = self.alerts_failed = 0
         self._thread = threading.Thread(target=self._run, name="shadow-mirror", daemon=True)
@@ -263,11 +284,12 @@ class ShadowMirror:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Jobs waiting, the one being scored included (the queue's count of unfinished tasks)."""
+        return self._queue.unfinished_tasks
 
     def idle(self) -> bool:
         """Nothing queued and nothing being scored."""
-        return self._queue.empty() and not self._busy
+        return not self._queue.unfinished_tasks
 
     def wants(self) -> bool:
         """Whether to mirror the request arriving now (one draw of the seeded generator)."""
@@ -294,13 +316,12 @@ class ShadowMirror:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            self._busy = True
             try:
                 self.process(job)
             except Exception:  # noqa: BLE001 - the mirror must outlive any one job
                 log.exception("shadow: request %s could not be mirrored", job.request_id)
             finally:
-                self._busy = False
+                self._queue.task_done()
 
     def candidates(self, job: ShadowJob) -> list[tuple[str, str]]:
         """(group id, address) of each group ``job`` is mirrored to; counts the skipped ones."""

@@ -84,6 +84,28 @@ def test_window_keeps_the_newest_positions_and_counts_top1_on_greedy_ones_only()
         window.add([-1.0], [-1.0, -2.0])
 
 
+def test_the_running_sums_are_the_sums_of_the_positions_in_the_window():
+    rng = random.Random(11)
+    window = ShadowWindow(97)
+    kept: list[tuple[float, float, bool | None]] = []
+    for _ in range(60):
+        n = rng.randrange(1, 30)
+        inc = [-rng.random() * 8 for _ in range(n)]
+        cand = [lp - rng.random() for lp in inc]
+        flags = [rng.random() < 0.8 for _ in range(n)] if rng.random() < 0.5 else None
+        window.add(inc, cand, flags)
+        kept = (kept + list(zip(inc, cand, flags or [None] * n)))[-97:]
+        fresh = ShadowWindow(10_000)
+        for i, c, f in kept:
+            fresh.add([i], [c], None if f is None else [f])
+        got, want = window.figures(), fresh.figures()
+        assert (got.tokens, got.greedy_tokens) == (want.tokens, want.greedy_tokens) == (len(kept), got.greedy_tokens)
+        assert got.perplexity_delta_pct == pytest.approx(want.perplexity_delta_pct, rel=1e-9, abs=1e-9)
+        assert got.mean_abs_logprob_delta == pytest.approx(want.mean_abs_logprob_delta, rel=1e-9)
+        assert (math.isnan(got.top1_agreement) and math.isnan(want.top1_agreement)) or \
+            got.top1_agreement == pytest.approx(want.top1_agreement)
+
+
 def test_the_generated_tokens_logprobs_are_read_at_the_positions_that_predict_them():
     job = ShadowJob("r", "m", "rg-a", (5, 6, 7), (8, 9), (-0.1, -0.2), True)
     # the candidate scored 5 ids: position i predicts id i+1; ids 8 and 9 are predicted at 2 and 3
@@ -190,7 +212,7 @@ def test_a_divergent_candidate_is_alerted_once_until_its_window_goes_back_under(
     scorer.shift["addr-rg-b"] = 0.0  # the candidate is fixed: five clean jobs fill the window
     for seed in range(6, 11):
         mirror.process(job_of(scorer, "rg-a", 20, seed))
-    assert len(alerts) == 1 and mirror.windows()[("rg-a", "rg-b")].perplexity_delta_pct == 0.0
+    assert len(alerts) == 1 and mirror.windows()[("rg-a", "rg-b")].perplexity_delta_pct == pytest.approx(0, abs=1e-9)
     scorer.shift["addr-rg-b"] = -0.05  # diverges again: a second alert
     for seed in range(11, 16):
         mirror.process(job_of(scorer, "rg-a", 20, seed))
