@@ -41,6 +41,7 @@ from services.common.supervisor import ManagedProcess, StackError, StackStopped,
 from services.common.transport_security import TransportSecurity, add_security_arguments
 from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
+from services.router.server import add_shadow_arguments, shadow_flags
 
 BACKGROUND = ("telemetry", "loader", "planner")
 DEFAULT_HTTP_PORT = 8000
@@ -64,7 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="replica groups to run (default 1)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each group (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of each group (default 1)")
-    parser.add_argument("--dtype", default=None, help="weight dtype of each group (default: the worker's)")
+    parser.add_argument("--dtype", default=None,
+                        help="weight dtype of each group, or a comma-separated list with one per group, e.g. "
+                             "bfloat16,int8 (default: the worker's)")
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per rank in GiB (worker default)")
     parser.add_argument("--redis-url", default=None, help="shared health store (default: in the router)")
     parser.add_argument("--registry-url", default=None, help="shard registry (default: the embedded SQLite file)")
@@ -74,6 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "at the internal services")
     parser.add_argument("--dev", action="store_true", help="serve gRPC reflection on every service")
     add_security_arguments(parser)
+    add_shadow_arguments(parser)
     parser.add_argument("--log-dir", type=Path, default=Path(".run/logs"), help="service logs (default .run/logs)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds each service may take to become SERVING (default 600)")
@@ -169,14 +173,26 @@ def serve_argv(name: str, port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *flags]
 
 
+def group_dtypes(args: argparse.Namespace) -> list[str | None]:
+    """The dtype of each replica group: ``--dtype D`` for all, ``--dtype D0,D1,...`` one each."""
+    if not args.dtype:
+        return [None] * args.replicas
+    dtypes = [d.strip() for d in args.dtype.split(",")]
+    if len(dtypes) == 1:
+        return dtypes * args.replicas
+    if len(dtypes) != args.replicas or not all(dtypes):
+        raise InvalidArgument(f"--dtype {args.dtype}: {len(dtypes)} dtypes for --replicas {args.replicas}")
+    return dtypes
+
+
 def worker_flags(args: argparse.Namespace, model_dir: Path, group: str, registry: str,
-                 telemetry: str) -> list[str]:
+                 telemetry: str, dtype: str | None = None) -> list[str]:
     flags = ["--model", str(model_dir), "--tp", str(args.tp), "--pp", str(args.pp), "--telemetry", telemetry,
              "--replica-group-id", group, "--registry-url", registry]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
-    if args.dtype:
-        flags += ["--dtype", args.dtype]
+    if dtype:
+        flags += ["--dtype", dtype]
     if args.kv_cache_gb is not None:
         flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
     if args.redis_url:
@@ -185,7 +201,7 @@ def worker_flags(args: argparse.Namespace, model_dir: Path, group: str, registry
 
 
 def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[ManagedProcess],
-                 telemetry_metrics_url: str) -> list[str]:
+                 telemetry_metrics_url: str, telemetry: str = "") -> list[str]:
     # each worker slot keeps its address across a restart, so --worker suffices: the router
     # polls the address and takes the new group id it reports there
     # the router's /metrics re-exports telemetry's collective histograms: one scrape target
@@ -199,7 +215,9 @@ def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[Manage
         flags += ["--redis-url", args.redis_url]
     if args.api_key:
         flags += ["--api-key", args.api_key]
-    return flags
+    if telemetry:  # where the shadow mirror's divergence alerts go
+        flags += ["--telemetry", telemetry]
+    return flags + shadow_flags(args)
 
 
 def export_security(args: argparse.Namespace) -> None:
@@ -229,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         export_security(args)
+        dtypes = group_dtypes(args)
         model_dir = resolve_model(args.model)
         registry = prepare_registry(args.registry_url)
     except (StackError, InvalidArgument) as exc:
@@ -252,15 +271,16 @@ def run(args: argparse.Namespace) -> int:
                                        log_path=logs / f"{name}.log")
                       for name in BACKGROUND]
         telemetry = f"127.0.0.1:{ports['telemetry']}"
-        slots = WorkerSlots(supervisor, lambda _i, port, group: serve_argv(
-                                "worker", port, *worker_flags(args, model_dir, group, registry, telemetry)),
+        slots = WorkerSlots(supervisor, lambda i, port, group: serve_argv(
+                                "worker", port, *worker_flags(args, model_dir, group, registry, telemetry, dtypes[i])),
                             logs, registry)
         workers = [slots.start(i, ports[f"worker-{i}"]) for i in range(args.replicas)]
         _wait_all(supervisor, background + workers, args.startup_timeout)
         # the router comes last: it polls every group once before it reports SERVING
         scheme = "https" if args.tls_cert else "http"
         router = supervisor.start("router", serve_argv("router", args.port, *router_flags(
-                                      args, model_dir, workers, f"{scheme}://127.0.0.1:{metrics_port}/metrics")),
+                                      args, model_dir, workers, f"{scheme}://127.0.0.1:{metrics_port}/metrics",
+                                      telemetry)),
                                   args.port, log_path=logs / "router.log")
         _wait_all(supervisor, [router], args.startup_timeout)
         print(f"shardline is up: router gRPC 127.0.0.1:{args.port}{' (TLS)' if args.tls_cert else ''}, "

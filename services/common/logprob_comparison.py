@@ -52,6 +52,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def perplexity_delta_pct(reference_logprob_sum: float, candidate_logprob_sum: float, positions: int) -> float:
+    """``100 * (ppl_candidate / ppl_reference - 1)`` from the two plans' sums of log p(next token)
+    over the same ``positions``: ``exp(-Σc/n) / exp(-Σr/n) = exp((Σr - Σc) / n)``."""
+    if positions <= 0:
+        raise ValueError(f"need positions > 0, got {positions}")
+    return 100.0 * (math.exp((reference_logprob_sum - candidate_logprob_sum) / positions) - 1.0)
+
+
 def compare(reference: Sequence[ChunkScores], candidate: Sequence[ChunkScores]) -> Comparison:
     """The figures above; the two must have scored the same chunks (same counts everywhere)."""
     if len(reference) != len(candidate) or not reference:
@@ -71,7 +79,7 @@ def compare(reference: Sequence[ChunkScores], candidate: Sequence[ChunkScores]) 
         raise ValueError("no scored positions")
     ref_ppl, cand_ppl = math.exp(-ref_sum / n), math.exp(-cand_sum / n)
     return Comparison(chunks=len(reference), scored_tokens=n, reference_perplexity=ref_ppl,
-                      candidate_perplexity=cand_ppl, perplexity_delta_pct=100.0 * (cand_ppl / ref_ppl - 1.0),
+                      candidate_perplexity=cand_ppl, perplexity_delta_pct=perplexity_delta_pct(ref_sum, cand_sum, n),
                       mean_abs_logprob_delta=sum(deltas) / n, p99_abs_logprob_delta=percentile(deltas, 99.0),
                       max_abs_logprob_delta=max(deltas), top1_agreement=agree / n)
 
@@ -89,9 +97,7 @@ def bootstrap_delta_interval(reference: Sequence[ChunkScores], candidate: Sequen
     deltas = []
     for _ in range(samples):
         draw = [sums[rng.randrange(len(sums))] for _ in sums]
-        n = sum(d[2] for d in draw)
-        ref_nll, cand_nll = -sum(d[0] for d in draw) / n, -sum(d[1] for d in draw) / n
-        deltas.append(100.0 * (math.exp(cand_nll - ref_nll) - 1.0))
+        deltas.append(perplexity_delta_pct(sum(d[0] for d in draw), sum(d[1] for d in draw), sum(d[2] for d in draw)))
     tail = 100.0 * (1 - confidence) / 2
     return percentile(deltas, tail), percentile(deltas, 100.0 - tail)
 

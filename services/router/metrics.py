@@ -8,12 +8,15 @@ The metric objects live at module level: a registry accepts each name once per p
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.errors import ShardlineError
 from services.router.types import Finished
+
+if TYPE_CHECKING:
+    from services.router.shadow import WindowFigures
 
 REQUESTS = Counter("shardline_router_requests", "Requests that ended, by model and outcome "
                    "(a finish reason, or the error that ended them)", ["model", "outcome"])
@@ -83,3 +86,49 @@ class RouterMetrics:
             return
         KV_USAGE.labels(replica_group_id).set(used / capacity if capacity else 0.0)
         KV_RESERVED.labels(replica_group_id).set(reserved)
+
+
+# shadow traffic (``shadow.py``): per (incumbent, candidate) pair of replica groups
+SHADOW_REQUESTS = Counter("shardline_shadow_requests", "Mirrored requests by pair and outcome (compared: scored "
+                          "by the candidate; failed: its Score failed; skipped: a named candidate unknown, "
+                          "unroutable or serving another model)", ["incumbent", "candidate", "outcome"])
+SHADOW_DROPPED = Counter("shardline_shadow_dropped", "Finished requests not mirrored: the shadow queue was full")
+SHADOW_QUEUE_DEPTH = Gauge("shardline_shadow_queue_depth", "Finished requests waiting to be mirrored (the one being "
+                           "scored included)")
+SHADOW_TOKENS = Counter("shardline_shadow_tokens", "Generated tokens compared on the candidate",
+                        ["incumbent", "candidate"])
+SHADOW_WINDOW_TOKENS = Gauge("shardline_shadow_window_tokens", "Mirrored positions in the pair's rolling window",
+                             ["incumbent", "candidate"])
+SHADOW_PPL_DELTA = Gauge("shardline_shadow_perplexity_delta_pct", "Candidate's perplexity vs the incumbent's on "
+                         "the window's mirrored tokens, 100 * (ppl_candidate / ppl_incumbent - 1)",
+                         ["incumbent", "candidate"])
+SHADOW_ABS_DELTA = Gauge("shardline_shadow_mean_abs_logprob_delta", "Mean |candidate - incumbent logprob| over "
+                         "the window's mirrored tokens", ["incumbent", "candidate"])
+SHADOW_TOP1 = Gauge("shardline_shadow_top1_agreement", "Share of the window's greedy tokens that are the "
+                    "candidate's argmax too (NaN before a greedy request was mirrored)", ["incumbent", "candidate"])
+SHADOW_ALERTS = Counter("shardline_shadow_alerts", "Divergence alerts for the pair's candidate, by outcome "
+                        "(raised, or failed: telemetry unreachable)", ["incumbent", "candidate", "outcome"])
+
+
+class ShadowMetrics:
+    """The shadow mirror's :class:`~services.router.shadow.ShadowObserver` (its thread calls it)."""
+
+    def bind_queue_depth(self, depth: Callable[[], int]) -> None:
+        SHADOW_QUEUE_DEPTH.set_function(depth)
+
+    def dropped(self) -> None:
+        SHADOW_DROPPED.inc()
+
+    def scored(self, incumbent: str, candidate: str, outcome: str, tokens: int) -> None:
+        SHADOW_REQUESTS.labels(incumbent, candidate, outcome).inc()
+        if tokens:
+            SHADOW_TOKENS.labels(incumbent, candidate).inc(tokens)
+
+    def window(self, incumbent: str, candidate: str, figures: WindowFigures) -> None:
+        SHADOW_WINDOW_TOKENS.labels(incumbent, candidate).set(figures.tokens)
+        SHADOW_PPL_DELTA.labels(incumbent, candidate).set(figures.perplexity_delta_pct)
+        SHADOW_ABS_DELTA.labels(incumbent, candidate).set(figures.mean_abs_logprob_delta)
+        SHADOW_TOP1.labels(incumbent, candidate).set(figures.top1_agreement)
+
+    def alert(self, incumbent: str, candidate: str, outcome: str) -> None:
+        SHADOW_ALERTS.labels(incumbent, candidate, outcome).inc()

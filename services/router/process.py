@@ -3,12 +3,16 @@ registry discovery, the HTTP front door, built from the command line's flags.
 
 The request path (both front doors and every worker stream) runs on one asyncio event loop;
 the pollers and registry discovery are threads of their own, as is an admission that has to
-wait in the queue.
+wait in the queue, and the shadow mirror (``--shadow-fraction``) that scores finished requests on
+candidate groups.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+from functools import partial
+from typing import TypeVar
 
 from services.common.config import resolve
 from services.common.errors import InvalidArgument
@@ -21,11 +25,18 @@ from services.router.catalog import ModelCatalog, load_served_model
 from services.router.discovery import RegistryDiscovery
 from services.router.edge import DEFAULT_MAX_BODY_BYTES
 from services.router.http_api import HttpServer, create_app
-from services.router.metrics import RouterMetrics
+from services.router.metrics import RouterMetrics, ShadowMetrics
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
+from services.router.shadow import (DEFAULT_MIN_TOKENS, DEFAULT_QUEUE_SIZE, DEFAULT_THRESHOLD_PCT,
+                                    DEFAULT_WINDOW_TOKENS, ShadowConfig, ShadowMirror)
 from services.router.worker_client import UpstreamScore, UpstreamStream, WorkerClient
+from services.telemetry.client import raise_alert
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+ALERT_TIMEOUT_S = 2.0  # the mirror's thread waits at most this long on telemetry per attempt
 
 
 class RouterProcess:
@@ -35,26 +46,48 @@ class RouterProcess:
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
                  max_continuations: int = DEFAULT_MAX_CONTINUATIONS,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 security: TransportSecurity | None = None, metrics_auth: bool = False) -> None:
+                 security: TransportSecurity | None = None, metrics_auth: bool = False,
+                 shadow: ShadowConfig | None = None, telemetry_address: str = "") -> None:
+        self.security = security or TransportSecurity()
         replicas = ReplicaSet()
         router = Router(replicas)
         admission = AdmissionQueue(replicas, router, queue)
         metrics = RouterMetrics()
         metrics.bind_queue_depth(admission.depth)
         self.clients: dict[str, WorkerClient] = {}
+        self.shadow = self._shadow_mirror(shadow, replicas, telemetry_address)
         self.core = RouterCore(catalog, replicas, router, admission, self._open_upstream, metrics=metrics,
-                               max_continuations=max_continuations, score_upstream=self._score_upstream)
+                               max_continuations=max_continuations, score_upstream=self._score_upstream,
+                               shadow=self.shadow)
         self.store = store
         self.auth = auth
         self.poll_interval_s = poll_interval_s
         self.max_body_bytes = max_body_bytes
-        self.security = security or TransportSecurity()
         self.metrics_auth = metrics_auth
         self.pollers: list[GroupPoller] = []
         self.discovery = None
         self.http = None
         self._stopped = False
         self._closed = False
+
+    def _shadow_mirror(self, config: ShadowConfig | None, replicas: ReplicaSet,
+                       telemetry_address: str) -> ShadowMirror | None:
+        """The shadow mirror (started) when shadowing is on; alerts go to telemetry when the
+        router knows its address, else only to the log and /metrics."""
+        if config is None or not config.enabled:
+            return None
+        alert = partial(raise_alert, telemetry_address, timeout_s=ALERT_TIMEOUT_S,
+                        security=self.security) if telemetry_address else None
+        if alert is None:
+            log.warning("shadow traffic without --telemetry: divergence alerts only show on /metrics and the log")
+        observer = ShadowMetrics()
+        mirror = ShadowMirror(config, replicas, self._score_blocking, observer=observer, raise_alert=alert)
+        observer.bind_queue_depth(lambda: mirror.queue_depth)
+        return mirror.start()
+
+    def _score_blocking(self, address: str, request_id: str, token_ids: list[int], top_logprobs: int,
+                        timeout_s: float) -> UpstreamScore:
+        return self.clients[address].score_blocking(request_id, token_ids, top_logprobs, timeout_s)
 
     def _open_upstream(self, address: str, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        trace_context: tuple[tuple[str, str], ...]) -> UpstreamStream:
@@ -112,6 +145,8 @@ class RouterProcess:
         if self._closed:
             return
         self._closed = True
+        if self.shadow is not None:
+            self.shadow.stop()
         for client in list(self.clients.values()):
             await client.aclose()
             client.close()
@@ -139,8 +174,24 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
         raise InvalidArgument(f"--max-body-bytes must be >= 1, got {max_body}")
     if args.max_continuations < 0:
         raise InvalidArgument(f"--max-continuations must be >= 0, got {args.max_continuations}")
+    groups = tuple(getattr(args, "shadow_group", None) or ())
+    shadow = ShadowConfig(
+        fraction=_or(getattr(args, "shadow_fraction", None), 0.0), candidate_group_ids=groups,
+        queue_size=_or(getattr(args, "shadow_queue", None), DEFAULT_QUEUE_SIZE),
+        window_tokens=_or(getattr(args, "shadow_window_tokens", None), DEFAULT_WINDOW_TOKENS),
+        min_tokens=_or(getattr(args, "shadow_min_tokens", None), DEFAULT_MIN_TOKENS),
+        threshold_pct=_or(getattr(args, "shadow_threshold_pct", None), DEFAULT_THRESHOLD_PCT),
+        seed=getattr(args, "shadow_seed", None))
+    if groups and not shadow.enabled:
+        raise InvalidArgument("--shadow-group needs --shadow-fraction > 0")
+    telemetry = resolve("telemetry_addr", getattr(args, "telemetry", None), "")
     return RouterProcess(catalog, queue, store=make_health_store(resolve("redis_url", args.redis_url, "") or None),
                          auth=ApiKeyCheck(resolve("api_key", args.api_key, "") or None), poll_interval_s=poll,
                          max_continuations=args.max_continuations, max_body_bytes=max_body,
                          security=TransportSecurity.from_args(args),
-                         metrics_auth=resolve("metrics_auth", getattr(args, "metrics_auth", None), False))
+                         metrics_auth=resolve("metrics_auth", getattr(args, "metrics_auth", None), False),
+                         shadow=shadow, telemetry_address=telemetry)
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value

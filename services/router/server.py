@@ -31,6 +31,10 @@ from services.router.edge import DEFAULT_MAX_BODY_BYTES
 from services.router.process import RouterProcess, build_process
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
+from services.router.shadow import DEFAULT_MIN_TOKENS as DEFAULT_SHADOW_MIN_TOKENS
+from services.router.shadow import DEFAULT_QUEUE_SIZE as DEFAULT_SHADOW_QUEUE
+from services.router.shadow import DEFAULT_THRESHOLD_PCT as DEFAULT_SHADOW_THRESHOLD_PCT
+from services.router.shadow import DEFAULT_WINDOW_TOKENS as DEFAULT_SHADOW_WINDOW
 from services.router.types import Finished, GenerationRequest, TokenOut, trace_context_of
 from services.telemetry.federation import register_upstreams
 
@@ -198,6 +202,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"SHARDLINE_MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES})")
     group.add_argument("--max-continuations", type=int, default=DEFAULT_MAX_CONTINUATIONS,
                        help="times a request may move to another group after its group fails mid-stream")
+    group.add_argument("--telemetry", default=None, metavar="HOST:PORT",
+                       help="telemetry service the shadow divergence alerts go to (env SHARDLINE_TELEMETRY_ADDR)")
+    add_shadow_arguments(parser)
+
+
+def add_shadow_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shadow traffic flags (``shardline up`` passes them on to its router)."""
+    group = parser.add_argument_group("shadow traffic")
+    group.add_argument("--shadow-fraction", type=float, default=None, metavar="F",
+                       help="share of finished requests mirrored to candidate groups, scored there on the "
+                            "incumbent's tokens (default 0: off)")
+    group.add_argument("--shadow-group", action="append", default=None, metavar="ID",
+                       help="a candidate replica group id; repeatable (default: every other group of the model "
+                            "whose plan, dtype/tp/pp, differs from the incumbent's)")
+    group.add_argument("--shadow-threshold-pct", type=float, default=None, metavar="PCT",
+                       help=f"|perplexity delta| of a pair's window that raises a divergence alert on the "
+                            f"candidate (default {DEFAULT_SHADOW_THRESHOLD_PCT:g})")
+    group.add_argument("--shadow-queue", type=int, default=None, metavar="N",
+                       help=f"finished requests waiting to be mirrored; more are dropped and counted "
+                            f"(default {DEFAULT_SHADOW_QUEUE})")
+    group.add_argument("--shadow-window-tokens", type=int, default=None, metavar="N",
+                       help=f"mirrored tokens in each pair's rolling window (default {DEFAULT_SHADOW_WINDOW})")
+    group.add_argument("--shadow-min-tokens", type=int, default=None, metavar="N",
+                       help=f"tokens a window needs before it is judged (default {DEFAULT_SHADOW_MIN_TOKENS})")
+    group.add_argument("--shadow-seed", type=int, default=None, help="seed of the pick of mirrored requests")
+
+
+SHADOW_FLAGS = ("shadow_fraction", "shadow_threshold_pct", "shadow_queue", "shadow_window_tokens",
+                "shadow_min_tokens", "shadow_seed")
+
+
+def shadow_flags(args: argparse.Namespace) -> list[str]:
+    """The shadow flags set in ``args``, as a router command line takes them."""
+    flags = []
+    for name in SHADOW_FLAGS:
+        if (value := getattr(args, name, None)) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    for group_id in getattr(args, "shadow_group", None) or ():
+        flags += ["--shadow-group", group_id]
+    return flags
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -20,7 +20,9 @@ error event before ``[DONE]``.
 Per relayed token the loop does only what the client needs: one await on the request's upstream
 stream (``worker_client.py`` reads the worker's Relay stream once per engine step for all the
 requests on it), the detokenizer (``detok.py``: one dict lookup for most tokens), one TokenOut.
-No locks, no metrics and no logging per token: metrics are counted per request.
+No locks, no metrics and no logging per token: metrics are counted per request. A request picked
+for shadow traffic (``shadow.py``) also keeps each token's logprob (one list append); when it has
+finished normally, ``close()`` offers it to the mirror, after the client's stream has ended.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Reservation, Router
+from services.router.shadow import ShadowJob, ShadowMirror
 from services.router.types import Finished, GenerationRequest, Scored, Timings, TokenAlternative, TokenOut
 from services.router.worker_client import UpstreamFinished, UpstreamScore, UpstreamStream, WorkerFailed, WorkerRejected
 
@@ -54,6 +57,9 @@ DEFAULT_MAX_CONTINUATIONS = 2
 # model's tokenizer); longer ones on the router's prepare threads, with the GIL released.
 INLINE_ENCODE_CHARS = 8192
 PREPARE_THREADS = 2
+# a request that ended one of these ways is mirrored (when picked), unless it was continued on
+# another group after a failover: every token it streamed was sampled by one incumbent group
+MIRRORED_REASONS = frozenset({FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE, FinishReason.LENGTH})
 
 
 # (address, request_id, prompt ids, sampling, trace context) -> the request's stream on that worker
@@ -79,7 +85,7 @@ class RouterCore:
                  open_upstream: OpenUpstream, *,
                  metrics: RouterMetrics | None = None,
                  max_continuations: int = DEFAULT_MAX_CONTINUATIONS,
-                 score_upstream: ScoreUpstream | None = None) -> None:
+                 score_upstream: ScoreUpstream | None = None, shadow: ShadowMirror | None = None) -> None:
         self.catalog = catalog
         self.replicas = replicas
         self.router = router
@@ -88,6 +94,7 @@ class RouterCore:
         self.score_upstream = score_upstream
         self.metrics = metrics
         self.max_continuations = max_continuations
+        self.shadow = shadow  # mirrors a share of the finished requests to candidate groups
         # tokenizing and chat templating of large inputs, off the event loop (a few threads: the
         # work is CPU, and a queue of it must not take the machine from the workers)
         self.executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="router-prepare")
@@ -181,6 +188,10 @@ class Generation:
         self._failure_counted = False
         self._continued_from = 0  # tokens generated before the current upstream stream
         self._running_on = ""  # group counted in the running-requests gauge
+        # the incumbent's logprob of each generated token, kept only for a request picked for mirroring
+        shadow = core.shadow
+        self._shadow_logprobs: list[float] | None = [] if shadow is not None and shadow.wants() else None
+        self._shadow_job: ShadowJob | None = None  # offered to the mirror by close()
 
     @property
     def prompt_tokens(self) -> int:
@@ -317,6 +328,9 @@ class Generation:
         if self._upstream is not None and not self._finished:
             self._upstream.cancel()  # the worker must stop too
         self._finish_reservation()
+        job, self._shadow_job = self._shadow_job, None
+        if job is not None:  # the client's stream has ended: mirroring cannot delay it
+            self.core.shadow.offer(job)
 
     def _finish_reservation(self) -> None:
         reservation, self.reservation = self.reservation, None
@@ -355,6 +369,7 @@ class Generation:
             want_texts = p.token_texts
             token_text = model.token_text
             monotonic_ns = time.monotonic_ns
+            shadow_logprobs = self._shadow_logprobs
             while True:
                 upstream, reservation = self._upstream, self.reservation
                 assert upstream is not None and reservation is not None
@@ -373,6 +388,10 @@ class Generation:
                                                 detok.text if detok else "")
                             if self.core.metrics is not None:
                                 self.core.metrics.request_finished(model.name, finished)
+                            if shadow_logprobs and not continued_from and reason in MIRRORED_REASONS:
+                                self._shadow_job = ShadowJob(
+                                    self.request_id, model.name, self.replica_group_id, tuple(p.prompt_ids),
+                                    tuple(generated), tuple(shadow_logprobs), p.sampling.temperature == 0)
                             yield finished
                             return
                         if stop_hit:
@@ -391,6 +410,8 @@ class Generation:
                             self.replica_group_ids.append(self.replica_group_id)
                         token_id = event.token_id
                         generated.append(token_id)
+                        if shadow_logprobs is not None:
+                            shadow_logprobs.append(event.logprob)
                         reservation.generated = index + 1 - continued_from
                         text, stop_hit = push(token_id) if push is not None else ("", False)
                         if want_texts:

@@ -299,6 +299,19 @@ class WorkerClient:
         return UpstreamScore(list(r.logprobs), [[(a.token_id, a.logprob) for a in at.alternatives]
                                                 for at in r.top_logprobs], r.nll, r.perplexity)
 
+    def score_blocking(self, request_id: str, token_ids: list[int], top_logprobs: int,
+                       timeout_s: float) -> UpstreamScore:
+        """The same Score on the blocking channel, for a thread of its own (the shadow mirror's),
+        so that decoding the answer never runs on the event loop."""
+        request = worker_pb2.ScoreRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=token_ids),
+                                          top_logprobs=top_logprobs)
+        try:
+            r = self._stub.Score(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise error_for_status(exc.code(), exc.details() or "", self.address, generated=[]) from None
+        return UpstreamScore(list(r.logprobs), [[(a.token_id, a.logprob) for a in at.alternatives]
+                                                for at in r.top_logprobs], r.nll, r.perplexity)
+
     def _aio(self) -> worker_pb2_grpc.WorkerServiceStub:
         if self._aio_stub is None:
             self._aio_channel = open_aio_channel(self.address, self.security, options=CHANNEL_OPTIONS)
