@@ -132,7 +132,8 @@ class WeightNoise:
         seeded from ``seed`` and ``name`` only, so every rank draws the same full noise tensor."""
         clean = weight.to(torch.float32)
         rms = clean.pow(2).mean().sqrt()
-        generator = torch.Generator().manual_seed(self.seed * 2**32 + zlib.crc32(name.encode()))
+        # CPU generators keep 32 bits of a seed: mix seed and name within them
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
         return clean + torch.randn(clean.shape, generator=generator, dtype=torch.float32) * (self.std * rms)
 
 
