@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
 from services.common.registry import NotFound as RegistryNotFound
-from services.common.registry import QualityGateResult, ShardRegistry, registry_group_id
+from services.common.registry import QualityGateResult, ReplicaGroup, ShardRegistry, registry_group_id
 from services.modeling.golden_set import GoldenSet
 from services.worker.plan_scoring import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -41,6 +41,13 @@ DEFAULT_DRIFT_CHUNKS = 8  # a scheduled check is a handful of prefills per group
 CHECKED_STATUSES = ("healthy", "degraded")
 
 
+def _label(row: ReplicaGroup) -> str:
+    # a worker's group id is the UUID of its name; a row made with another UUID is known by that
+    if row.name and registry_group_id(row.name) == row.replica_group_id:
+        return row.name
+    return str(row.replica_group_id)
+
+
 def group_label(group: str, registry_url: str | None) -> str:
     """The name a group's drift verdicts are recorded under: its registry name, else its UUID."""
     with ShardRegistry(registry_url) as registry:
@@ -48,14 +55,14 @@ def group_label(group: str, registry_url: str | None) -> str:
             row = registry.get_group(registry_group_id(group))
         except RegistryNotFound:
             raise InvalidArgument(f"group={group}: no such replica group in the registry") from None
-    return row.name or str(row.replica_group_id)
+    return _label(row)
 
 
 def serving_groups(registry_url: str | None) -> list[str]:
     """Every group of the registry that takes requests and has an endpoint, oldest first."""
     with ShardRegistry(registry_url) as registry:
         rows = registry.list_groups(status=CHECKED_STATUSES)
-    return [row.name or str(row.replica_group_id) for row in rows if row.endpoint]
+    return [_label(row) for row in rows if row.endpoint]
 
 
 def drift_history(group: str, registry_url: str | None) -> list[QualityGateResult]:
