@@ -141,3 +141,18 @@ def test_drift_monitor_alerts_the_noisy_group_only(tiny_model_dir: Path, groups:
                      "--registry-url", groups.registry, "--telemetry", f"127.0.0.1:{free_port()}", *GOLDEN)
     assert down.returncode == 0, down.stderr
     assert "group rg-noisy drifted, but telemetry" in down.stderr and "UNAVAILABLE" in down.stderr
+
+
+def test_up_starts_the_drift_monitor_only_when_asked(tmp_path: Path) -> None:
+    from services.cli import build_parser
+    from services.cli.up import drift_argv
+
+    model, registry = tmp_path / "model", f"sqlite:///{tmp_path / 'r.db'}"
+    off = build_parser("up").parse_args(["up"])
+    assert drift_argv(off, model, registry, "127.0.0.1:50055") is None
+    on = build_parser("up").parse_args(["up", "--drift-every", "300"])
+    argv = drift_argv(on, model, registry, "127.0.0.1:50055")
+    assert argv[:3] == [sys.executable, "-m", "services.cli"]
+    args = build_parser("drift").parse_args(argv[3:])
+    assert (args.every, args.model, args.registry_url, args.telemetry) == (300, str(model), registry, "127.0.0.1:50055")
+    assert args.group is None and args.chunks == 8 and args.reference == "dtype=float32"
