@@ -89,6 +89,7 @@ class DriftMonitor:
         self.groups = groups
         self.record_results = record_results
         self.failing: set[str] = set()
+        self.schema_ready = False  # the gate results table, checked by the first recording only
 
     def round(self) -> dict[str, bool | None]:
         """Check every group once: ``{group: passed}``, None where it could not be checked."""
@@ -115,9 +116,11 @@ class DriftMonitor:
                  c.perplexity_delta_pct, v.delta_interval_pct[1], v.threshold_pct, c.top1_agreement)
         if self.record_results:
             try:
-                record(result, self.checker.registry_url)
+                record(result, self.checker.registry_url, migrate_schema=not self.schema_ready)
             except Exception as exc:  # the registry may be down; the verdict still alerts
                 log.warning("group %s: verdict not recorded: %s: %s", group, type(exc).__name__, exc)
+            else:
+                self.schema_ready = True
         if v.passed:
             if group in self.failing:
                 self.failing.discard(group)

@@ -60,9 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def record(result: GateResult, registry_url: str | None) -> QualityGateResult:
+def record(result: GateResult, registry_url: str | None, *, migrate_schema: bool = True) -> QualityGateResult:
     c, v = result.comparison, result.verdict
-    with ShardRegistry(registry_url, migrate_schema=True) as registry:
+    with ShardRegistry(registry_url, migrate_schema=migrate_schema) as registry:
         return registry.record_gate_result(
             model_name=result.reference.model_name, reference=result.reference.plan,
             candidate=result.candidate.plan, candidate_dtype=result.candidate.dtype,
