@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from services.common.errors import InvalidArgument
 from services.common.registry import NotFound as RegistryNotFound
 from services.common.registry import QualityGateResult, ReplicaGroup, ShardRegistry, registry_group_id
-from services.modeling.golden_set import GoldenSet
+from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, GoldenSet
 from services.worker.plan_scoring import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_THRESHOLD_PCT,
@@ -79,7 +79,7 @@ class DriftChecker:
     reference_plan: str = DEFAULT_REFERENCE
     registry_url: str | None = None
     chunks: int = DEFAULT_DRIFT_CHUNKS
-    chunk_tokens: int = 512
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     threshold_pct: float = DEFAULT_THRESHOLD_PCT
     min_top1_agreement: float | None = None
     bootstrap_samples: int = 1000

@@ -72,12 +72,14 @@ def test_tp1_and_tp2_load_the_same_perturbed_weights(tiny_model_dir: Path) -> No
     tp1, tp2 = logprobs(tp1_run), logprobs(score(tiny_model_dir, 2, spec))
     assert (tp1 - tp2).abs().max() < 1e-4  # the same weights; only the all-reduce's summation order differs
     assert (tp1 - clean).abs().max() > 0.01
-    warnings = [line for line in tp1_run.stderr.splitlines() if line.startswith("SHARDLINE_WEIGHT_NOISE: rank 0 perturbed")]
+    warnings = [line for line in tp1_run.stderr.splitlines()
+                if line.startswith("SHARDLINE_WEIGHT_NOISE: rank 0 perturbed")]
     assert len(warnings) == len(LAYER_LINEAR_WEIGHTS), tp1_run.stderr
     assert any("model.layers.1.mlp.down_proj.weight [256, 512]" in line and "std 0.3" in line for line in warnings)
 
     bad_tp1 = score(tiny_model_dir, 1, "layer=9,std=0.3")
-    assert bad_tp1.returncode == 2 and "SHARDLINE_WEIGHT_NOISE: layer=9, but the model has 4 layers" in bad_tp1.stderr
+    assert bad_tp1.returncode == 2
+    assert "SHARDLINE_WEIGHT_NOISE: layer=9, but the model has 4 layers" in bad_tp1.stderr
     bad_tp2 = score(tiny_model_dir, 2, "layer=1,std=big")
     assert bad_tp2.returncode == 1 and "replica group failed" in bad_tp2.stderr
     assert "rank 1: WeightNoiseSpecError: SHARDLINE_WEIGHT_NOISE='layer=1,std=big'" in bad_tp2.stderr
