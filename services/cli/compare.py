@@ -28,12 +28,14 @@ from services.worker.plan_scoring import (
 )
 
 
-def add_golden_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags ``compare`` and ``gate`` share: the model, the two plans, the golden set."""
+def add_golden_arguments(parser: argparse.ArgumentParser, *, sides_required: bool = True) -> None:
+    """The flags ``compare`` and ``gate`` share: the model, the two plans, the golden set.
+    ``sides_required`` False: the caller checks ``--reference`` and ``--candidate`` itself (``gate``,
+    whose ``--group`` stands for the candidate)."""
     parser.add_argument("--model", default=None, help="Hugging Face model directory (weights and tokenizer)")
-    parser.add_argument("--reference", required=True, metavar="PLAN",
+    parser.add_argument("--reference", required=sides_required, default=None, metavar="PLAN",
                         help="the trusted plan, e.g. 'dtype=float32' or 'tp=1,pp=1,dtype=bfloat16'")
-    parser.add_argument("--candidate", required=True, metavar="PLAN",
+    parser.add_argument("--candidate", required=sides_required, default=None, metavar="PLAN",
                         help="the plan to judge, e.g. 'tp=2,dtype=int8' or 'checkpoint=out/manifest.json', or a "
                              "serving replica group: 'worker=HOST:PORT' or 'group=ID'")
     parser.add_argument("--chunks", type=int, default=DEFAULT_CHUNKS,

@@ -9,6 +9,8 @@ stopped stack: the router continues its requests on the other groups and ``up_wo
 restarts it once as a new group; only the router's death (or ``up``'s own) stops the stack.
 ``--model smollm2`` / ``tiny`` make the model under ``.models/`` on
 first use. ``--demo-prompt`` streams one completion through the router once the stack is up.
+``--drift-every S`` adds ``shardline drift`` (every group's golden-set numbers checked every S
+seconds against float32 of the model, alerts through telemetry) once the stack is up.
 
 Embedded defaults: the SQLite registry in the state directory (``--registry-url`` for
 PostgreSQL) and the router's in-process health store (``--redis-url`` for Redis, then shared
@@ -84,6 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--demo-prompt", default=None, help="after startup, stream a completion of this prompt")
     parser.add_argument("--demo-max-tokens", type=int, default=32, help="tokens of the demo completion (default 32)")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo")
+    parser.add_argument("--drift-every", type=float, default=None, metavar="SECONDS",
+                        help="run the drift monitor: every replica group checked on the golden set every SECONDS "
+                             "(default: off)")
     parser.set_defaults(func=run)
 
 
@@ -220,6 +225,15 @@ def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[Manage
     return flags + shadow_flags(args)
 
 
+def drift_argv(args: argparse.Namespace, model_dir: Path, registry: str, telemetry: str) -> list[str] | None:
+    """``shardline drift`` for this stack (every group it registers, alerts to its telemetry), or
+    None when ``--drift-every`` is not given."""
+    if args.drift_every is None:
+        return None
+    return [sys.executable, "-m", "services.cli", "drift", "--every", f"{args.drift_every:g}", "--model",
+            str(model_dir), "--registry-url", registry, "--telemetry", telemetry]
+
+
 def export_security(args: argparse.Namespace) -> None:
     """TLS, the internal token, ``--metrics-auth`` and ``--dev`` reach every process of the stack
     (and this one's health checks) through the environment, so no secret is on a command line."""
@@ -244,6 +258,9 @@ def _wait_all(supervisor: Supervisor, started: list[ManagedProcess], timeout_s: 
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"shardline up: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    if args.drift_every is not None and not args.drift_every > 0:
+        print(f"shardline up: --drift-every must be > 0 seconds, got {args.drift_every:g}", file=sys.stderr)
         return 2
     try:
         export_security(args)
@@ -283,6 +300,10 @@ def run(args: argparse.Namespace) -> int:
                                       telemetry)),
                                   args.port, log_path=logs / "router.log")
         _wait_all(supervisor, [router], args.startup_timeout)
+        drift = drift_argv(args, model_dir, registry, telemetry)
+        if drift is not None:  # no gRPC port: reported when it dies, like the other background services
+            background.append(supervisor.start("drift", drift, 0, log_path=logs / "drift.log"))
+            print(f"  {'drift':<10} every {args.drift_every:g} s (log: {logs / 'drift.log'})", flush=True)
         print(f"shardline is up: router gRPC 127.0.0.1:{args.port}{' (TLS)' if args.tls_cert else ''}, "
               f"OpenAI HTTP {scheme}://127.0.0.1:{args.http_port}/v1", flush=True)
         if args.demo_prompt is not None:

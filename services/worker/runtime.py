@@ -14,6 +14,7 @@ from services.loader.staging import stage_model_files
 from services.modeling.config import ModelConfig, ModelConfigError
 from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
+from services.modeling.parallel.faults import WEIGHT_NOISE_ENV, NoisyCheckpoint, weight_noise_from_env
 from services.modeling.parallel.groups import ParallelGroups, init_parallel_groups
 from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import CheckpointReader, load_weights
@@ -96,6 +97,14 @@ class RankRuntime:
     @classmethod
     def start(cls, spec: RankSpec, rank: int, *, sink: EventSink | None = None) -> RankRuntime:
         plan = spec.plan
+        # the test hook is checked before anything starts: a bad spec fails this rank at once
+        noise = weight_noise_from_env()
+        if noise is not None:
+            noise.check_layers(plan.config.num_hidden_layers)
+            if spec.checkpoint:
+                raise ModelConfigError(f"{WEIGHT_NOISE_ENV} perturbs weights loaded from a model directory, "
+                                       f"before any quantization; this rank loads the pre-sharded checkpoint "
+                                       f"{spec.checkpoint}")
         groups = init_parallel_groups(plan, rank=rank)
         sink = sink if sink is not None else RingBufferSink()
         coordinator = Coordinator(groups, replica_group_id=spec.replica_group_id,
@@ -108,7 +117,8 @@ class RankRuntime:
                 expected_fingerprint=model_fingerprint(spec.model_dir) if spec.model_dir else None)
         else:
             with CheckpointReader(Path(spec.model_dir)) as reader:
-                loaded = load_weights(model, reader, tie_word_embeddings=plan.config.tie_word_embeddings)
+                source = reader if noise is None else NoisyCheckpoint(reader, noise, rank=rank)
+                loaded = load_weights(model, source, tie_word_embeddings=plan.config.tie_word_embeddings)
         model.eval()
         peak_delta = _peak_rss_bytes() - rss_before
         coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
