@@ -7,8 +7,10 @@ rank holds (from its loaded tensors, scales included), TPOT at batch 1 and token
 streams through the engine (its KV cache, scheduler and sampler; the dtypes alternate round by
 round and each ratio is the median of its per-round ratios), the batch-1 decode step against the
 memory roofline of that dtype's bytes, and on the golden set the perplexity delta against the
-bfloat16 plan and against float32, with greedy top-1 agreement. Replica density: how many groups
-of each dtype fit one fixed memory budget, each with the same KV cache.
+bfloat16 plan and against float32, with greedy top-1 agreement, for round-to-nearest weights, for
+an lm_head left dense, and for `shardline quantize`'s GPTQ-calibrated copies (calibrated here,
+on the standard library's docstrings, never the golden set). Replica density: how many groups of
+each dtype fit one fixed memory budget, each with the same KV cache.
 
 Writes bench/results/quant.json and quant.md.
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -26,7 +30,9 @@ from bench.common import machine, smollm2_dir, write_results
 from bench.engine import make_prompts, read_bandwidth, run_engine, spec_for
 from services.common.logprob_comparison import compare
 from services.loader.layout import RankLayout
+from services.modeling.quant import scheme_for
 from services.worker.engine.bootstrap import build_engine, start_rank
+from services.worker.calibration import quantize_model_dir
 from services.worker.plan_scoring import golden_set_for, plan_spec, score_plan
 
 DTYPES = ("bfloat16", "int8", "fp8")
@@ -93,15 +99,32 @@ def bench_engines(model_dir, tokenizer, *, rounds: int, max_tokens: int, streams
 
 # the lm_head kept dense: the other choice for a quantized plan, scored for the comparison
 DENSE_HEAD = tuple(f"{dtype},lm_head=dense" for dtype in DTYPES[1:])
+CALIBRATED = tuple(f"{dtype},gptq" for dtype in DTYPES[1:])  # `shardline quantize` copies, served as that dtype
+PLANS = (*DTYPES, *DENSE_HEAD, *CALIBRATED)
+
+
+def calibrated_plans(model_dir: Path, workdir: Path) -> dict[str, str]:
+    """The plan text of each calibrated row: its `shardline quantize` copy, made here."""
+    plans = {}
+    for name in CALIBRATED:
+        dtype = name.split(",")[0]
+        report = quantize_model_dir(model_dir, workdir / name.replace(",", "-"), scheme_for(dtype))
+        print(f"calibrated {dtype}: {report.tensors} tensors in {report.seconds:.0f} s", flush=True)
+        plans[name] = f"dtype={dtype},model={report.out_dir}"
+    return plans
 
 
 def bench_quality(model_dir, *, chunks: int, chunk_tokens: int) -> dict:
-    specs = {name: plan_spec(str(model_dir), f"dtype={name}") for name in ("float32", *DTYPES, *DENSE_HEAD)}
-    golden = golden_set_for(str(model_dir), specs["float32"], chunks=chunks, chunk_tokens=chunk_tokens)
-    scores = {name: score_plan(spec, f"dtype={name}", golden) for name, spec in specs.items()}
+    with tempfile.TemporaryDirectory(prefix="bench-quant-") as workdir:
+        texts = {name: f"dtype={name}" for name in ("float32", *DTYPES, *DENSE_HEAD)}
+        texts.update(calibrated_plans(Path(model_dir), Path(workdir)))
+        specs = {name: plan_spec(str(model_dir), text) for name, text in texts.items()}
+        golden = golden_set_for(str(model_dir), specs["float32"], chunks=chunks, chunk_tokens=chunk_tokens)
+        scores = {name: score_plan(spec, texts[name], golden) for name, spec in specs.items()}
+        weight_bytes = {name: held_bytes_of(specs[name]) for name in PLANS}
     out: dict = {"chunks": chunks, "chunk_tokens": chunk_tokens, "scored_tokens": golden.scored_tokens,
                  "text_fingerprint": golden.text_fingerprint}
-    for dtype in (*DTYPES, *DENSE_HEAD):
+    for dtype in PLANS:
         vs_bf16 = compare(scores["bfloat16"].results, scores[dtype].results)
         vs_fp32 = compare(scores["float32"].results, scores[dtype].results)
         out[dtype] = {"perplexity": vs_bf16.candidate_perplexity,
@@ -109,7 +132,7 @@ def bench_quality(model_dir, *, chunks: int, chunk_tokens: int) -> dict:
                       "ppl_delta_vs_fp32_pct": vs_fp32.perplexity_delta_pct,
                       "top1_vs_bf16": vs_bf16.top1_agreement, "top1_vs_fp32": vs_fp32.top1_agreement,
                       "mean_abs_dlogprob_vs_bf16": vs_bf16.mean_abs_logprob_delta,
-                      "weight_bytes": held_bytes_of(specs[dtype])}
+                      "weight_bytes": weight_bytes[dtype]}
     out["float32_perplexity"] = compare(scores["float32"].results, scores["float32"].results).reference_perplexity
     return out
 
@@ -131,7 +154,7 @@ def markdown(payload: dict) -> str:
               "| plan | weight bytes/rank | perplexity | Δ vs bf16 | Δ vs fp32 | top-1 vs bf16 | top-1 vs fp32 "
               "| mean abs Δlogprob vs bf16 |",
               "|---|---|---|---|---|---|---|---|"]
-    for dtype in (*DTYPES, *DENSE_HEAD):
+    for dtype in PLANS:
         d = q[dtype]
         lines.append(f"| {dtype} | {d['weight_bytes']:,} | {d['perplexity']:.4f} | "
                      f"{d['ppl_delta_vs_bf16_pct']:+.3f} % | "
@@ -139,8 +162,8 @@ def markdown(payload: dict) -> str:
                      f"{d['mean_abs_dlogprob_vs_bf16']:.4f} |")
     lines += ["", "Against the bars (perplexity delta vs the bfloat16 plan: int8 ≤ 0.5 %, fp8 ≤ 1.0 %; the design's "
                   "gate 0.5 %; weight bytes ≤ 0.55 × bf16; TPOT int8 < 0.8 ×, fp8 < 1.0 ×; 16 streams ≥ 1.0 ×):", ""]
-    for dtype, bar in (("int8", 0.5), ("fp8", 1.0)):
-        d, q_ = e[dtype], q[dtype]
+    for dtype, bar in (("int8", 0.5), ("fp8", 1.0), ("int8,gptq", 0.5), ("fp8,gptq", 1.0)):
+        d, q_ = e[dtype.split(",")[0]], q[dtype]
         checks = [("bytes", d["weight_bytes_vs_bf16"] <= 0.55),
                   ("TPOT", d["tpot_vs_bf16"] < (0.8 if dtype == "int8" else 1.0)),
                   ("16 streams", d["tok_s_vs_bf16"] >= 1.0),
@@ -163,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                "engine": bench_engines(model_dir, tokenizer, rounds=rounds, max_tokens=32, streams=16),
                "quality": bench_quality(model_dir, chunks=chunks, chunk_tokens=512)}
     for dtype in ("int8", "fp8"):
+        payload[f"ppl_delta_{dtype}_gptq_vs_bf16_pct"] = payload["quality"][f"{dtype},gptq"]["ppl_delta_vs_bf16_pct"]
         payload[f"tpot_{dtype}_vs_bf16"] = payload["engine"][dtype]["tpot_vs_bf16"]
         payload[f"tok_s_{dtype}_vs_bf16"] = payload["engine"][dtype]["tok_s_vs_bf16"]
         payload[f"ppl_delta_{dtype}_vs_bf16_pct"] = payload["quality"][dtype]["ppl_delta_vs_bf16_pct"]

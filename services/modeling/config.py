@@ -15,6 +15,10 @@ from services.common.dtypes import DENSE_DTYPES, accepted_dtypes, lookup_dtype
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DENSE_DTYPES}
 
 
+# config.json key `shardline quantize` writes: which scheme a calibrated copy's weights were rounded for
+CALIBRATION_KEY = "shardline_calibration"
+
+
 class ModelConfigError(ValueError):
     """The checkpoint's config cannot be served as asked (bad shape, unsupported field, bad split)."""
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from services.modeling.config import CALIBRATION_KEY
 from services.modeling.golden_set import calibration_text, fingerprint
 from services.modeling.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_round
 from services.modeling.parallel.layers import LinearBase, VocabParallelEmbedding
@@ -37,7 +38,6 @@ from services.worker.runtime import RankRuntime, RankSpec
 from services.worker.scoring import score_tokens
 
 log = logging.getLogger(__name__)
-CALIBRATION_KEY = "shardline_calibration"
 DEFAULT_CALIBRATION_CHUNKS = 32
 DEFAULT_CALIBRATION_TOKENS = 512
 

@@ -8,7 +8,7 @@ import torch
 
 from services.common.dtypes import DTYPES, UnknownDtype
 from services.common.dtypes import canonical_dtype as canonical_serving_dtype
-from services.modeling.config import ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
+from services.modeling.config import CALIBRATION_KEY, ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
 from services.modeling.quant import QuantScheme, scheme_for, scheme_record
 
 # The activation dtype of a quantized plan unless it names one.
@@ -70,6 +70,11 @@ class ParallelPlan:
                                        f"activation_dtype={activation}")
         object.__setattr__(self, "activation_dtype", activation)
         cfg, tp = self.config, self.tp_degree
+        calibrated = (cfg.raw.get(CALIBRATION_KEY) or {}).get("scheme")
+        if calibrated and DTYPES[name].quantized and calibrated != name:
+            raise ModelConfigError(f"these weights were calibrated for {calibrated} (shardline quantize): a {name} "
+                                   f"plan would round them again onto another grid; calibrate the original "
+                                   f"model for {name}, or serve this copy as {calibrated}")
         if tp < 1:
             raise ModelConfigError(f"tp_degree must be >= 1, got {tp}")
         checks = {
