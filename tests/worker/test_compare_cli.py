@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.cli import main as cli_main
 from services.common.registry import ShardRegistry
 from tests.router.processes import start_service, stop, wait_serving
 
@@ -57,11 +58,14 @@ def test_perturbed_weights_are_far(tiny_model_dir: Path, tmp_path: Path) -> None
     assert "top-1 agreement 1.0000" in text.stdout
 
 
-def test_bad_plans_exit_2(tiny_model_dir: Path) -> None:
+def test_bad_plans_exit_2(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # in this process: a bad plan is refused before any rank starts
     for bad in ("tq=2", "tp=x", "tp=3", "dtype=int8,lm_head=maybe"):
-        result = compare(tiny_model_dir, "dtype=float32", bad)
-        assert result.returncode == 2, (bad, result.stdout, result.stderr)
-        assert "shardline compare:" in result.stderr
+        code = cli_main(["compare", "--model", str(tiny_model_dir), "--reference", "dtype=float32",
+                         "--candidate", bad, "--chunks", "2", "--chunk-tokens", "64"])
+        err = capsys.readouterr().err
+        assert code == 2, (bad, err)
+        assert "shardline compare:" in err
 
 
 def gate(model: Path, reference: str, candidate: str, registry: str, *extra: str) -> subprocess.CompletedProcess:
