@@ -31,8 +31,8 @@ from bench.engine import make_prompts, read_bandwidth, run_engine, spec_for
 from services.common.logprob_comparison import compare
 from services.loader.layout import RankLayout
 from services.modeling.quant import scheme_for
-from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.calibration import quantize_model_dir
+from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.plan_scoring import golden_set_for, plan_spec, score_plan
 
 DTYPES = ("bfloat16", "int8", "fp8")

@@ -41,7 +41,7 @@ import httpx
 
 from bench._soak_clients import Load, Stats
 from bench._soak_report import markdown, plot_rss, verdict
-from services.cli.up import free_port_run
+from services.common.ports import free_port_run
 from services.common.proto import worker_pb2, worker_pb2_grpc
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed

@@ -38,9 +38,9 @@ import grpc
 import torch
 import torch.multiprocessing as mp
 
-from services.cli.up import free_port
 from services.common.collective_events import CollectiveEvent
 from services.common.healthcheck import wait_serving
+from services.common.ports import free_port
 from services.common.proto import telemetry_pb2
 from services.common.sampling import SamplingParams
 from services.modeling.tiny import TinyModelSpec, write_tiny_model

@@ -21,6 +21,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.common.ports import bindable
+from services.common.ports import free_port as any_free_port
+
 POSTGRES_BIN_DIRS = ("/usr/local/bin", "/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin")
 # one Redis database per pytest-xdist worker (tests/conftest.py), and 0 outside xdist
 REDIS_DATABASES = 64
@@ -53,15 +56,6 @@ def _port_block() -> range | None:
     return range(start, start + PORT_BLOCK_SIZE)
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def free_port() -> int:
     """A loopback TCP port free now, never the same twice in a row from one process."""
     global _port_cursor
@@ -73,11 +67,9 @@ def free_port() -> int:
         for _ in range(slots):
             port = block.start + (_port_cursor % slots) * PORT_STRIDE
             _port_cursor += 1
-            if _bindable(port):
+            if bindable(port):
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return any_free_port()
 
 
 def _find_postgres_bin(name: str) -> str:

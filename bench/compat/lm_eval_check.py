@@ -43,7 +43,8 @@ from typing import Any
 
 from bench.common import RESULTS
 from bench.soak import Stack
-from services.cli.up import free_port_run, resolve_model
+from services.cli.up import resolve_model
+from services.common.ports import free_port_run
 
 TASK = "shardline_mc"
 RESULT_NAME = "lm-eval"

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import signal
-import socket
 import sys
 import threading
 import uuid
@@ -36,6 +34,7 @@ from services.cli.client import stream_generate, summary
 from services.cli.up_workers import WorkerSlots
 from services.common.config import DEFAULT_PORTS
 from services.common.errors import InvalidArgument
+from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2
 from services.common.registry.engine import registry_url
 from services.common.registry.repository import ShardRegistry
@@ -141,37 +140,6 @@ def prepare_registry(url: str | None) -> str:
     resolved = registry_url(url)
     ShardRegistry(resolved, migrate_schema=True).close()
     return resolved
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# `--port-base B` takes B, B+1, ...: a run of ports chosen from below the kernel's ephemeral range
-# (which starts at 32768 by default), so no outgoing connection or bind(0) takes one of them
-# between the check here and the services binding them.
-PORT_RUN_RANGE = (24_000, 32_000)
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port_run(count: int, attempts: int = 200) -> int:
-    """The first of ``count`` consecutive loopback ports that are all free now."""
-    low, high = PORT_RUN_RANGE
-    for _ in range(attempts):
-        start = random.randrange(low, high - count)
-        if all(_bindable(start + i) for i in range(count)):
-            return start
-    raise StackError(f"no run of {count} free ports found in {low}..{high}")
 
 
 def serve_argv(name: str, port: int, *flags: str) -> list[str]:

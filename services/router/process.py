@@ -29,8 +29,14 @@ from services.router.metrics import RouterMetrics, ShadowMetrics
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
-from services.router.shadow import (DEFAULT_MIN_TOKENS, DEFAULT_QUEUE_SIZE, DEFAULT_THRESHOLD_PCT,
-                                    DEFAULT_WINDOW_TOKENS, ShadowConfig, ShadowMirror)
+from services.router.shadow import (
+    DEFAULT_MIN_TOKENS,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_THRESHOLD_PCT,
+    DEFAULT_WINDOW_TOKENS,
+    ShadowConfig,
+    ShadowMirror,
+)
 from services.router.worker_client import UpstreamScore, UpstreamStream, WorkerClient
 from services.telemetry.client import raise_alert
 

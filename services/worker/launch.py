@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from services.common.errors import ShardlineError
+from services.common.ports import free_port
 
 
 class ReplicaGroupFailed(RuntimeError):
@@ -33,12 +33,6 @@ class ReplicaGroupFailed(RuntimeError):
         self.errors = dict(sorted(errors.items()))
         lines = [f"rank {rank}: {msg}" for rank, msg in self.errors.items()]
         super().__init__("replica group failed:\n  " + "\n  ".join(lines))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def under_torchrun() -> bool:
