@@ -104,6 +104,13 @@ SHADOW_PPL_DELTA = Gauge("shardline_shadow_perplexity_delta_pct", "Candidate's p
                          ["incumbent", "candidate"])
 SHADOW_ABS_DELTA = Gauge("shardline_shadow_mean_abs_logprob_delta", "Mean |candidate - incumbent logprob| over "
                          "the window's mirrored tokens", ["incumbent", "candidate"])
+SHADOW_PROMPT_TOKENS = Gauge("shardline_shadow_prompt_window_tokens", "Prompt positions in the pair's rolling "
+                             "prompt window (scored by both groups)", ["incumbent", "candidate"])
+SHADOW_PROMPT_PPL_DELTA = Gauge("shardline_shadow_prompt_perplexity_delta_pct", "Candidate's perplexity vs the "
+                                "incumbent's on the prompt window's positions (the clients' own text, chosen by "
+                                "neither group)", ["incumbent", "candidate"])
+SHADOW_PROMPT_ABS_DELTA = Gauge("shardline_shadow_prompt_mean_abs_logprob_delta", "Mean |candidate - incumbent "
+                                "logprob| over the prompt window's positions", ["incumbent", "candidate"])
 SHADOW_TOP1 = Gauge("shardline_shadow_top1_agreement", "Share of the window's greedy tokens that are the "
                     "candidate's argmax too (NaN before a greedy request was mirrored)", ["incumbent", "candidate"])
 SHADOW_ALERTS = Counter("shardline_shadow_alerts", "Divergence alerts for the pair's candidate, by outcome "
@@ -129,6 +136,11 @@ class ShadowMetrics:
         SHADOW_PPL_DELTA.labels(incumbent, candidate).set(figures.perplexity_delta_pct)
         SHADOW_ABS_DELTA.labels(incumbent, candidate).set(figures.mean_abs_logprob_delta)
         SHADOW_TOP1.labels(incumbent, candidate).set(figures.top1_agreement)
+
+    def prompt_window(self, incumbent: str, candidate: str, figures: WindowFigures) -> None:
+        SHADOW_PROMPT_TOKENS.labels(incumbent, candidate).set(figures.tokens)
+        SHADOW_PROMPT_PPL_DELTA.labels(incumbent, candidate).set(figures.perplexity_delta_pct)
+        SHADOW_PROMPT_ABS_DELTA.labels(incumbent, candidate).set(figures.mean_abs_logprob_delta)
 
     def alert(self, incumbent: str, candidate: str, outcome: str) -> None:
         SHADOW_ALERTS.labels(incumbent, candidate, outcome).inc()

@@ -187,7 +187,7 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
         window_tokens=_or(getattr(args, "shadow_window_tokens", None), DEFAULT_WINDOW_TOKENS),
         min_tokens=_or(getattr(args, "shadow_min_tokens", None), DEFAULT_MIN_TOKENS),
         threshold_pct=_or(getattr(args, "shadow_threshold_pct", None), DEFAULT_THRESHOLD_PCT),
-        seed=getattr(args, "shadow_seed", None))
+        seed=getattr(args, "shadow_seed", None), judge=_or(getattr(args, "shadow_judge", None), "prompt"))
     if groups and not shadow.enabled:
         raise InvalidArgument("--shadow-group needs --shadow-fraction > 0")
     telemetry = resolve("telemetry_addr", getattr(args, "telemetry", None), "")

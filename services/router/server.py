@@ -35,6 +35,7 @@ from services.router.shadow import DEFAULT_MIN_TOKENS as DEFAULT_SHADOW_MIN_TOKE
 from services.router.shadow import DEFAULT_QUEUE_SIZE as DEFAULT_SHADOW_QUEUE
 from services.router.shadow import DEFAULT_THRESHOLD_PCT as DEFAULT_SHADOW_THRESHOLD_PCT
 from services.router.shadow import DEFAULT_WINDOW_TOKENS as DEFAULT_SHADOW_WINDOW
+from services.router.shadow import JUDGES
 from services.router.types import Finished, GenerationRequest, TokenOut, trace_context_of
 from services.telemetry.federation import register_upstreams
 
@@ -227,10 +228,14 @@ def add_shadow_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shadow-min-tokens", type=int, default=None, metavar="N",
                        help=f"tokens a window needs before it is judged (default {DEFAULT_SHADOW_MIN_TOKENS})")
     group.add_argument("--shadow-seed", type=int, default=None, help="seed of the pick of mirrored requests")
+    group.add_argument("--shadow-judge", choices=JUDGES, default=None,
+                       help="the window a pair's alert is judged on: 'prompt' (default: the prompt's tokens, "
+                            "which the incumbent scores too; unbiased) or 'generated' (the incumbent's own "
+                            "tokens: its choices favour it, so the delta reads high)")
 
 
 SHADOW_FLAGS = ("shadow_fraction", "shadow_threshold_pct", "shadow_queue", "shadow_window_tokens",
-                "shadow_min_tokens", "shadow_seed")
+                "shadow_min_tokens", "shadow_seed", "shadow_judge")
 
 
 def shadow_flags(args: argparse.Namespace) -> list[str]:

@@ -22,6 +22,15 @@ mirrored tokens only (prompt positions are not compared: the incumbent never sco
   Counted on greedy requests only (temperature 0, where the incumbent's token is its argmax);
   a sampled token says nothing of the incumbent's argmax. NaN until a greedy request was mirrored.
 
+**The prompt window.** The incumbent's tokens are its own choices, where its logprobs are high
+by construction, so on them any other plan looks worse: the generated window's perplexity delta
+is biased upward whichever group is the incumbent (bfloat16 vs int8 on SmolLM2: +0.9 % one way,
++0.15 % the other, where the golden-set gate measures +0.19 %). The prompt is the client's own
+text, chosen by neither group. So (``judge="prompt"``, the default) the incumbent's worker also
+``Score``s the prompt, and a second window per pair holds the prompt positions of both groups:
+a perplexity delta on live text of the kind the gate measures on the golden set, and the one the
+alert is judged on. ``judge="generated"`` skips that Score and judges the generated window.
+
 Candidates: ``ShadowConfig.candidate_group_ids`` when given (the incumbent itself excluded), else
 every other routable group serving the same model whose plan (dtype, tp, pp) differs from the
 incumbent's. A named candidate that is unknown, unroutable or serves another model is skipped.
@@ -61,6 +70,7 @@ DEFAULT_QUEUE_SIZE = 64
 DEFAULT_WINDOW_TOKENS = 4096
 DEFAULT_MIN_TOKENS = 512
 DEFAULT_THRESHOLD_PCT = 0.5
+JUDGES = ("prompt", "generated")  # which of a pair's windows the alert is judged on
 ALERT_RETRY_S = 10.0  # between attempts to deliver a pair's alert while telemetry is unreachable
 
 
@@ -76,6 +86,7 @@ class ShadowConfig:
     threshold_pct: float = DEFAULT_THRESHOLD_PCT
     seed: int | None = None
     score_timeout_s: float = 60.0
+    judge: str = "prompt"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
@@ -89,6 +100,8 @@ class ShadowConfig:
                                   f"{self.window_tokens}], got {self.min_tokens}")
         if not self.threshold_pct >= 0.0:  # NaN too
             raise InvalidArgument(f"--shadow-threshold-pct must be >= 0, got {self.threshold_pct}")
+        if self.judge not in JUDGES:
+            raise InvalidArgument(f"--shadow-judge is one of {', '.join(JUDGES)}, got {self.judge!r}")
         if self.score_timeout_s <= 0:
             raise InvalidArgument(f"shadow score timeout must be > 0, got {self.score_timeout_s}")
 
@@ -235,12 +248,15 @@ class ShadowObserver(Protocol):
 
     def window(self, incumbent: str, candidate: str, figures: WindowFigures) -> None: ...
 
+    def prompt_window(self, incumbent: str, candidate: str, figures: WindowFigures) -> None: ...
+
     def alert(self, incumbent: str, candidate: str, outcome: str) -> None: ...
 
 
 @dataclass
 class _PairState:
-    window: ShadowWindow
+    window: ShadowWindow  # the generated positions
+    prompt_window: ShadowWindow  # the prompt positions (judge="prompt")
     alerted: bool = False  # an alert was delivered since the window last was under the threshold
     retry_at: float = 0.0  # monotonic time before which a failed alert is not tried again
 
@@ -312,6 +328,12 @@ class ShadowMirror:
         with self._lock:
             return {pair: f for pair, state in self._pairs.items() if (f := state.window.figures()) is not None}
 
+    def prompt_windows(self) -> dict[tuple[str, str], WindowFigures]:
+        """Each pair's prompt-window figures, by (incumbent, candidate)."""
+        with self._lock:
+            return {pair: f for pair, state in self._pairs.items()
+                    if (f := state.prompt_window.figures()) is not None}
+
     # ---- the mirror's thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -351,10 +373,13 @@ class ShadowMirror:
         if not job.generated_ids:
             return
         ids = [*job.prompt_ids, *job.generated_ids]
-        for candidate, address in self.candidates(job):
+        candidates = self.candidates(job)
+        prompt = self._incumbent_prompt(job) if candidates and self.config.judge == "prompt" else None
+        for candidate, address in candidates:
             try:
                 answer = self.score(address, f"shadow-{job.request_id}", ids, 1, self.config.score_timeout_s)
                 logprobs, argmax = generated_positions(job, answer)
+                prompt_pair = (prompt, [float(lp) for lp in answer.logprobs[:len(prompt)]]) if prompt else None
             except Exception as exc:  # noqa: BLE001 - any failure of the candidate is counted, not raised
                 log.warning("shadow: scoring request %s on %s (%s) failed: %s", job.request_id, candidate,
                             address, exc)
@@ -362,7 +387,26 @@ class ShadowMirror:
                 continue
             agreement = [a == t for a, t in zip(argmax, job.generated_ids)] if job.greedy else None
             self._count("compared", job.incumbent, candidate, len(logprobs))
-            self._update(job.incumbent, candidate, job.incumbent_logprobs, logprobs, agreement)
+            self._update(job.incumbent, candidate, job.incumbent_logprobs, logprobs, agreement, prompt_pair)
+
+    def _incumbent_prompt(self, job: ShadowJob) -> list[float] | None:
+        """The incumbent's logprobs of the prompt's tokens (its worker's Score), or None (a prompt
+        of one token, an incumbent gone or failing: the job then feeds the generated window only)."""
+        if len(job.prompt_ids) < 2:
+            return None
+        with self.replicas.lock:
+            view = self.replicas.by_group_id(job.incumbent)
+        if view is None:
+            return None
+        try:
+            answer = self.score(view.address, f"shadow-{job.request_id}-incumbent", list(job.prompt_ids), 0,
+                                self.config.score_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the generated window is still worth filling
+            log.warning("shadow: scoring the prompt of %s on its incumbent %s failed: %s", job.request_id,
+                        job.incumbent, exc)
+            return None
+        logprobs = [float(lp) for lp in answer.logprobs]
+        return logprobs if len(logprobs) == len(job.prompt_ids) - 1 else None
 
     def _count(self, outcome: str, incumbent: str, candidate: str, tokens: int) -> None:
         with self._lock:
@@ -376,17 +420,28 @@ class ShadowMirror:
             self.observer.scored(incumbent, candidate, outcome, tokens)
 
     def _update(self, incumbent: str, candidate: str, incumbent_logprobs: Sequence[float],
-                candidate_logprobs: Sequence[float], agreement: Sequence[bool] | None) -> None:
+                candidate_logprobs: Sequence[float], agreement: Sequence[bool] | None,
+                prompt: tuple[Sequence[float], Sequence[float]] | None = None) -> None:
+        """One job's positions into the pair's windows; ``prompt``: (incumbent's, candidate's)
+        logprobs of the prompt tokens, when the incumbent scored them."""
         with self._lock:
             state = self._pairs.get((incumbent, candidate))
             if state is None:
-                state = self._pairs[(incumbent, candidate)] = _PairState(ShadowWindow(self.config.window_tokens))
+                size = self.config.window_tokens
+                state = self._pairs[(incumbent, candidate)] = _PairState(ShadowWindow(size), ShadowWindow(size))
             state.window.add(incumbent_logprobs, candidate_logprobs, agreement)
             figures = state.window.figures()
+            if prompt is not None:
+                state.prompt_window.add(*prompt)
+            prompt_figures = state.prompt_window.figures()
         assert figures is not None
         if self.observer is not None:
             self.observer.window(incumbent, candidate, figures)
-        self._judge(incumbent, candidate, state, figures)
+            if prompt is not None and prompt_figures is not None:
+                self.observer.prompt_window(incumbent, candidate, prompt_figures)
+        judged = figures if self.config.judge == "generated" else prompt_figures
+        if judged is not None:
+            self._judge(incumbent, candidate, state, judged)
 
     def _judge(self, incumbent: str, candidate: str, state: _PairState, figures: WindowFigures) -> None:
         if figures.tokens < self.config.min_tokens:
@@ -396,7 +451,7 @@ class ShadowMirror:
             return
         if state.alerted or self.raise_alert is None or time.monotonic() < state.retry_at:
             return
-        alert = divergence_alert(incumbent, candidate, figures, self.config.threshold_pct)
+        alert = divergence_alert(incumbent, candidate, figures, self.config.threshold_pct, positions=self.config.judge)
         try:
             self.raise_alert(alert)
         except Exception as exc:  # noqa: BLE001 - telemetry down must not stop the mirror
@@ -417,12 +472,14 @@ def _plan(view: ReplicaGroupView) -> tuple[str, int, int]:
     return view.dtype, view.tp_degree, view.pp_degree
 
 
-def divergence_alert(incumbent: str, candidate: str, figures: WindowFigures, threshold_pct: float) -> Alert:
-    """The SHADOW_DIVERGENCE alert on ``candidate``, with the window's figures in its message."""
-    top1 = "n/a" if math.isnan(figures.top1_agreement) else f"{figures.top1_agreement:.4f}"
+def divergence_alert(incumbent: str, candidate: str, figures: WindowFigures, threshold_pct: float, *,
+                     positions: str = "generated") -> Alert:
+    """The SHADOW_DIVERGENCE alert on ``candidate``, with the judged window's figures in its message."""
+    top1 = ("" if math.isnan(figures.top1_agreement) else
+            f", top-1 agreement {figures.top1_agreement:.4f} on {figures.greedy_tokens} greedy tokens")
     message = (f"replica group {candidate}: perplexity {figures.perplexity_delta_pct:+.3f} % vs {incumbent} on "
-               f"{figures.tokens} mirrored tokens (|Δ| over the {threshold_pct:g} % threshold); mean |Δ logprob| "
-               f"{figures.mean_abs_logprob_delta:.4f}, top-1 agreement {top1} on {figures.greedy_tokens} greedy tokens")
+               f"{figures.tokens} mirrored {positions} positions (|Δ| over the {threshold_pct:g} % threshold); "
+               f"mean |Δ logprob| {figures.mean_abs_logprob_delta:.4f}{top1}")
     return Alert(AlertKind.SHADOW_DIVERGENCE, candidate, "", "", GroupStatus.DEGRADED, message,
                  int(time.time() * 1000), perplexity_delta_pct=figures.perplexity_delta_pct,
                  threshold_pct=threshold_pct, reference=incumbent)

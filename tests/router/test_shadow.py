@@ -136,28 +136,34 @@ def replica_set(*groups: tuple[str, str, str]) -> ReplicaSet:
 
 
 class Scorer:
-    """Each candidate's answer: the incumbent's logprobs shifted by ``shift[address]``, argmax the
-    incumbent's token; raises for an address in ``failing``."""
+    """Each group's answer: the incumbent's logprobs shifted by ``shift[address]`` (prompt
+    positions: -1 shifted the same way), argmax the incumbent's token; a Score of the prompt alone
+    is the incumbent's; raises for an address in ``failing``."""
 
     def __init__(self, shift: dict[str, float], failing: tuple[str, ...] = ()) -> None:
         self.shift, self.failing, self.calls = shift, failing, []
         self.jobs: dict[tuple[int, ...], ShadowJob] = {}
+        self.prompts: set[tuple[int, ...]] = set()
 
     def __call__(self, address, request_id, ids, top, timeout_s):
         self.calls.append((address, request_id, top))
         if address in self.failing:
             raise Unavailable(f"worker {address} is down")
+        if tuple(ids) in self.prompts:  # the incumbent scoring the prompt
+            lps = [-1.0 + self.shift.get(address, 0.0)] * (len(ids) - 1)
+            return Answer(lps, [[] for _ in lps])
         job = self.jobs[tuple(ids)]
-        lead = [-1.0] * (len(job.prompt_ids) - 1)
+        lead = [-1.0 + self.shift[address]] * (len(job.prompt_ids) - 1)
         lps = lead + [lp + self.shift[address] for lp in job.incumbent_logprobs]
         return Answer(lps, [[(t, lp)] for t, lp in zip([0] * len(lead) + list(job.generated_ids), lps)])
 
 
-def job_of(scorer: Scorer, incumbent: str, n: int, seed: int, greedy: bool = True) -> ShadowJob:
+def job_of(scorer: Scorer, incumbent: str, n: int, seed: int, greedy: bool = True, prompt_len: int = 3) -> ShadowJob:
     rng = random.Random(seed)
-    job = ShadowJob(f"req-{seed}", "m", incumbent, (1, 2, 3), tuple(rng.randrange(100) for _ in range(n)),
-                    tuple(-rng.random() for _ in range(n)), greedy)
+    job = ShadowJob(f"req-{seed}", "m", incumbent, tuple(range(1, prompt_len + 1)),
+                    tuple(rng.randrange(100) for _ in range(n)), tuple(-rng.random() for _ in range(n)), greedy)
     scorer.jobs[(*job.prompt_ids, *job.generated_ids)] = job
+    scorer.prompts.add(job.prompt_ids)
     return job
 
 
@@ -194,7 +200,7 @@ def test_a_divergent_candidate_is_alerted_once_until_its_window_goes_back_under(
     replicas = replica_set(("rg-a", "m", "bfloat16"), ("rg-b", "m", "int8"))
     scorer = Scorer({"addr-rg-b": -0.05})  # 5 % worse perplexity: exp(0.05) - 1
     alerts: list[Alert] = []
-    config = ShadowConfig(fraction=1.0, window_tokens=100, min_tokens=50, threshold_pct=1.0)
+    config = ShadowConfig(fraction=1.0, window_tokens=100, min_tokens=50, threshold_pct=1.0, judge="generated")
     mirror = ShadowMirror(config, replicas, scorer, raise_alert=alerts.append)
     for seed in range(2):
         mirror.process(job_of(scorer, "rg-a", 20, seed))
@@ -226,8 +232,8 @@ def test_a_failed_score_or_telemetry_down_is_counted_and_the_mirror_goes_on():
     def telemetry_down(alert: Alert) -> None:
         raise grpc.RpcError("telemetry unreachable")
 
-    mirror = ShadowMirror(ShadowConfig(fraction=1.0, min_tokens=10, threshold_pct=1.0), replicas, scorer,
-                          raise_alert=telemetry_down).start()
+    mirror = ShadowMirror(ShadowConfig(fraction=1.0, min_tokens=10, threshold_pct=1.0, judge="generated"), replicas,
+                          scorer, raise_alert=telemetry_down).start()
     try:
         for seed in range(3):
             assert mirror.offer(job_of(scorer, "rg-a", 10, seed, greedy=False))
@@ -239,6 +245,27 @@ def test_a_failed_score_or_telemetry_down_is_counted_and_the_mirror_goes_on():
     figures = mirror.windows()[("rg-a", "rg-b")]
     assert figures.greedy_tokens == 0 and math.isnan(figures.top1_agreement)
     assert [c[2] for c in scorer.calls] == [1] * 6 and scorer.calls[0][1] == "shadow-req-0"
+
+
+def test_the_prompt_window_scores_the_prompt_on_both_groups_and_is_what_is_judged():
+    replicas = replica_set(("rg-a", "m", "bfloat16"), ("rg-b", "m", "int8"))
+    scorer = Scorer({"addr-rg-a": 0.0, "addr-rg-b": -0.05})
+    alerts: list[Alert] = []
+    mirror = ShadowMirror(ShadowConfig(fraction=1.0, window_tokens=200, min_tokens=50, threshold_pct=1.0), replicas,
+                          scorer, raise_alert=alerts.append)
+    mirror.process(job_of(scorer, "rg-a", 4, 0, prompt_len=30))
+    assert not alerts and mirror.prompt_windows()[("rg-a", "rg-b")].tokens == 29  # below min_tokens
+    assert ("addr-rg-a", "shadow-req-0-incumbent", 0) in scorer.calls  # the incumbent scored the prompt
+    mirror.process(job_of(scorer, "rg-a", 4, 1, prompt_len=30))
+    prompt = mirror.prompt_windows()[("rg-a", "rg-b")]
+    assert prompt.tokens == 58 and prompt.perplexity_delta_pct == pytest.approx(100 * (math.exp(0.05) - 1))
+    assert len(alerts) == 1 and "58 mirrored prompt positions" in alerts[0].message  # the generated window: 8
+    assert mirror.windows()[("rg-a", "rg-b")].tokens == 8
+    scorer.failing = ("addr-rg-a",)  # the incumbent cannot score: the generated window is still fed
+    mirror.process(job_of(scorer, "rg-a", 4, 2, prompt_len=30))
+    assert mirror.prompt_windows()[("rg-a", "rg-b")].tokens == 58 and mirror.windows()[("rg-a", "rg-b")].tokens == 12
+    with pytest.raises(InvalidArgument, match="--shadow-judge"):
+        ShadowConfig(judge="both")
 
 
 # ---- end to end: `shardline up` with two plans -------------------------------------------
@@ -276,7 +303,7 @@ def shadow_stack(tmp_path_factory):
 
 def complete(http: str, i: int, max_tokens: int = 16) -> str:
     response = httpx.post(f"{http}/v1/completions", json={
-        "model": "tiny-llama", "prompt": f"shadow story {i}", "max_tokens": max_tokens, "temperature": 0,
+        "model": "tiny-llama", "prompt": f"shadow story {i}: the quick brown fox jumps over the lazy dog", "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True}, timeout=60)
     assert response.status_code == 200, response.text
     return response.headers["x-shardline-replica-group-id"]
@@ -305,7 +332,8 @@ def test_up_mirrors_finished_requests_and_exports_each_pairs_window(shadow_stack
         assert {inc, cand} == set(dtypes) and count == shadow_stack["served"].count(inc)
         assert total(samples, "shardline_shadow_tokens_total", incumbent=inc, candidate=cand) == 16 * count
         for gauge in ("shardline_shadow_perplexity_delta_pct", "shardline_shadow_mean_abs_logprob_delta",
-                      "shardline_shadow_top1_agreement"):
+                      "shardline_shadow_top1_agreement", "shardline_shadow_prompt_perplexity_delta_pct",
+                      "shardline_shadow_prompt_mean_abs_logprob_delta"):
             (_, value), = metric(samples, gauge, incumbent=inc, candidate=cand)
             assert math.isfinite(value), gauge
         assert 0 < total(samples, "shardline_shadow_mean_abs_logprob_delta", incumbent=inc, candidate=cand) < 5
@@ -316,8 +344,8 @@ def test_up_mirrors_finished_requests_and_exports_each_pairs_window(shadow_stack
 def test_a_window_past_the_threshold_alerts_on_its_candidate(shadow_stack):
     samples = settled(shadow_stack["http"], 8)
     judged = {(lab["incumbent"], lab["candidate"]): v for lab, v in
-              metric(samples, "shardline_shadow_window_tokens") if v >= 32}
-    assert judged, samples.get("shardline_shadow_window_tokens")
+              metric(samples, "shardline_shadow_prompt_window_tokens") if v >= 32}  # judged on the prompts
+    assert judged, samples.get("shardline_shadow_prompt_window_tokens")
     alerts = wait_until(lambda: [a for a in shadow_stack["alerts"]
                                  if a.kind == telemetry_pb2.ALERT_KIND_SHADOW_DIVERGENCE], 10)
     assert alerts, (shadow_stack["logs"] / "router.log").read_text()[-3000:]
