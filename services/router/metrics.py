@@ -16,7 +16,7 @@ from services.common.errors import ShardlineError
 from services.router.types import Finished
 
 if TYPE_CHECKING:
-    from services.router.shadow import WindowFigures
+    from services.router.shadow_window import WindowFigures
 
 REQUESTS = Counter("shardline_router_requests", "Requests that ended, by model and outcome "
                    "(a finish reason, or the error that ended them)", ["model", "outcome"])

@@ -30,6 +30,7 @@ from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, Repli
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
 from services.router.shadow import (
+    DEFAULT_IDLE_WAIT_S,
     DEFAULT_MIN_TOKENS,
     DEFAULT_QUEUE_SIZE,
     DEFAULT_THRESHOLD_PCT,
@@ -187,7 +188,8 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
         window_tokens=_or(getattr(args, "shadow_window_tokens", None), DEFAULT_WINDOW_TOKENS),
         min_tokens=_or(getattr(args, "shadow_min_tokens", None), DEFAULT_MIN_TOKENS),
         threshold_pct=_or(getattr(args, "shadow_threshold_pct", None), DEFAULT_THRESHOLD_PCT),
-        seed=getattr(args, "shadow_seed", None), judge=_or(getattr(args, "shadow_judge", None), "prompt"))
+        seed=getattr(args, "shadow_seed", None), judge=_or(getattr(args, "shadow_judge", None), "prompt"),
+        idle_wait_s=_or(getattr(args, "shadow_idle_wait", None), DEFAULT_IDLE_WAIT_S))
     if groups and not shadow.enabled:
         raise InvalidArgument("--shadow-group needs --shadow-fraction > 0")
     telemetry = resolve("telemetry_addr", getattr(args, "telemetry", None), "")

@@ -31,11 +31,11 @@ from services.router.edge import DEFAULT_MAX_BODY_BYTES
 from services.router.process import RouterProcess, build_process
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
+from services.router.shadow import DEFAULT_IDLE_WAIT_S, JUDGES
 from services.router.shadow import DEFAULT_MIN_TOKENS as DEFAULT_SHADOW_MIN_TOKENS
 from services.router.shadow import DEFAULT_QUEUE_SIZE as DEFAULT_SHADOW_QUEUE
 from services.router.shadow import DEFAULT_THRESHOLD_PCT as DEFAULT_SHADOW_THRESHOLD_PCT
 from services.router.shadow import DEFAULT_WINDOW_TOKENS as DEFAULT_SHADOW_WINDOW
-from services.router.shadow import JUDGES
 from services.router.types import Finished, GenerationRequest, TokenOut, trace_context_of
 from services.telemetry.federation import register_upstreams
 
@@ -228,6 +228,10 @@ def add_shadow_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shadow-min-tokens", type=int, default=None, metavar="N",
                        help=f"tokens a window needs before it is judged (default {DEFAULT_SHADOW_MIN_TOKENS})")
     group.add_argument("--shadow-seed", type=int, default=None, help="seed of the pick of mirrored requests")
+    group.add_argument("--shadow-idle-wait", type=float, default=None, metavar="S",
+                       help=f"seconds a mirrored request waits for its groups to have none of this router's "
+                            f"requests in flight (a Score between engine steps delays every stream there) before "
+                            f"it is dropped and counted; 0 scores at once (default {DEFAULT_IDLE_WAIT_S:g})")
     group.add_argument("--shadow-judge", choices=JUDGES, default=None,
                        help="the window a pair's alert is judged on: 'prompt' (default: the prompt's tokens, "
                             "which the incumbent scores too; unbiased) or 'generated' (the incumbent's own "
@@ -235,7 +239,7 @@ def add_shadow_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SHADOW_FLAGS = ("shadow_fraction", "shadow_threshold_pct", "shadow_queue", "shadow_window_tokens",
-                "shadow_min_tokens", "shadow_seed", "shadow_judge")
+                "shadow_min_tokens", "shadow_seed", "shadow_judge", "shadow_idle_wait")
 
 
 def shadow_flags(args: argparse.Namespace) -> list[str]:

@@ -31,6 +31,13 @@ text, chosen by neither group. So (``judge="prompt"``, the default) the incumben
 a perplexity delta on live text of the kind the gate measures on the golden set, and the one the
 alert is judged on. ``judge="generated"`` skips that Score and judges the generated window.
 
+**Only between a group's requests.** A worker runs a ``Score`` between its engine steps, so a
+prefill of a mirrored request on a group that is decoding delays every stream there by that
+long. The mirror therefore scores a job only once every group it needs (the candidates, and the
+incumbent for the prompt) has none of this router's requests in flight, waiting up to
+``idle_wait_s`` for that; a job that waited longer is dropped and counted like one that found the
+queue full. ``idle_wait_s`` 0 scores at once, whatever the groups are doing.
+
 Candidates: ``ShadowConfig.candidate_group_ids`` when given (the incumbent itself excluded), else
 every other routable group serving the same model whose plan (dtype, tp, pp) differs from the
 incumbent's. A named candidate that is unknown, unroutable or serves another model is skipped.
@@ -48,7 +55,6 @@ the telemetry client); metrics go to a :class:`ShadowObserver`.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import queue
@@ -60,8 +66,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.errors import InvalidArgument
-from services.common.logprob_comparison import perplexity_delta_pct
 from services.router.replicas import ReplicaGroupView, ReplicaSet
+from services.router.shadow_window import ShadowWindow, WindowFigures
 from services.telemetry.rules import Alert, AlertKind, GroupStatus
 
 log = logging.getLogger(__name__)
@@ -71,6 +77,8 @@ DEFAULT_WINDOW_TOKENS = 4096
 DEFAULT_MIN_TOKENS = 512
 DEFAULT_THRESHOLD_PCT = 0.5
 JUDGES = ("prompt", "generated")  # which of a pair's windows the alert is judged on
+DEFAULT_IDLE_WAIT_S = 5.0
+IDLE_POLL_S = 0.01
 ALERT_RETRY_S = 10.0  # between attempts to deliver a pair's alert while telemetry is unreachable
 
 
@@ -87,6 +95,7 @@ class ShadowConfig:
     seed: int | None = None
     score_timeout_s: float = 60.0
     judge: str = "prompt"
+    idle_wait_s: float = DEFAULT_IDLE_WAIT_S
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
@@ -100,6 +109,8 @@ class ShadowConfig:
                                   f"{self.window_tokens}], got {self.min_tokens}")
         if not self.threshold_pct >= 0.0:  # NaN too
             raise InvalidArgument(f"--shadow-threshold-pct must be >= 0, got {self.threshold_pct}")
+        if not self.idle_wait_s >= 0.0:
+            raise InvalidArgument(f"--shadow-idle-wait must be >= 0, got {self.idle_wait_s}")
         if self.judge not in JUDGES:
             raise InvalidArgument(f"--shadow-judge is one of {', '.join(JUDGES)}, got {self.judge!r}")
         if self.score_timeout_s <= 0:
@@ -140,91 +151,6 @@ class CandidateScore(Protocol):
 ScoreFn = Callable[[str, str, list[int], int, float], CandidateScore]
 # delivers an alert to telemetry; raises on failure
 AlertFn = Callable[[Alert], None]
-
-
-@dataclass(frozen=True)
-class WindowFigures:
-    """A pair's rolling window; ``top1_agreement`` over ``greedy_tokens`` (NaN when none)."""
-
-    tokens: int
-    greedy_tokens: int
-    incumbent_perplexity: float
-    candidate_perplexity: float
-    perplexity_delta_pct: float
-    mean_abs_logprob_delta: float
-    top1_agreement: float
-
-
-class ShadowWindow:
-    """The newest ``capacity`` mirrored positions of one (incumbent, candidate) pair: per position
-    the incumbent's logprob, the candidate's, and (greedy requests) whether the candidate's argmax
-    is the incumbent's token. Not thread-safe: the mirror's thread owns it.
-
-    The sums behind the figures are kept as positions come and go, so a request costs its own
-    positions, not the window's (the mirror's thread shares the router's GIL); every ``capacity``
-    positions they are summed afresh, so that rounding cannot build up."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._positions: collections.deque[tuple[float, float, bool | None]] = collections.deque()
-        self._incumbent_sum = self._candidate_sum = self._abs_sum = 0.0
-        self._greedy = self._agree = 0
-        self._since_resum = 0
-
-    def __len__(self) -> int:
-        return len(self._positions)
-
-    def add(self, incumbent_logprobs: Sequence[float], candidate_logprobs: Sequence[float],
-            agreement: Sequence[bool] | None = None) -> None:
-        """Positions of one request; ``agreement`` per position for a greedy request, else None."""
-        if len(incumbent_logprobs) != len(candidate_logprobs):
-            raise ValueError(f"{len(incumbent_logprobs)} incumbent and {len(candidate_logprobs)} candidate positions")
-        if agreement is not None and len(agreement) != len(incumbent_logprobs):
-            raise ValueError(f"{len(agreement)} agreement flags for {len(incumbent_logprobs)} positions")
-        flags = agreement if agreement is not None else [None] * len(incumbent_logprobs)
-        positions = self._positions
-        for position in zip(incumbent_logprobs, candidate_logprobs, flags):
-            self._account(position, 1)
-            positions.append(position)
-            if len(positions) > self.capacity:
-                self._account(positions.popleft(), -1)
-        self._since_resum += len(incumbent_logprobs)
-        if self._since_resum >= self.capacity:
-            self._resum()
-
-    def _account(self, position: tuple[float, float, bool | None], sign: int) -> None:
-        inc, cand, same = position
-        self._incumbent_sum += sign * inc
-        self._candidate_sum += sign * cand
-        self._abs_sum += sign * abs(inc - cand)
-        if same is not None:
-            self._greedy += sign
-            self._agree += sign * same
-
-    def _resum(self) -> None:
-        self._incumbent_sum = self._candidate_sum = self._abs_sum = 0.0
-        self._greedy = self._agree = self._since_resum = 0
-        for position in self._positions:
-            self._account(position, 1)
-
-    def figures(self) -> WindowFigures | None:
-        """The window's figures; None while it is empty."""
-        n = len(self._positions)
-        if not n:
-            return None
-        inc_sum, cand_sum, greedy = self._incumbent_sum, self._candidate_sum, self._greedy
-        return WindowFigures(tokens=n, greedy_tokens=greedy, incumbent_perplexity=_perplexity(inc_sum, n),
-                             candidate_perplexity=_perplexity(cand_sum, n),
-                             perplexity_delta_pct=perplexity_delta_pct(inc_sum, cand_sum, n),
-                             mean_abs_logprob_delta=max(0.0, self._abs_sum) / n,
-                             top1_agreement=self._agree / greedy if greedy else math.nan)
-
-
-def _perplexity(logprob_sum: float, n: int) -> float:
-    try:
-        return math.exp(-logprob_sum / n)
-    except OverflowError:
-        return math.inf
 
 
 def generated_positions(job: ShadowJob, score: CandidateScore) -> tuple[list[float], list[int]]:
@@ -277,6 +203,8 @@ class ShadowMirror:
         self._lock = threading.Lock()  # guards _pairs and the counters for readers on other threads
         self.offered = self.dropped = self.compared = self.failed = self.skipped = 0
         self.alerts_raised = self.alerts_failed = 0
+        self.busy = 0  # of the dropped: the groups stayed busy for idle_wait_s
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="shadow-mirror", daemon=True)
         self._started = False
 
@@ -290,6 +218,7 @@ class ShadowMirror:
         """Stop the thread after the job at hand; queued jobs are dropped (not counted)."""
         if not self._started:
             return
+        self._stopping = True
         while True:
             try:
                 self._queue.get_nowait()
@@ -374,7 +303,16 @@ class ShadowMirror:
             return
         ids = [*job.prompt_ids, *job.generated_ids]
         candidates = self.candidates(job)
-        prompt = self._incumbent_prompt(job) if candidates and self.config.judge == "prompt" else None
+        if not candidates:
+            return
+        judge_prompt = self.config.judge == "prompt"
+        if not self._wait_idle([*([job.incumbent] if judge_prompt else []), *(gid for gid, _ in candidates)]):
+            self.busy += 1
+            self.dropped += 1
+            if self.observer is not None:
+                self.observer.dropped()
+            return
+        prompt = self._incumbent_prompt(job) if judge_prompt else None
         for candidate, address in candidates:
             try:
                 answer = self.score(address, f"shadow-{job.request_id}", ids, 1, self.config.score_timeout_s)
@@ -388,6 +326,23 @@ class ShadowMirror:
             agreement = [a == t for a, t in zip(argmax, job.generated_ids)] if job.greedy else None
             self._count("compared", job.incumbent, candidate, len(logprobs))
             self._update(job.incumbent, candidate, job.incumbent_logprobs, logprobs, agreement, prompt_pair)
+
+    def _idle(self, group_ids: Sequence[str]) -> bool:
+        """None of this router's requests is in flight on any of ``group_ids``."""
+        with self.replicas.lock:
+            views = [self.replicas.by_group_id(gid) for gid in group_ids]
+        return all(view is None or view.kv_bytes_reserved == 0 for view in views)
+
+    def _wait_idle(self, group_ids: Sequence[str]) -> bool:
+        """Whether ``group_ids`` went idle within ``idle_wait_s`` (at once when it is 0)."""
+        if self.config.idle_wait_s <= 0:
+            return True
+        deadline = time.monotonic() + self.config.idle_wait_s
+        while not self._idle(group_ids):
+            if time.monotonic() >= deadline or self._stopping:
+                return False
+            time.sleep(IDLE_POLL_S)
+        return True
 
     def _incumbent_prompt(self, job: ShadowJob) -> list[float] | None:
         """The incumbent's logprobs of the prompt's tokens (its worker's Score), or None (a prompt

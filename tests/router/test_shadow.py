@@ -21,7 +21,8 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.common.logprob_comparison import compare
 from services.common.proto import telemetry_pb2
 from services.router.replicas import GroupStatus, ReplicaSet
-from services.router.shadow import ShadowConfig, ShadowJob, ShadowMirror, ShadowWindow, generated_positions
+from services.router.shadow import ShadowConfig, ShadowJob, ShadowMirror, generated_positions
+from services.router.shadow_window import ShadowWindow
 from services.telemetry.rules import Alert, AlertKind
 from tests.router.processes import running_up
 from tests.router.test_quantized_groups import group_dtypes
@@ -266,6 +267,22 @@ def test_the_prompt_window_scores_the_prompt_on_both_groups_and_is_what_is_judge
     assert mirror.prompt_windows()[("rg-a", "rg-b")].tokens == 58 and mirror.windows()[("rg-a", "rg-b")].tokens == 12
     with pytest.raises(InvalidArgument, match="--shadow-judge"):
         ShadowConfig(judge="both")
+
+
+def test_a_job_waits_for_its_groups_to_be_idle_and_is_dropped_when_they_stay_busy():
+    replicas = replica_set(("rg-a", "m", "bfloat16"), ("rg-b", "m", "int8"))
+    scorer = Scorer({"addr-rg-a": 0.0, "addr-rg-b": -0.05})
+    mirror = ShadowMirror(ShadowConfig(fraction=1.0, idle_wait_s=0.2), replicas, scorer)
+    replicas.by_group_id("rg-b").kv_bytes_reserved = 4096  # a request of ours is decoding on the candidate
+    started = time.monotonic()
+    mirror.process(job_of(scorer, "rg-a", 4, 0, prompt_len=10))
+    assert time.monotonic() - started >= 0.2 and not scorer.calls  # nothing was scored on a busy group
+    assert (mirror.dropped, mirror.busy, mirror.compared) == (1, 1, 0)
+    replicas.by_group_id("rg-b").kv_bytes_reserved = 0
+    mirror.process(job_of(scorer, "rg-a", 4, 1, prompt_len=10))
+    assert mirror.compared == 1 and mirror.dropped == 1
+    with pytest.raises(InvalidArgument, match="--shadow-idle-wait"):
+        ShadowConfig(idle_wait_s=-1.0)
 
 
 # ---- end to end: `shardline up` with two plans -------------------------------------------
