@@ -52,16 +52,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import machine, smollm2_dir, write_results
 from bench.soak import Stack, ports_for
 from services.common.logprob_comparison import percentile
+from services.modeling.golden_set import golden_text
 from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = ("bfloat16", "int8")  # incumbent, candidate
+PASSAGE_CHARS = 1200
 
 
-def prompts() -> list[str]:
-    """Openings of the paragraphs of Python's own reference prose (the golden set's source)."""
-
+def prompts(kind: str = "golden") -> list[str]:
+    """The clients' prompts. ``golden``: consecutive ~1,200-character passages (about 256 tokens)
+    of the golden set's own text, so that the prompt window measures the gate's kind of text at a
+    context of a few hundred tokens; ``openings``: the first 160 characters of each paragraph of
+    the same reference prose (short contexts, where each position has seen little)."""
+    if kind == "golden":
+        text = golden_text()
+        return [text[i:i + PASSAGE_CHARS] for i in range(0, len(text) - PASSAGE_CHARS, PASSAGE_CHARS)]
     out = []
     for text in topics.values():
         for para in text.split("\n\n"):
@@ -196,7 +203,7 @@ def paired(on: list[float], off: list[float], *, samples: int = 2000, seed: int 
 
 def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model_dir = smollm2_dir()
-    texts = prompts()
+    texts = prompts(args.prompts)
     lengths = (args.min_tokens, args.max_tokens)
     window = max(4096, 4 * args.requests * args.max_tokens)  # holds every compared request of the pair
     ports = ports_for(None, 2)
@@ -307,7 +314,8 @@ def markdown(p: dict[str, Any]) -> str:
                   f"queue: "
                   f"{p['dropped']:.0f} of {p['mirrored_total']:.0f} picked.", "",
               f"Client TPOT, {len(t['rounds'])} paired rounds (order alternating), each {s['streams']} streams x "
-              f"{s['per_stream']} greedy completions of {s['min_tokens']}-{s['max_tokens']} tokens:", "",
+              f"{s['per_stream']} greedy completions of {s['min_tokens']}-{s['max_tokens']} tokens after "
+              f"{s['prompts']} prompts:", "",
               "| round | order | TPOT on (ms) | TPOT off (ms) | on / off |", "|---|---|---|---|---|"]
     for i, (r, ratio) in enumerate(zip(t["rounds"], t["ratios"])):
         lines.append(f"| {i} | {'/'.join(r['order'])} | {r['on']['median_tpot_ms']:.2f} | "
@@ -323,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.shadow", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="mirrored requests of the pair (default 200)")
     parser.add_argument("--rounds", type=int, default=6, help="paired TPOT rounds (default 6)")
+    parser.add_argument("--prompts", choices=("golden", "openings"), default="golden",
+                        help="the clients' prompts: passages of the golden text (default) or paragraph openings")
     parser.add_argument("--streams", type=int, default=4, help="client threads per round (default 4)")
     parser.add_argument("--per-stream", type=int, default=4, help="requests per client thread a round (default 4)")
     parser.add_argument("--min-tokens", type=int, default=16, help="shortest completion (default 16)")

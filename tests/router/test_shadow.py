@@ -320,8 +320,8 @@ def shadow_stack(tmp_path_factory):
 
 def complete(http: str, i: int, max_tokens: int = 16) -> str:
     response = httpx.post(f"{http}/v1/completions", json={
-        "model": "tiny-llama", "prompt": f"shadow story {i}: the quick brown fox jumps over the lazy dog", "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True}, timeout=60)
+        "model": "tiny-llama", "prompt": f"shadow story {i}: the quick brown fox jumps over the lazy dog",
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}, timeout=60)
     assert response.status_code == 200, response.text
     return response.headers["x-shardline-replica-group-id"]
 
