@@ -119,6 +119,7 @@ class ReplicaGroupView:
     # running sums over ``reservations`` (the pick reads them for every group on every request)
     kv_bytes_reserved: int = 0  # Σ estimates of our unfinished requests here
     kv_bytes_materialized: int = 0  # Σ of their parts already inside kv_bytes_used
+    shadow_scores: int = 0  # the shadow mirror's Scores running there now (the pick avoids the group)
     routable: bool = False  # status.routable, kept as a plain bool for the pick's inner loop
 
     def __post_init__(self) -> None:

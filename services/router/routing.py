@@ -61,10 +61,11 @@ def fits_group(view: ReplicaGroupView, prompt_tokens: int, max_tokens: int) -> b
 
 
 def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int) -> ReplicaGroupView | None:
-    """The routable group with the lowest utilization whose headroom covers the estimate."""
+    """The routable group with the lowest utilization whose headroom covers the estimate, one
+    that is not running a shadow Score first (a Score holds its engine between two steps)."""
     tokens = prompt_tokens + max_tokens
     best: ReplicaGroupView | None = None
-    best_key: tuple[float, str] | None = None
+    best_key: tuple[bool, float, str] | None = None
     for view in views:
         capacity = view.kv_bytes_capacity
         need = tokens * view.kv_bytes_per_token
@@ -73,7 +74,7 @@ def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int)
         committed = view.kv_bytes_used + view.kv_bytes_reserved - view.kv_bytes_materialized
         if capacity - committed < need:
             continue
-        key = (committed / capacity, view.replica_group_id)
+        key = (view.shadow_scores > 0, committed / capacity, view.replica_group_id)
         if best_key is None or key < best_key:
             best, best_key = view, key
     return best

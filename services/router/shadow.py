@@ -36,7 +36,8 @@ prefill of a mirrored request on a group that is decoding delays every stream th
 long. The mirror therefore scores a job only once every group it needs (the candidates, and the
 incumbent for the prompt) has none of this router's requests in flight, waiting up to
 ``idle_wait_s`` for that; a job that waited longer is dropped and counted like one that found the
-queue full. ``idle_wait_s`` 0 scores at once, whatever the groups are doing.
+queue full. ``idle_wait_s`` 0 scores at once, whatever the groups are doing. While a Score runs
+on a group, the router's pick sends new requests to another group that can take them.
 
 Candidates: ``ShadowConfig.candidate_group_ids`` when given (the incumbent itself excluded), else
 every other routable group serving the same model whose plan (dtype, tp, pp) differs from the
@@ -55,13 +56,14 @@ the telemetry client); metrics go to a :class:`ShadowObserver`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -315,7 +317,8 @@ class ShadowMirror:
         prompt = self._incumbent_prompt(job) if judge_prompt else None
         for candidate, address in candidates:
             try:
-                answer = self.score(address, f"shadow-{job.request_id}", ids, 1, self.config.score_timeout_s)
+                with self._scoring(candidate):
+                    answer = self.score(address, f"shadow-{job.request_id}", ids, 1, self.config.score_timeout_s)
                 logprobs, argmax = generated_positions(job, answer)
                 prompt_pair = (prompt, [float(lp) for lp in answer.logprobs[:len(prompt)]]) if prompt else None
             except Exception as exc:  # noqa: BLE001 - any failure of the candidate is counted, not raised
@@ -326,6 +329,20 @@ class ShadowMirror:
             agreement = [a == t for a, t in zip(argmax, job.generated_ids)] if job.greedy else None
             self._count("compared", job.incumbent, candidate, len(logprobs))
             self._update(job.incumbent, candidate, job.incumbent_logprobs, logprobs, agreement, prompt_pair)
+
+    @contextlib.contextmanager
+    def _scoring(self, group_id: str) -> Iterator[None]:
+        """Marks ``group_id`` as running a shadow Score, so that new requests go elsewhere meanwhile."""
+        with self.replicas.lock:
+            view = self.replicas.by_group_id(group_id)
+            if view is not None:
+                view.shadow_scores += 1
+        try:
+            yield
+        finally:
+            if view is not None:
+                with self.replicas.lock:
+                    view.shadow_scores -= 1
 
     def _idle(self, group_ids: Sequence[str]) -> bool:
         """None of this router's requests is in flight on any of ``group_ids``."""
@@ -354,8 +371,9 @@ class ShadowMirror:
         if view is None:
             return None
         try:
-            answer = self.score(view.address, f"shadow-{job.request_id}-incumbent", list(job.prompt_ids), 0,
-                                self.config.score_timeout_s)
+            with self._scoring(job.incumbent):
+                answer = self.score(view.address, f"shadow-{job.request_id}-incumbent", list(job.prompt_ids), 0,
+                                    self.config.score_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the generated window is still worth filling
             log.warning("shadow: scoring the prompt of %s on its incumbent %s failed: %s", job.request_id,
                         job.incumbent, exc)

@@ -40,6 +40,15 @@ def test_pick_takes_the_lowest_utilization_among_groups_with_headroom():
     assert pick([a, c], 100, 100) is a  # a: 320 free, c: 40 free
 
 
+def test_a_group_running_a_shadow_score_is_picked_only_when_no_other_can_take_the_request():
+    a, b = view("a", used_tokens=0), view("b", used_tokens=320)
+    a.shadow_scores = 1  # the least utilized, but its engine is busy with a mirrored Score
+    assert pick([a, b], 10, 10) is b
+    assert pick([a, b], 200, 200) is a  # b has 320 tokens free: only a fits
+    a.shadow_scores = 0
+    assert pick([a, b], 10, 10) is a
+
+
 def test_groups_with_different_plans_compare_by_their_own_bytes_per_token():
     # same bytes in use; the TP4 group pays a quarter per token, so its estimate is smaller
     small = view("tp1", used_tokens=0, capacity_tokens=100, bpt=4 * BPT)
