@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 from functools import partial
-from typing import TypeVar
 
 from services.common.config import resolve
 from services.common.errors import InvalidArgument
@@ -29,21 +28,17 @@ from services.router.metrics import RouterMetrics, ShadowMetrics
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
-from services.router.shadow import (
-    DEFAULT_IDLE_WAIT_S,
-    DEFAULT_MIN_TOKENS,
-    DEFAULT_QUEUE_SIZE,
-    DEFAULT_THRESHOLD_PCT,
-    DEFAULT_WINDOW_TOKENS,
-    ShadowConfig,
-    ShadowMirror,
-)
+from services.router.shadow import ShadowConfig, ShadowMirror
 from services.router.worker_client import UpstreamScore, UpstreamStream, WorkerClient
 from services.telemetry.client import raise_alert
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 ALERT_TIMEOUT_S = 2.0  # the mirror's thread waits at most this long on telemetry per attempt
+# `serve router` flag (argparse dest) -> ShadowConfig field
+SHADOW_CONFIG_FIELDS = {"shadow_fraction": "fraction", "shadow_queue": "queue_size",
+                        "shadow_window_tokens": "window_tokens", "shadow_min_tokens": "min_tokens",
+                        "shadow_threshold_pct": "threshold_pct", "shadow_seed": "seed", "shadow_judge": "judge",
+                        "shadow_idle_wait": "idle_wait_s"}
 
 
 class RouterProcess:
@@ -182,14 +177,9 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
     if args.max_continuations < 0:
         raise InvalidArgument(f"--max-continuations must be >= 0, got {args.max_continuations}")
     groups = tuple(getattr(args, "shadow_group", None) or ())
-    shadow = ShadowConfig(
-        fraction=_or(getattr(args, "shadow_fraction", None), 0.0), candidate_group_ids=groups,
-        queue_size=_or(getattr(args, "shadow_queue", None), DEFAULT_QUEUE_SIZE),
-        window_tokens=_or(getattr(args, "shadow_window_tokens", None), DEFAULT_WINDOW_TOKENS),
-        min_tokens=_or(getattr(args, "shadow_min_tokens", None), DEFAULT_MIN_TOKENS),
-        threshold_pct=_or(getattr(args, "shadow_threshold_pct", None), DEFAULT_THRESHOLD_PCT),
-        seed=getattr(args, "shadow_seed", None), judge=_or(getattr(args, "shadow_judge", None), "prompt"),
-        idle_wait_s=_or(getattr(args, "shadow_idle_wait", None), DEFAULT_IDLE_WAIT_S))
+    given = {field: value for flag, field in SHADOW_CONFIG_FIELDS.items()
+             if (value := getattr(args, flag, None)) is not None}
+    shadow = ShadowConfig(candidate_group_ids=groups, **given)  # a flag not given: the config's default
     if groups and not shadow.enabled:
         raise InvalidArgument("--shadow-group needs --shadow-fraction > 0")
     telemetry = resolve("telemetry_addr", getattr(args, "telemetry", None), "")
@@ -200,6 +190,3 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
                          metrics_auth=resolve("metrics_auth", getattr(args, "metrics_auth", None), False),
                          shadow=shadow, telemetry_address=telemetry)
 
-
-def _or(value: T | None, default: T) -> T:
-    return default if value is None else value

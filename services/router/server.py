@@ -28,7 +28,7 @@ from services.router.admission import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT_S, Req
 from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelDirError
 from services.router.edge import DEFAULT_MAX_BODY_BYTES
-from services.router.process import RouterProcess, build_process
+from services.router.process import SHADOW_CONFIG_FIELDS, RouterProcess, build_process
 from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
 from services.router.shadow import DEFAULT_IDLE_WAIT_S, JUDGES
@@ -238,8 +238,7 @@ def add_shadow_arguments(parser: argparse.ArgumentParser) -> None:
                             "tokens: its choices favour it, so the delta reads high)")
 
 
-SHADOW_FLAGS = ("shadow_fraction", "shadow_threshold_pct", "shadow_queue", "shadow_window_tokens",
-                "shadow_min_tokens", "shadow_seed", "shadow_judge", "shadow_idle_wait")
+SHADOW_FLAGS = tuple(SHADOW_CONFIG_FIELDS)  # the value flags; --shadow-group is repeatable
 
 
 def shadow_flags(args: argparse.Namespace) -> list[str]:

@@ -290,27 +290,21 @@ class WorkerClient:
     async def score(self, request_id: str, token_ids: list[int], top_logprobs: int) -> UpstreamScore:
         """The worker's Score (a no-cache prefill between its engine steps), on the event loop.
         A failure raises the domain error of its status (UNAVAILABLE: WorkerFailed)."""
-        request = worker_pb2.ScoreRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=token_ids),
-                                          top_logprobs=top_logprobs)
         try:
-            r = await self._aio().Score(request)
+            r = await self._aio().Score(_score_request(request_id, token_ids, top_logprobs))
         except grpc.aio.AioRpcError as exc:
             raise error_for_status(exc.code(), exc.details() or "", self.address, generated=[]) from None
-        return UpstreamScore(list(r.logprobs), [[(a.token_id, a.logprob) for a in at.alternatives]
-                                                for at in r.top_logprobs], r.nll, r.perplexity)
+        return _upstream_score(r)
 
     def score_blocking(self, request_id: str, token_ids: list[int], top_logprobs: int,
                        timeout_s: float) -> UpstreamScore:
         """The same Score on the blocking channel, for a thread of its own (the shadow mirror's),
         so that decoding the answer never runs on the event loop."""
-        request = worker_pb2.ScoreRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=token_ids),
-                                          top_logprobs=top_logprobs)
         try:
-            r = self._stub.Score(request, timeout=timeout_s)
+            r = self._stub.Score(_score_request(request_id, token_ids, top_logprobs), timeout=timeout_s)
         except grpc.RpcError as exc:
             raise error_for_status(exc.code(), exc.details() or "", self.address, generated=[]) from None
-        return UpstreamScore(list(r.logprobs), [[(a.token_id, a.logprob) for a in at.alternatives]
-                                                for at in r.top_logprobs], r.nll, r.perplexity)
+        return _upstream_score(r)
 
     def _aio(self) -> worker_pb2_grpc.WorkerServiceStub:
         if self._aio_stub is None:
@@ -339,3 +333,13 @@ class WorkerClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _score_request(request_id: str, token_ids: list[int], top_logprobs: int) -> worker_pb2.ScoreRequest:
+    return worker_pb2.ScoreRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=token_ids),
+                                   top_logprobs=top_logprobs)
+
+
+def _upstream_score(r: worker_pb2.ScoreResponse) -> UpstreamScore:
+    return UpstreamScore(list(r.logprobs), [[(a.token_id, a.logprob) for a in at.alternatives]
+                                            for at in r.top_logprobs], r.nll, r.perplexity)
