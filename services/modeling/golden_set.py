@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data import topics as pydoc_topics
@@ -39,36 +39,36 @@ def _is_prose(paragraph: str) -> bool:
     return letters >= MIN_PROSE_SHARE * len(paragraph) and len(paragraph) >= 80
 
 
+def _prose(pages: Iterable[str]) -> str:
+    """The prose paragraphs of ``pages``, in order, each joined into one line."""
+    return "\n".join(" ".join(line.strip() for line in block.splitlines())
+                     for page in pages for block in page.split("\n\n") if _is_prose(block))
+
+
 def golden_text() -> str:
     """The prose of every topic, in the order of their names, one paragraph a line."""
-    paragraphs: list[str] = []
-    for name in sorted(pydoc_topics.topics):
-        for block in pydoc_topics.topics[name].split("\n\n"):
-            if _is_prose(block):
-                paragraphs.append(" ".join(line.strip() for line in block.splitlines()))
-    return "\n".join(paragraphs)
+    return _prose(pydoc_topics.topics[name] for name in sorted(pydoc_topics.topics))
 
 
-def calibration_text() -> str:
-    """Text to calibrate quantization on, never the golden set's: the prose of the docstrings of
-    the standard library's own modules (read from their source, nothing imported), in file order,
-    one paragraph a line. Also English with Python words in it, but other pages by other authors
-    (the golden text is the language reference), so a gate on the golden set measures what the
-    calibration did not see."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paragraphs: list[str] = []
-    for path in sorted(root.glob("*.py")):
+def _stdlib_docstrings() -> Iterator[str]:
+    """The module, class and function docstrings of the standard library's top-level modules,
+    read from their source (nothing is imported), in file order."""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
-                                                                          ast.AsyncFunctionDef)))]
-        for node in nodes:
-            for block in (ast.get_docstring(node) or "").split("\n\n"):
-                if _is_prose(block):
-                    paragraphs.append(" ".join(line.strip() for line in block.splitlines()))
-    return "\n".join(paragraphs)
+        for node in ast.walk(tree):  # the module first
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield ast.get_docstring(node) or ""
+
+
+def calibration_text() -> str:
+    """Text to calibrate quantization on, never the golden set's: the prose of the docstrings of
+    the standard library's own modules, one paragraph a line. Also English with Python words in
+    it, but other pages by other authors (the golden text is the language reference), so a gate
+    on the golden set measures what the calibration did not see."""
+    return _prose(_stdlib_docstrings())
 
 
 def fingerprint(text: str) -> str:
