@@ -25,14 +25,13 @@ import time
 
 import grpc
 
-from services.cli.gate import record
 from services.common.errors import ShardlineError
 from services.common.logging import configure_logging
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS
 from services.telemetry.client import raise_alert
 from services.telemetry.rules import Alert, AlertKind, GroupStatus
 from services.worker.drift_check import DEFAULT_DRIFT_CHUNKS, DEFAULT_REFERENCE, DriftChecker, serving_groups
-from services.worker.plan_scoring import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_THRESHOLD_PCT, GateResult
+from services.worker.plan_scoring import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_THRESHOLD_PCT, GateResult, record_gate
 
 log = logging.getLogger("shardline.drift")
 
@@ -116,7 +115,7 @@ class DriftMonitor:
                  c.perplexity_delta_pct, v.delta_interval_pct[1], v.threshold_pct, c.top1_agreement)
         if self.record_results:
             try:
-                record(result, self.checker.registry_url, migrate_schema=not self.schema_ready)
+                record_gate(result, self.checker.registry_url, migrate_schema=not self.schema_ready)
             except Exception as exc:  # the registry may be down; the verdict still alerts
                 log.warning("group %s: verdict not recorded: %s: %s", group, type(exc).__name__, exc)
             else:

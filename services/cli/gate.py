@@ -33,9 +33,9 @@ import json
 from services.cli.compare import add_golden_arguments, figure_lines, figures_json, score_both
 from services.cli.score import exit_code_for
 from services.common.errors import InvalidArgument
-from services.common.registry import QualityGateResult, ShardRegistry
+from services.common.registry import QualityGateResult
 from services.worker.drift_check import DEFAULT_REFERENCE, DriftChecker, drift_history, group_label
-from services.worker.plan_scoring import DEFAULT_THRESHOLD_PCT, GateResult, run_gate
+from services.worker.plan_scoring import DEFAULT_THRESHOLD_PCT, GateResult, record_gate, run_gate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,21 +58,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="resamples for the delta's 95%% interval (default 1000)")
     parser.add_argument("--no-record", action="store_true", help="do not record the verdict")
     parser.set_defaults(func=run)
-
-
-def record(result: GateResult, registry_url: str | None, *, migrate_schema: bool = True) -> QualityGateResult:
-    c, v = result.comparison, result.verdict
-    with ShardRegistry(registry_url, migrate_schema=migrate_schema) as registry:
-        return registry.record_gate_result(
-            model_name=result.reference.model_name, reference=result.reference.plan,
-            candidate=result.candidate.plan, candidate_dtype=result.candidate.dtype,
-            text_fingerprint=result.golden.text_fingerprint, chunks=c.chunks, scored_tokens=c.scored_tokens,
-            reference_perplexity=c.reference_perplexity, candidate_perplexity=c.candidate_perplexity,
-            perplexity_delta_pct=c.perplexity_delta_pct, delta_low_pct=v.delta_interval_pct[0],
-            delta_high_pct=v.delta_interval_pct[1], mean_abs_logprob_delta=c.mean_abs_logprob_delta,
-            p99_abs_logprob_delta=c.p99_abs_logprob_delta, top1_agreement=c.top1_agreement,
-            threshold_pct=v.threshold_pct, min_top1_agreement=v.min_top1_agreement, passed=v.passed,
-            reasons="\n".join(v.reasons))
 
 
 def verdict_lines(result: GateResult, recorded: QualityGateResult | None) -> list[str]:
@@ -110,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return show_history(args)
     with exit_code_for("gate") as failed:
         result = gate_args(args)
-        recorded = None if args.no_record else record(result, args.registry_url)
+        recorded = None if args.no_record else record_gate(result, args.registry_url)
     if failed:
         return failed.code
     reference, candidate, golden = result.reference, result.candidate, result.golden

@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     services = ", ".join(f"{name} ({port})" for name, port in DEFAULT_PORTS.items())
     parser = subparsers.add_parser(
         "serve",
-        help="run one gRPC service (router, worker, planner, loader, telemetry)",
+        help="run one gRPC service (router, worker, planner, loader, telemetry, fleet)",
         description=f"Run one shardline gRPC service until SIGTERM/SIGINT. Services and default "
                     f"ports: {services}. `shardline serve NAME --help` lists that service's flags.",
     )

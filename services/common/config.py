@@ -28,6 +28,7 @@ DEFAULT_PORTS: dict[str, int] = {
     "planner": 50053,
     "loader": 50054,
     "telemetry": 50055,
+    "fleet": 50056,
 }
 
 # Internal services bind loopback unless told otherwise: nothing is exposed by accident.

@@ -1,8 +1,9 @@
 """Find replica groups in the shard registry (``replica_groups.endpoint``), besides --worker flags.
 
-Every ``interval_s`` the newest registry row of each endpoint is read: a new endpoint gets a
-view and a poller (through ``on_endpoint``), and the row's status (``draining``, ``dead``) feeds
-the view's status. Rows whose group id differs from what the worker at that address reports
+Every ``interval_s`` (and once before the router serves) the newest registry row of each
+endpoint is read: a new endpoint gets a view and a poller (through ``on_endpoint``), and the
+row's status (``provisioning`` before a fleet controller puts it in rotation, ``draining``,
+``dead``) feeds the view's status. A row that is already dead when first seen gets no view. Rows whose group id differs from what the worker at that address reports
 (an older group that once lived there) are ignored.
 """
 
@@ -39,6 +40,10 @@ class RegistryDiscovery:
         self._thread = threading.Thread(target=self._run, name="registry-discovery", daemon=True)
 
     def start(self) -> RegistryDiscovery:
+        try:  # the groups already registered are known before the router reports SERVING
+            self.discover_once()
+        except Exception as exc:  # noqa: BLE001 - an outage: the thread keeps trying
+            log.warning("registry discovery failed: %s", exc)
         self._thread.start()
         return self
 
@@ -61,6 +66,8 @@ class RegistryDiscovery:
             if group.endpoint:
                 newest[dialable(group.endpoint)] = (group.name or str(group.replica_group_id), group.status)
         for address, (name, status) in newest.items():
+            if status == "dead" and not any(v.address == address for v in self.replicas.views()):
+                continue  # a group that died before we saw it: nothing to route to or poll
             view, created = self.replicas.add(address)
             if created:
                 log.info("discovered replica group %s at %s in the registry", name, address)

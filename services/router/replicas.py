@@ -196,6 +196,8 @@ class ReplicaGroupView:
             return GroupStatus.UNHEALTHY, self.failed
         if self.registry_status == "dead":
             return GroupStatus.DEAD, "dead in the registry"
+        if self.registry_status == "provisioning":  # loaded, but not yet put in rotation
+            return GroupStatus.PROVISIONING, "provisioning in the registry"
         if not self.reported_at:
             return GroupStatus.PROVISIONING, self.stats_error or "no Stats report yet"
         if self.stats_error:

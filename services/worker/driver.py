@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_field
-from services.common.registry import ShardRegistry, registry_group_id
+from services.common.registry import ShardRegistry, registry_group_id, to_registry_dtype
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
 from services.worker.engine.bootstrap import build_engine, start_rank
@@ -46,6 +46,9 @@ class ServingOptions:
     endpoint: str = ""
     model_name: str = ""
     telemetry: ShipperConfig | None = None  # ship CollectiveEvents to a telemetry service
+    # a fleet controller made the group's registry row and puts it in rotation itself (after
+    # its checks): the group registers its shards and stays ``provisioning`` until then
+    await_rotation: bool = False
 
 
 class ReplicaDriver:
@@ -101,16 +104,21 @@ class ReplicaDriver:
         plan = self.spec.plan
         self.registry = ShardRegistry(opts.registry_url, migrate_schema=True)
         group_uuid = registry_group_id(self.replica_group_id)
-        self.registry.create_replica_group(opts.model_name or plan.config.name, plan.tp_degree, plan.pp_degree,
-                                           plan.dtype, self.engine.layout.capacity_bytes,
-                                           name=self.replica_group_id, endpoint=opts.endpoint,
-                                           replica_group_id=group_uuid)
+        capacity = self.engine.layout.capacity_bytes
+        model_name = opts.model_name or plan.config.name
+        adopted = self.registry.adopt_provisioning_group(group_uuid, model_name=model_name, tp_degree=plan.tp_degree,
+                                                         pp_degree=plan.pp_degree, dtype=to_registry_dtype(plan.dtype),
+                                                         kv_cache_cap_bytes=capacity, endpoint=opts.endpoint)
+        if adopted is None:  # started by hand: the group makes its own row
+            self.registry.create_replica_group(model_name, plan.tp_degree, plan.pp_degree, plan.dtype, capacity, name=self.replica_group_id,
+                                               endpoint=opts.endpoint, replica_group_id=group_uuid)
         node = socket.gethostname()
         for pp in range(plan.pp_degree):
             for tp in range(plan.tp_degree):
                 self.registry.register_shard(group_uuid, f"{self.replica_group_id}:pp{pp}-tp{tp}", node, tp, pp,
                                              weight_bytes)
-        self.registry.set_status(group_uuid, "healthy")
+        if not opts.await_rotation:
+            self.registry.set_status(group_uuid, "healthy")
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

@@ -24,7 +24,7 @@ from services.common.logprob_comparison import Comparison, GateVerdict, bootstra
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB
 from services.common.registry import NotFound as RegistryNotFound
-from services.common.registry import ShardRegistry, registry_group_id
+from services.common.registry import QualityGateResult, ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
 from services.worker.engine.bootstrap import load_tokenizer
@@ -188,3 +188,19 @@ def run_gate(reference: PlanScores, candidate: PlanScores, golden: GoldenSet, *,
         min_top1_agreement = DEFAULT_MIN_TOP1
     verdict = gate(comparison, interval, threshold_pct=threshold_pct, min_top1_agreement=min_top1_agreement)
     return GateResult(reference, candidate, golden, comparison, verdict)
+
+
+def record_gate(result: GateResult, registry_url: str | None, *, migrate_schema: bool = True) -> QualityGateResult:
+    """Record a verdict with its figures in the registry (``quality_gate_results``)."""
+    c, v = result.comparison, result.verdict
+    with ShardRegistry(registry_url, migrate_schema=migrate_schema) as registry:
+        return registry.record_gate_result(
+            model_name=result.reference.model_name, reference=result.reference.plan,
+            candidate=result.candidate.plan, candidate_dtype=result.candidate.dtype,
+            text_fingerprint=result.golden.text_fingerprint, chunks=c.chunks, scored_tokens=c.scored_tokens,
+            reference_perplexity=c.reference_perplexity, candidate_perplexity=c.candidate_perplexity,
+            perplexity_delta_pct=c.perplexity_delta_pct, delta_low_pct=v.delta_interval_pct[0],
+            delta_high_pct=v.delta_interval_pct[1], mean_abs_logprob_delta=c.mean_abs_logprob_delta,
+            p99_abs_logprob_delta=c.p99_abs_logprob_delta, top1_agreement=c.top1_agreement,
+            threshold_pct=v.threshold_pct, min_top1_agreement=v.min_top1_agreement, passed=v.passed,
+            reasons="\n".join(v.reasons))

@@ -205,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(env SHARDLINE_ADVERTISE_ADDRESS; default: the bind address)")
     parser.add_argument("--registry-url", default=None,
                         help="shard registry URL (env SHARDLINE_REGISTRY_URL; default: none)")
+    parser.add_argument("--await-rotation", action="store_true",
+                        help="stay 'provisioning' in the registry once loaded: a fleet controller made the "
+                             "group's row and puts it in rotation after its checks")
     parser.add_argument("--redis-url", default=None,
                         help="health store (env SHARDLINE_REDIS_URL; default: none, routers poll Stats)")
     parser.add_argument("--telemetry", default=None, metavar="ADDRESS",
@@ -239,7 +242,7 @@ def serve(args: argparse.Namespace) -> int:
                                  health_url=resolve("redis_url", args.redis_url, "") or None,
                                  endpoint=resolve("advertise_address", args.advertise_address, "") or server.address,
                                  model_name=args.served_model_name or "",
-                                 telemetry=telemetry)
+                                 telemetry=telemetry, await_rotation=args.await_rotation)
         setup_observability(args, SERVICE)
         servicer.driver = ReplicaDriver(spec, options)
         servicer.driver.start()

@@ -232,7 +232,8 @@ def test_server_config_from_args_and_defaults() -> None:
     config = ServerConfig.from_args(parser.parse_args(["--port", "0", "--log-level", "debug"]),
                                     service="worker", environ={"SHARDLINE_PORT": "9"})
     assert (config.port, config.log_level) == (0, "DEBUG")
-    assert DEFAULT_PORTS == {"router": 50051, "worker": 50052, "planner": 50053, "loader": 50054, "telemetry": 50055}
+    assert DEFAULT_PORTS == {"router": 50051, "worker": 50052, "planner": 50053, "loader": 50054, "telemetry": 50055,
+                             "fleet": 50056}
     with pytest.raises(errors.InvalidArgument, match="port must be in"):
         ServerConfig(service="worker", port=70000)
 

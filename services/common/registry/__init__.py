@@ -1,5 +1,5 @@
-"""Shard registry: replica groups, their GPU shards, checkpoint manifests and quality-gate verdicts
-(SQLAlchemy 2).
+"""Shard registry: replica groups, their GPU shards, checkpoint manifests, quality-gate verdicts
+and fleets (SQLAlchemy 2).
 
 PostgreSQL via psycopg 3 (``postgresql+psycopg://``) in production and tests, a SQLite file as
 the embedded default; the schema comes from the Alembic migration (``migrate.upgrade(url)``).
@@ -21,14 +21,23 @@ from .errors import (
     RegistryError,
     ShardNotFound,
 )
+from .fleet_store import FleetNotFound
 from .lifecycle import ALLOWED_TRANSITIONS, GROUP_STATUSES, SHARD_STATUSES
 from .migrate import downgrade, upgrade
-from .records import CheckpointManifest, GpuShard, QualityGateResult, ReplicaGroup, registry_group_id
+from .records import (
+    CheckpointManifest,
+    FleetRevision,
+    FleetRollout,
+    GpuShard,
+    QualityGateResult,
+    ReplicaGroup,
+    registry_group_id,
+)
 from .repository import GroupIsDead, ShardRegistry
 
 __all__ = [
     "ALLOWED_TRANSITIONS", "GROUP_STATUSES", "PROJECT_DTYPES", "REGISTRY_DTYPES", "SHARD_STATUSES",
-    "CheckpointManifest", "Conflict", "DuplicateManifest", "DuplicateShard", "GpuShard",
+    "CheckpointManifest", "Conflict", "FleetNotFound", "FleetRevision", "FleetRollout", "DuplicateManifest", "DuplicateShard", "GpuShard",
     "GroupIsDead", "GroupNotFound", "IllegalTransition", "InvalidValue", "ManifestNotFound",
     "NotFound", "QualityGateResult", "RegistryError", "ReplicaGroup", "ShardNotFound", "ShardRegistry",
     "default_registry_url", "downgrade", "make_engine", "registry_url", "state_dir",

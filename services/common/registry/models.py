@@ -9,7 +9,10 @@ written by the original DDL is still a valid row:
 - ``gpu_shards``: ``status`` (what the rank last reported, see ``SHARD_STATUSES``).
 - ``checkpoint_manifests``: ``manifest_uri`` (unique), ``tp_degree``, ``pp_degree``.
 
-And one table of our own: ``quality_gate_results``, each verdict of the golden-set gate.
+And tables of our own: ``quality_gate_results``, each verdict of the golden-set gate;
+``fleet_revisions``, each applied fleet spec; ``fleet_rollouts``, each move between revisions.
+``replica_groups`` also records ``fleet_name``/``fleet_revision``/``manifest_uri``: what a fleet
+controller built the group from.
 
 The schema itself is created by the Alembic migration in ``migrations/``; a test checks that the
 migrated database and these models agree.
@@ -107,6 +110,10 @@ class ReplicaGroupRow(Base):
     endpoint: Mapped[str | None] = mapped_column(Text)
     status_reason: Mapped[str | None] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+    # the fleet revision and checkpoint a controller built the group from (None: started by hand)
+    fleet_name: Mapped[str | None] = mapped_column(Text)
+    fleet_revision: Mapped[int | None] = mapped_column(Integer)
+    manifest_uri: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         CheckConstraint(DTYPE_CHECK, name="dtype"),
@@ -194,4 +201,41 @@ class QualityGateRow(Base):
     __table_args__ = (
         CheckConstraint("chunks > 0", name="chunks_positive"),
         Index("idx_quality_gate_results_model_candidate", "model_name", "candidate", "created_at"),
+    )
+
+
+ROLLOUT_STATUSES = ("running", "succeeded", "failed", "aborting", "aborted")
+
+
+class FleetRevisionRow(Base):
+    """One applied fleet spec (JSON): revisions count 1, 2, ... per fleet and are never edited."""
+
+    __tablename__ = "fleet_revisions"
+
+    fleet_name: Mapped[str] = mapped_column(Text, primary_key=True)
+    revision: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+
+    __table_args__ = (CheckConstraint("revision > 0", name="revision_positive"),)
+
+
+class FleetRolloutRow(Base):
+    """One move of a fleet between revisions: its state, why, and what happened (JSON events)."""
+
+    __tablename__ = "fleet_rollouts"
+
+    rollout_id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    fleet_name: Mapped[str] = mapped_column(Text)
+    from_revision: Mapped[int | None] = mapped_column(Integer)
+    to_revision: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text, server_default=text("''"))
+    events: Mapped[str] = mapped_column(Text, server_default=text("'[]'"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+
+    __table_args__ = (
+        CheckConstraint(in_list("status", ROLLOUT_STATUSES), name="status"),
+        Index("idx_fleet_rollouts_fleet", "fleet_name", "created_at"),
     )

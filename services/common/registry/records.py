@@ -37,6 +37,9 @@ class ReplicaGroup(_FromRow):
     name: str | None = None
     endpoint: str | None = None
     status_reason: str | None = None
+    fleet_name: str | None = None
+    fleet_revision: int | None = None
+    manifest_uri: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -114,3 +117,32 @@ def registry_group_id(replica_group_id: str) -> uuid.UUID:
         return uuid.UUID(replica_group_id)
     except ValueError:
         return uuid.uuid5(uuid.NAMESPACE_URL, f"shardline:{replica_group_id}")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRevision(_FromRow):
+    """One applied fleet spec (its JSON form), numbered per fleet."""
+
+    fleet_name: str
+    revision: int
+    spec: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRollout(_FromRow):
+    """One move of a fleet between revisions. ``events``: a JSON list of ``{"t", "event", ...}``."""
+
+    rollout_id: uuid.UUID
+    fleet_name: str
+    from_revision: int | None
+    to_revision: int
+    status: str
+    reason: str
+    events: str
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("succeeded", "failed", "aborted")

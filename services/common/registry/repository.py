@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from . import errors, migrate
 from .dtypes import to_registry_dtype
 from .engine import make_engine, registry_url, retry_on_disconnect
+from .fleet_store import FleetRecords
 from .lifecycle import ALLOWED_TRANSITIONS, DEAD, GROUP_STATUSES, PROVISIONING, SHARD_STATUSES
 from .models import CheckpointManifestRow, GpuShardRow, QualityGateRow, ReplicaGroupRow
 from .records import CheckpointManifest, GpuShard, QualityGateResult, ReplicaGroup
@@ -84,8 +85,9 @@ def _statuses(status: str | Iterable[str] | None, allowed: tuple[str, ...]) -> l
     return wanted
 
 
-class ShardRegistry:
-    """Replica groups, their GPU shards and checkpoint manifests, on PostgreSQL or SQLite.
+class ShardRegistry(FleetRecords):
+    """Replica groups, their GPU shards and checkpoint manifests (and fleets: FleetRecords), on
+    PostgreSQL or SQLite.
 
     ``url``: ``postgresql+psycopg://...`` or ``sqlite:///PATH``; None means
     SHARDLINE_REGISTRY_URL, else the embedded SQLite file. ``migrate_schema=True`` runs
@@ -123,8 +125,10 @@ class ShardRegistry:
     def create_replica_group(self, model_name: str, tp_degree: int, pp_degree: int, dtype: str,
                              kv_cache_cap_bytes: int, *, name: str | None = None,
                              endpoint: str | None = None,
-                             replica_group_id: GroupId | None = None) -> ReplicaGroup:
-        """A new group in status ``provisioning``. ``dtype`` in project or registry naming."""
+                             replica_group_id: GroupId | None = None, fleet_name: str | None = None,
+                             fleet_revision: int | None = None, manifest_uri: str | None = None) -> ReplicaGroup:
+        """A new group in status ``provisioning``. ``dtype`` in project or registry naming; the
+        fleet fields say what a fleet controller builds it from."""
         now = _now()
         row = ReplicaGroupRow(
             replica_group_id=uuid.uuid4() if replica_group_id is None else _as_uuid(replica_group_id),
@@ -134,6 +138,7 @@ class ShardRegistry:
             dtype=to_registry_dtype(dtype),
             kv_cache_cap_bytes=_require_int("kv_cache_cap_bytes", kv_cache_cap_bytes, 0),
             status=PROVISIONING, created_at=now, updated_at=now, name=name, endpoint=endpoint,
+            fleet_name=fleet_name, fleet_revision=fleet_revision, manifest_uri=manifest_uri,
         )
         try:
             with self._tx() as session:

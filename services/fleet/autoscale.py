@@ -1,0 +1,57 @@
+"""Scale a fleet on its KV-cache utilization: out above one threshold, in below another.
+
+The input is the mean KV utilization of the groups in rotation, sampled every controller tick.
+A decision needs the whole window (``window_s``) on one side of a threshold, and none is taken
+within ``cooldown_s`` of the last one (or of the fleet's last change of size), so a burst
+neither adds a group nor a lull removes one. One group at a time, within min/max.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.fleet.spec import Autoscaling
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    desired: int
+    utilization_pct: float | None  # the window's mean, None before there is a window
+    reason: str  # why desired moved, empty when it did not
+
+
+class Autoscaler:
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque()  # (time, utilization %)
+        self._last_change = float("-inf")
+
+    def reset(self, now: float) -> None:
+        """Forget the window and start the cooldown (the fleet changed: a rollout, a heal)."""
+        self._samples.clear()
+        self._last_change = now
+
+    def decide(self, policy: Autoscaling, now: float, utilization_pct: float | None, current: int) -> ScaleDecision:
+        desired = max(policy.min_replicas, min(policy.max_replicas, current))
+        if utilization_pct is not None:
+            self._samples.append((now, utilization_pct))
+        while self._samples and now - self._samples[0][0] > policy.window_s:
+            self._samples.popleft()
+        if not self._samples:
+            return ScaleDecision(desired, None, "")
+        values = [u for _, u in self._samples]
+        mean = sum(values) / len(values)
+        if desired != current:
+            return ScaleDecision(desired, mean, f"held within min {policy.min_replicas} .. max {policy.max_replicas}")
+        spans_window = now - self._samples[0][0] >= policy.window_s * 0.9 or policy.window_s == 0
+        if not spans_window or now - self._last_change < policy.cooldown_s:
+            return ScaleDecision(desired, mean, "")
+        if min(values) > policy.scale_out_threshold and desired < policy.max_replicas:
+            self.reset(now)
+            return ScaleDecision(desired + 1, mean, f"KV utilization {mean:.1f} % > {policy.scale_out_threshold:g} % for "
+                                                    f"{policy.window_s:g} s")
+        if max(values) < policy.scale_in_threshold and desired > policy.min_replicas:
+            self.reset(now)
+            return ScaleDecision(desired - 1, mean, f"KV utilization {mean:.1f} % < {policy.scale_in_threshold:g} % for "
+                                                    f"{policy.window_s:g} s")
+        return ScaleDecision(desired, mean, "")

@@ -1,0 +1,390 @@
+"""The fleet controller: one loop that makes the registry's actual fleet match the applied spec.
+
+Every tick it reads the newest applied revision and the fleet's replica groups (registry rows,
+heartbeats, the provisioner's processes) and takes the next steps, none of which waits:
+
+1. **Heal.** A group whose processes exited, whose driver marked it dead (a collective timed
+   out), whose heartbeats stopped, or that did not become ready in time, is marked ``dead``
+   with the reason and its processes are stopped. Step 3 then provisions a replacement from the
+   same revision's plan. Repeated provisioning failures back off (1 s, 2 s, ... 60 s).
+2. **Admit.** A loaded group (``provisioning`` with an endpoint, its worker SERVING) goes into
+   rotation (``healthy``). While groups of another plan are in rotation (a rollout), a group of
+   the target plan first passes the quality gate against one of them; a candidate that fails is
+   torn down and the rollout ends ``failed``, the old groups still serving.
+3. **Count.** In steady state the target plan's groups are kept at the desired count
+   (the spec's, or the autoscaler's within min/max). During a rollout, one surge group at a time
+   (``max_surge``), and an old group is drained only once the groups in rotation would still be
+   at least ``desired - max_unavailable`` without it, and ``settle_s`` after the last admission
+   (so every router has seen the new group before the old one leaves).
+
+A rollout whose target failed the gate leaves the fleet on the revision it came from until a new
+spec is applied; ``rollout abort`` re-applies the previous revision's spec, which is rolled out
+the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.healthcheck import check
+from services.common.registry import FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
+from services.fleet.autoscale import Autoscaler
+from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate
+from services.fleet.provisioner import GroupLaunch, GroupProcess, Provisioner
+from services.fleet.spec import FleetSpec
+from services.modeling.golden_set import GoldenSet
+from services.worker.plan_scoring import golden_set_for
+from services.worker.runtime import RankSpec
+
+log = logging.getLogger(__name__)
+
+IN_ROTATION = ("healthy", "degraded")
+HEARTBEAT_TIMEOUT_S = 10.0
+STARTUP_TIMEOUT_S = 600.0
+MAX_BACKOFF_S = 60.0
+
+
+def new_group_name(fleet: str) -> str:
+    import uuid  # deferred: only for the name's random suffix
+
+    return f"{fleet}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class FleetState:
+    """What the controller knows between ticks (nothing here is needed to resume after a restart)."""
+
+    desired: int | None = None
+    admitted_at: float = float("-inf")  # last admission into rotation
+    failures: int = 0  # provisioning failures in a row
+    retry_at: float = 0.0
+    gates: dict[str, GateOutcome] = field(default_factory=dict)  # passed candidates, by name
+    utilization_pct: float | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class FleetController:
+    def __init__(self, registry: ShardRegistry, provisioner: Provisioner, fleet: str, *, registry_url: str,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 say: Callable[[str], None] | None = None) -> None:
+        self.registry = registry
+        self.registry_url = registry_url
+        self.provisioner = provisioner
+        self.fleet = fleet
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.clock = clock
+        self.say = say or (lambda line: log.info("%s", line))
+        self.state = FleetState()
+        self.jobs = Jobs()
+        self.autoscaler = Autoscaler()
+        self._specs: dict[int, FleetSpec] = {}
+        self._golden: dict[tuple[Any, ...], GoldenSet] = {}
+        self._started_at: dict[str, float] = {}
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def spec_of(self, revision: int) -> FleetSpec:
+        spec = self._specs.get(revision)
+        if spec is None:
+            spec = self._specs[revision] = FleetSpec.from_json(self.registry.fleet_revision(self.fleet, revision).spec)
+        return spec
+
+    def event(self, kind: str, rollout: FleetRollout | None = None, **detail: Any) -> None:
+        entry = {"t": round(time.time(), 3), "event": kind, **detail}
+        self.state.events.append(entry)
+        words = " ".join(f"{k}={v}" for k, v in detail.items())
+        self.say(f"fleet {self.fleet}: {kind} {words}")
+        if rollout is not None:
+            try:
+                self.registry.update_rollout(rollout.rollout_id, event=entry)
+            except Exception as exc:  # noqa: BLE001 - the log has it
+                log.warning("rollout event not recorded: %s", exc)
+
+    def _target(self, newest: int) -> tuple[int, FleetRollout | None]:
+        """The revision to converge on (the newest, unless a rollout to it failed: then the one it
+        came from), and the latest rollout."""
+        rollouts = self.registry.list_rollouts(self.fleet)
+        failed = [r for r in rollouts if r.to_revision == newest and r.status == "failed"]
+        target = (failed[0].from_revision or newest) if failed else newest
+        return target, (rollouts[0] if rollouts else None)
+
+    # ---- one tick --------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        now = self.clock()
+        newest = self.registry.fleet_revision(self.fleet).revision
+        rollout = self.registry.latest_rollout(self.fleet)
+        if rollout is not None and rollout.status == "aborting":
+            self._abort(rollout)
+            newest = self.registry.fleet_revision(self.fleet).revision
+        target_rev, rollout = self._target(newest)
+        spec = self.spec_of(target_rev)
+        procs = {p.name: p for p in self.provisioner.groups()}
+        self._collect_jobs(rollout)
+        groups = self._heal(self.registry.fleet_groups(self.fleet, include_dead=True), procs, now)
+        key = spec.plan_key()
+        mine = [g for g in groups if self.spec_of(g.fleet_revision or target_rev).plan_key() == key]
+        others = [g for g in groups if g not in mine]
+        others_in_rotation = [g for g in others if g.status in IN_ROTATION]
+        rollout = self._track_rollout(rollout, target_rev, others_in_rotation, others)
+        for g in others:  # candidates of a plan no longer wanted
+            if g.status == "provisioning" and not self.jobs.running(g.name or ""):
+                self._retire(g, "its plan is no longer the fleet's")
+        self._admit(spec, mine, others_in_rotation, rollout, now)
+        desired = self._desired(spec, mine, now, rolling=bool(others_in_rotation))
+        self._count(spec, target_rev, mine, others_in_rotation, desired, rollout, now)
+
+    def _abort(self, rollout: FleetRollout) -> None:
+        if rollout.from_revision is None:
+            self.registry.update_rollout(rollout.rollout_id, status="aborted", reason="nothing to return to")
+            return
+        back = self.spec_of(rollout.from_revision)
+        revision, _ = self.registry.apply_fleet(self.fleet, back.to_json())
+        self.registry.update_rollout(rollout.rollout_id, status="aborted",
+                                     reason=f"aborted: revision {rollout.from_revision}'s spec re-applied as "
+                                            f"revision {revision.revision}")
+        self.event("rollout-aborted", rollout, to_revision=rollout.to_revision, back_as=revision.revision)
+
+    def _collect_jobs(self, rollout: FleetRollout | None) -> None:
+        for name, kind, future in self.jobs.finished():
+            exc = future.exception()
+            if kind == "gate":
+                if exc is not None:
+                    outcome = GateOutcome(name, "", False, {}, (f"the gate could not run: {exc}",))
+                else:
+                    outcome = future.result()
+                self._gated(outcome, rollout)
+            elif kind == "drain":
+                self.event("drained", rollout, group=name,
+                           handed_off=(None if exc is not None else future.result()))
+
+    def _gated(self, outcome: GateOutcome, rollout: FleetRollout | None) -> None:
+        if outcome.passed:
+            self.state.gates[outcome.candidate] = outcome
+            self.event("gate-passed", rollout, group=outcome.candidate, reference=outcome.reference,
+                       **outcome.figures)
+            return
+        reason = "failed the quality gate: " + "; ".join(outcome.reasons)
+        self.event("gate-failed", rollout, group=outcome.candidate, reference=outcome.reference,
+                   reasons=list(outcome.reasons), **outcome.figures)
+        self._mark_dead(outcome.candidate, reason[:500])
+        self.provisioner.stop(outcome.candidate)
+        if rollout is not None and rollout.status == "running":
+            self.registry.update_rollout(rollout.rollout_id, status="failed", reason=reason[:500])
+
+    # ---- heal ------------------------------------------------------------------------------
+
+    def _mark_dead(self, name: str, reason: str) -> None:
+        try:
+            self.registry.set_status(registry_group_id(name), "dead", reason=reason)
+        except Exception as exc:  # noqa: BLE001 - already dead (its driver said so first)
+            log.info("group %s not marked dead: %s", name, exc)
+
+    def _failure_of(self, g: ReplicaGroup, proc: GroupProcess | None, now: float) -> str | None:
+        if proc is None:
+            return "its processes are gone (not started by this controller, or it restarted)"
+        if not proc.alive:
+            return proc.reason
+        started = self._started_at.setdefault(g.name or "", now)
+        if g.status == "provisioning" and now - started > self.startup_timeout_s:
+            return f"not ready within {self.startup_timeout_s:g} s"
+        if g.status in IN_ROTATION:
+            shards = self.registry.shards_of(g.replica_group_id)
+            if shards:
+                age = time.time() - max(s.last_heartbeat for s in shards).timestamp()
+                if age > self.heartbeat_timeout_s:
+                    return f"no heartbeat for {age:.0f} s"
+        return None
+
+    def _heal(self, rows: list[ReplicaGroup], procs: dict[str, GroupProcess], now: float) -> list[ReplicaGroup]:
+        """The fleet's live groups, after taking the failed ones out."""
+        by_name = {g.name: g for g in rows}
+        for name, proc in procs.items():  # processes of a group that is dead in the registry
+            row = by_name.get(name)
+            if (row is None or row.status == "dead") and not self.jobs.running(name):
+                self.provisioner.stop(name)
+                if row is not None:
+                    self.event("stopped", group=name, reason=row.status_reason or "dead in the registry")
+        live = []
+        for g in rows:
+            if g.status == "dead" or self.jobs.running(g.name or "") == "drain":
+                if g.status != "dead":
+                    live.append(g)
+                continue
+            reason = self._failure_of(g, procs.get(g.name or ""), now)
+            if reason is None:
+                live.append(g)
+                continue
+            was_provisioning = g.status == "provisioning"
+            self._mark_dead(g.name or str(g.replica_group_id), reason[:500])
+            self.provisioner.stop(g.name or "")
+            self.autoscaler.reset(now)
+            if was_provisioning:
+                self.state.failures += 1
+                backoff = min(MAX_BACKOFF_S, 2.0 ** (self.state.failures - 1))
+                self.state.retry_at = now + backoff
+                log.error("fleet %s: group %s failed while provisioning: %s (next attempt in %g s)",
+                          self.fleet, g.name, reason, backoff)
+            self.event("dead", group=g.name, status=g.status, reason=reason)
+        return live
+
+    # ---- admit -----------------------------------------------------------------------------
+
+    def _ready(self, g: ReplicaGroup) -> bool:
+        if g.status != "provisioning" or not g.endpoint:
+            return False
+        try:
+            return check(g.endpoint, timeout_s=1.0) == "SERVING"
+        except Exception:  # noqa: BLE001 - not yet
+            return False
+
+    def _admit(self, spec: FleetSpec, mine: list[ReplicaGroup], others_in_rotation: list[ReplicaGroup],
+               rollout: FleetRollout | None, now: float) -> None:
+        for g in mine:
+            name = g.name or ""
+            if not self._ready(g) or self.jobs.running(name):
+                continue
+            if others_in_rotation and name not in self.state.gates:
+                reference = others_in_rotation[0].name or ""
+                self.jobs.submit(name, "gate", gate_candidate, name, reference, self._golden_for(spec),
+                                 registry_url=self.registry_url, threshold_pct=spec.rollout.gate_threshold_pct,
+                                 min_top1_agreement=spec.rollout.gate_min_top1)
+                self.event("gating", rollout, group=name, reference=reference)
+                continue
+            try:
+                self.registry.set_status(g.replica_group_id, "healthy", reason="in rotation")
+            except Exception as exc:  # noqa: BLE001 - it failed meanwhile: the next tick heals it
+                log.info("group %s not put in rotation: %s", name, exc)
+                continue
+            self.state.admitted_at = now
+            self.state.failures = 0
+            self.event("in-rotation", rollout if others_in_rotation else None, group=name,
+                       startup_s=round(now - self._started_at.get(name, now), 1))
+
+    def _golden_for(self, spec: FleetSpec) -> GoldenSet:
+        g = spec.group
+        key = (g.source, spec.rollout.gate_chunks)
+        if key not in self._golden:
+            rank = RankSpec(None, checkpoint=g.manifest_uri) if g.manifest_uri else None
+            self._golden[key] = golden_set_for(g.model_dir, rank, chunks=spec.rollout.gate_chunks)
+        return self._golden[key]
+
+    # ---- count -----------------------------------------------------------------------------
+
+    def _desired(self, spec: FleetSpec, mine: list[ReplicaGroup], now: float, *, rolling: bool) -> int:
+        state = self.state
+        if spec.autoscaling is None:
+            state.desired = spec.replicas
+            return spec.replicas
+        if state.desired is None:
+            state.desired = spec.bounded(spec.replicas)
+        in_rotation = [g for g in mine if g.status in IN_ROTATION]
+        utils = [self._utilization(g) for g in in_rotation]
+        util = sum(utils) / len(utils) * 100 if utils else None
+        state.utilization_pct = util
+        if rolling or any(g.status == "provisioning" for g in mine):
+            self.autoscaler.reset(now)  # a fleet in motion says nothing about the load
+            return state.desired
+        decision = self.autoscaler.decide(spec.autoscaling, now, util, state.desired)
+        if decision.desired != state.desired:
+            self.event("scale", desired=decision.desired, was=state.desired, reason=decision.reason,
+                       utilization_pct=None if decision.utilization_pct is None else round(decision.utilization_pct, 1))
+            state.desired = decision.desired
+        return state.desired
+
+    def _utilization(self, g: ReplicaGroup) -> float:
+        shards = self.registry.shards_of(g.replica_group_id)
+        if not shards or g.kv_cache_cap_bytes <= 0:
+            return 0.0
+        return min(1.0, max(s.kv_used_bytes for s in shards) / g.kv_cache_cap_bytes)
+
+    def _provision(self, spec: FleetSpec, revision: int, now: float, why: str,
+                   rollout: FleetRollout | None = None) -> None:
+        if now < self.state.retry_at:
+            return
+        name = new_group_name(self.fleet)
+        plan = spec.group
+        # the driver records the model's own name when it loads (the served name, else the config's)
+        model = spec.served_model_name or self.fleet
+        self.registry.create_replica_group(model, plan.tp_degree, plan.pp_degree, plan.dtype, 0, name=name,
+                                           replica_group_id=registry_group_id(name), fleet_name=self.fleet,
+                                           fleet_revision=revision, manifest_uri=plan.source)
+        self._started_at[name] = now
+        self.provisioner.start(GroupLaunch(name, self.fleet, revision, plan, spec.served_model_name))
+        self.event("provisioning", rollout, group=name, revision=revision, plan=plan.describe(), why=why)
+
+    def _retire(self, g: ReplicaGroup, reason: str, rollout: FleetRollout | None = None) -> None:
+        name = g.name or ""
+        if g.status == "provisioning" or not g.endpoint:
+            self._mark_dead(name, reason)
+            self.provisioner.stop(name)
+            self.event("stopped", rollout, group=name, reason=reason)
+            return
+        spec = self.spec_of(g.fleet_revision) if g.fleet_revision else None
+        policy = spec.rollout if spec is not None else None
+        self.jobs.submit(name, "drain", drain_group, self.registry, name, g.endpoint,
+                         deadline_s=policy.drain_deadline_s if policy else 30.0,
+                         settle_s=policy.settle_s if policy else 3.0, reason=reason, stop=self.provisioner.stop)
+        self.event("draining", rollout, group=name, reason=reason)
+
+    def _count(self, spec: FleetSpec, revision: int, mine: list[ReplicaGroup], others_in_rotation: list[ReplicaGroup],
+               desired: int, rollout: FleetRollout | None, now: float) -> None:
+        draining = {n for n, kind in self.jobs.kinds().items() if kind == "drain"}
+        mine = [g for g in mine if g.name not in draining]
+        others_in_rotation = [g for g in others_in_rotation if g.name not in draining]
+        pending = [g for g in mine if g.status == "provisioning"]
+        in_rotation = [g for g in mine if g.status in IN_ROTATION]
+        if not others_in_rotation:
+            if len(mine) < desired:
+                self._provision(spec, revision, now, f"{len(mine)} of {desired} groups")
+            elif len(in_rotation) > desired and not pending and not draining:
+                self._retire(in_rotation[-1], f"scaled in to {desired}")
+            return
+        policy = spec.rollout
+        if len(pending) < policy.max_surge and len(mine) + len(others_in_rotation) < desired + policy.max_surge:
+            self._provision(spec, revision, now, "rollout surge", rollout)
+        rotation = len(in_rotation) + len(others_in_rotation)
+        settled = now - self.state.admitted_at >= policy.settle_s
+        if not draining and settled and rotation - 1 >= desired - policy.max_unavailable:
+            self._retire(others_in_rotation[0], f"replaced by revision {revision}", rollout)
+
+    # ---- rollouts --------------------------------------------------------------------------
+
+    def _track_rollout(self, rollout: FleetRollout | None, target: int, others_in_rotation: list[ReplicaGroup],
+                       others: list[ReplicaGroup]) -> FleetRollout | None:
+        running = rollout is not None and rollout.status == "running"
+        if others_in_rotation and not (running and rollout.to_revision == target):
+            if running:
+                self.registry.update_rollout(rollout.rollout_id, status="aborted",
+                                             reason=f"superseded by revision {target}")
+            source = max((g.fleet_revision or 0) for g in others_in_rotation) or None
+            rollout = self.registry.create_rollout(self.fleet, source, target)
+            self.state.gates.clear()
+            self.event("rollout-started", rollout, from_revision=source, to_revision=target,
+                       plan=self.spec_of(target).group.describe())
+        elif running and rollout.to_revision == target and not others:
+            rollout = self.registry.update_rollout(rollout.rollout_id, status="succeeded", reason="") or rollout
+            self.event("rollout-succeeded", rollout, to_revision=target)
+        return rollout
+
+    def run(self, stop: Any, interval_s: float = 1.0, *, after_tick: Callable[[], None] | None = None) -> None:
+        """Tick until ``stop`` (a threading.Event) is set; a failed tick is logged and retried."""
+        while not stop.is_set():
+            try:
+                self.tick()
+                if after_tick is not None:
+                    after_tick()
+            except Exception as exc:  # noqa: BLE001 - a registry outage must not end the loop
+                log.warning("fleet %s: reconcile failed: %s", self.fleet, exc, exc_info=log.isEnabledFor(10))
+            stop.wait(interval_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"fleet": self.fleet, "desired": self.state.desired, "utilization_pct": self.state.utilization_pct,
+                "jobs": self.jobs.kinds(), "events": json.loads(json.dumps(self.state.events[-50:]))}

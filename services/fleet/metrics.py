@@ -1,0 +1,32 @@
+"""The fleet controller's Prometheus series: what it wants, what it has, and why it scales."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+
+from prometheus_client import Counter, Gauge
+
+from services.common.registry import GROUP_STATUSES, ReplicaGroup
+
+DESIRED = Gauge("shardline_fleet_desired_replicas", "Replica groups the fleet controller wants in rotation",
+                ["fleet"])
+REPLICAS = Gauge("shardline_fleet_replicas", "Replica groups of the fleet by status", ["fleet", "status"])
+KV_UTILIZATION = Gauge("shardline_fleet_kv_utilization_pct",
+                       "Mean KV-cache utilization of the fleet's groups in rotation (the autoscaler's input)",
+                       ["fleet"])
+EVENTS = Counter("shardline_fleet_events_total", "Fleet controller actions by kind", ["fleet", "event"])
+
+
+def publish(fleet: str, desired: int | None, groups: list[ReplicaGroup], utilization_pct: float | None) -> None:
+    if desired is not None:
+        DESIRED.labels(fleet).set(desired)
+    counts = Tally(g.status for g in groups)
+    for status in GROUP_STATUSES:
+        if status != "dead":
+            REPLICAS.labels(fleet, status).set(counts.get(status, 0))
+    if utilization_pct is not None:
+        KV_UTILIZATION.labels(fleet).set(utilization_pct)
+
+
+def count_event(fleet: str, event: str) -> None:
+    EVENTS.labels(fleet, event).inc()

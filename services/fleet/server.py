@@ -1,0 +1,124 @@
+"""FleetService: the fleet controller as a service of its own (``shardline serve fleet``).
+
+It serves no RPC of its own: the desired state is the registry's (``shardline apply`` writes a
+revision, ``shardline fleet status`` and ``rollout status|abort`` read and write it there), and
+the gRPC port answers health checks only. The controller runs here rather than in the planner
+because it owns processes: with the local provisioner, the fleet's worker process groups are its
+children (they stop with it); with the Kubernetes one, it owns their LeaderWorkerSets.
+
+Flags beyond the fleet's own (``--registry-url``, ``--redis-url``, ``--telemetry``) are handed
+to every worker it starts, so the groups register where the routers discover them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+from services.common.config import resolve
+from services.common.grpc_server import GrpcServer, serve_service
+from services.common.registry import ShardRegistry, registry_url
+from services.common.supervisor import Supervisor
+from services.fleet import metrics
+from services.fleet.controller import HEARTBEAT_TIMEOUT_S, STARTUP_TIMEOUT_S, FleetController
+from services.fleet.local import LocalProvisioner
+from services.telemetry.server import add_metrics_arguments, setup_observability
+
+SERVICE = "fleet"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet", action="append", default=None, metavar="NAME",
+                        help="fleet to reconcile (repeatable; env SHARDLINE_FLEET, comma-separated); it must have "
+                             "been applied with `shardline apply`")
+    parser.add_argument("--registry-url", default=None, help="shard registry URL (env SHARDLINE_REGISTRY_URL; "
+                                                             "default: the embedded SQLite file)")
+    parser.add_argument("--redis-url", default=None, help="health store the workers share (env SHARDLINE_REDIS_URL)")
+    parser.add_argument("--telemetry", default=None, metavar="ADDRESS",
+                        help="telemetry service the workers ship to (env SHARDLINE_TELEMETRY_ADDR)")
+    parser.add_argument("--log-dir", type=Path, default=Path(".run/logs"),
+                        help="the workers' logs (default .run/logs)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between reconciles (default 1)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+                        help=f"a group in rotation whose heartbeats stop this long is dead (default "
+                             f"{HEARTBEAT_TIMEOUT_S:g} s)")
+    parser.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                        help=f"a group not ready this long after its start is dead (default {STARTUP_TIMEOUT_S:g} s)")
+    parser.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
+                        help="one more flag for every worker, e.g. --worker-flag=--collective-timeout=5")
+    add_metrics_arguments(parser)
+
+
+def worker_shared_flags(registry: str, redis: str, telemetry: str, extra: list[str]) -> list[str]:
+    flags = ["--registry-url", registry]
+    if redis:
+        flags += ["--redis-url", redis]
+    if telemetry:
+        flags += ["--telemetry", telemetry]
+    return flags + list(extra)
+
+
+class Reconcilers:
+    """One controller per fleet, each on its own thread, and their metrics."""
+
+    def __init__(self, controllers: list[FleetController], interval_s: float) -> None:
+        self.controllers = controllers
+        self.interval_s = interval_s
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(c,), name=f"fleet-{c.fleet}", daemon=True)
+                        for c in controllers]
+
+    def _run(self, controller: FleetController) -> None:
+        def publish() -> None:
+            metrics.publish(controller.fleet, controller.state.desired,
+                            controller.registry.fleet_groups(controller.fleet), controller.state.utilization_pct)
+
+        controller.run(self.stop, self.interval_s, after_tick=publish)
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=10)
+        for controller in self.controllers:
+            controller.jobs.wait_all(5.0)
+            controller.provisioner.close()
+
+
+def serve(args: argparse.Namespace) -> int:
+    fleets = [f.strip() for value in (args.fleet or [resolve("fleet", None, "")]) for f in value.split(",") if f.strip()]
+    if not fleets:
+        print("shardline serve fleet: --fleet NAME (or SHARDLINE_FLEET) is required", file=sys.stderr)
+        return 2
+    url = registry_url(resolve("registry_url", args.registry_url, "") or None)
+    registry = ShardRegistry(url, migrate_schema=True)
+    missing = [f for f in fleets if f not in registry.list_fleets()]
+    if missing:
+        print(f"shardline serve fleet: no fleet {', '.join(missing)} in the registry (`shardline apply -f FILE` "
+              f"first)", file=sys.stderr)
+        return 2
+    shared = worker_shared_flags(url, resolve("redis_url", args.redis_url, ""),
+                                 resolve("telemetry_addr", args.telemetry, ""), args.worker_flag)
+    supervisor = Supervisor()
+    controllers = [FleetController(registry, LocalProvisioner(supervisor, shared, args.log_dir), fleet,
+                                   registry_url=url, heartbeat_timeout_s=args.heartbeat_timeout,
+                                   startup_timeout_s=args.startup_timeout,
+                                   say=lambda line: print(line, flush=True))
+                   for fleet in fleets]
+    reconcilers = Reconcilers(controllers, args.interval)
+
+    def on_started(server: GrpcServer) -> None:
+        setup_observability(args, SERVICE)
+        reconcilers.start()
+
+    try:
+        return serve_service(args, service=SERVICE, bindings=lambda: [], on_started=on_started,
+                             on_stopping=lambda _server: reconcilers.close())
+    finally:
+        supervisor.stop_all()
+        registry.close()
