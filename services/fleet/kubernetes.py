@@ -173,6 +173,8 @@ def _rank_pod(launch: GroupLaunch, settings: KubernetesSettings, *, leader: bool
         "image": settings.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["shardline"],
+        "args": args,  # the driver's get --advertise-address below (the same list)
+        "ports": ports,
         "env": [*shared_env(settings), *_rank_env(launch, settings, "0" if leader else "$(LWS_WORKER_INDEX)"),
                 *(env_var(k, v) for k, v in launch.plan.env)],  # the plan's env last: it wins
         "envFrom": env_from(settings),
@@ -189,8 +191,6 @@ def _rank_pod(launch: GroupLaunch, settings: KubernetesSettings, *, leader: bool
     # A follower gets the driver's flags: it builds the same RankSpec (layout, dtype, weights, KV
     # cache) and takes its rank from RANK. No command runs a follower on its own host yet:
     # `shardline serve worker` refuses RANK != 0, so this pod exits saying so.
-    container["args"] = args
-    container["ports"] = ports
     volumes, mounts = model_volume(settings)
     volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}}, *volumes]
     container["volumeMounts"] = [{"name": "shm", "mountPath": SHM_PATH}, *mounts]
