@@ -1,8 +1,8 @@
 """The package layers hold: imports point only down, and every import sits at the top of its file
 unless it defers a heavy optional dependency and says why.
 
-Layers, bottom to top: common ← modeling ← loader, planner ← worker, router, telemetry ← cli ←
-bench. Packages on one layer may import each other (the worker ships telemetry, the router
+Layers, bottom to top: common ← modeling ← loader, planner ← worker, router, telemetry ← fleet ←
+cli ← bench. Packages on one layer may import each other (the worker ships telemetry, the router
 federates it); tests sit above everything.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"common": 0, "modeling": 1, "loader": 2, "planner": 2, "worker": 3, "router": 3, "telemetry": 3,
-          "cli": 4, "bench": 5, "tests": 6}
+          "fleet": 4, "cli": 5, "bench": 6, "tests": 7}
 GENERATED = REPO / "services" / "common" / "proto" / "shardline"
 
 

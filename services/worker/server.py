@@ -220,6 +220,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    rank = os.environ.get("RANK", "0") or "0"
+    if rank != "0":
+        # A worker is its group's driver (rank 0) and starts its follower ranks itself, on this
+        # host. Serving as rank N of a group whose driver is elsewhere would start a second driver
+        # under the same group id: refuse instead (a follower pod of a multi-host group lands here).
+        print(f"shardline serve worker: RANK={rank} of WORLD_SIZE={os.environ.get('WORLD_SIZE', '?')} "
+              f"(MASTER_ADDR={os.environ.get('MASTER_ADDR', '?')}): a worker serves only as its group's rank 0 "
+              f"and spawns its followers on its own host; follower ranks on other hosts are not supported yet",
+              flush=True)
+        return 2
     args.model = resolve("model", args.model, "") or None
     args.checkpoint = resolve("checkpoint", args.checkpoint, "") or None
     if not args.model and not args.checkpoint:
