@@ -5,6 +5,7 @@ KV-cache utilization (its last heartbeat) and the requests it holds (its worker'
 when the worker does not answer). Dead groups are listed with the reason, newest ten.
 
     shardline fleet status --fleet smollm2 [--json]
+    shardline fleet render -f fleet.yaml --out k8s/   # the fleet's Kubernetes objects (fleet_render)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from services.cli import fleet_render
 from services.common.proto import worker_pb2, worker_pb2_grpc
 from services.common.registry import FleetNotFound, ReplicaGroup, ShardRegistry
 from services.common.transport_security import open_channel
@@ -23,8 +25,10 @@ DEAD_SHOWN = 10
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("fleet", help="a fleet's replica groups: status")
-    parser.add_argument("action", choices=("status",))
+    fleet = subparsers.add_parser("fleet", help="a fleet: status of its groups, or its Kubernetes objects")
+    actions = fleet.add_subparsers(dest="action", metavar="ACTION", required=True)
+    parser = actions.add_parser("status", help="every group of a fleet: plan, revision, status, KV, requests")
+    fleet_render.add_render_command(actions)
     parser.add_argument("--fleet", required=True, help="the fleet's name (its replica_group.name)")
     parser.add_argument("--registry-url", default=None,
                         help="shard registry URL (env SHARDLINE_REGISTRY_URL; default: the embedded SQLite file)")

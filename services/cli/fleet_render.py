@@ -1,4 +1,4 @@
-"""``shardline fleet-render -f fleet.yaml --out DIR``: a fleet spec as Kubernetes objects.
+"""``shardline fleet render -f fleet.yaml --out DIR``: a fleet spec as Kubernetes objects.
 
 Writes ``DIR/shardline.yaml`` (the router, planner, loader, telemetry and fleet controller:
 Deployments, Services, the controller's ConfigMap, ServiceAccount, Role and RoleBinding) and one
@@ -21,8 +21,8 @@ from services.fleet.spec import FleetSpec, InvalidFleetSpec
 SERVICES_FILE = "shardline"  # DIR/shardline.yaml
 
 
-def register(subparsers: argparse._SubParsersAction, *, name: str = "fleet-render") -> None:
-    """Adds the command as ``name``: ``fleet-render`` at the top level, ``render`` under ``fleet``."""
+def add_render_command(subparsers: argparse._SubParsersAction, *, name: str = "render") -> None:
+    """Adds the command as ``name`` (``shardline fleet render``; this module is no command of its own)."""
     defaults = KubernetesSettings()
     parser = subparsers.add_parser(name, help="write a fleet spec's Kubernetes objects (LeaderWorkerSets, "
                                               "Deployments, Services) to a directory",
@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         spec = FleetSpec.load(args.file)
         files = render_fleet(spec, settings_from(args), args.revision)
     except (InvalidFleetSpec, KubernetesRenderError) as exc:
-        print(f"shardline fleet-render: {exc}", flush=True)
+        print(f"shardline fleet render: {exc}", flush=True)
         return 2
     out = YamlDirectory(args.out)
     for stem, objects in files.items():

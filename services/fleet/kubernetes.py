@@ -93,7 +93,7 @@ class KubernetesSettings:
     router_model_dir: str | None = None  # the router's tokenizer and chat template (default: the plan's model_dir)
     worker_port: int = DEFAULT_PORTS["worker"]
     rendezvous_port: int = RENDEZVOUS_PORT
-    fleet_port: int = 50056  # the fleet controller's gRPC health
+    fleet_port: int = DEFAULT_PORTS["fleet"]  # the fleet controller's gRPC health
     router_http_port: int = 8000
     log_level: str = "INFO"
     termination_grace_s: int = 60  # a draining driver finishes or hands off its streams first

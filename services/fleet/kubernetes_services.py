@@ -124,7 +124,8 @@ def _controller_objects(spec: FleetSpec, settings: KubernetesSettings) -> list[d
                [{"name": "fleet-spec", "mountPath": FLEET_SPEC_DIR, "readOnly": True}])
     deployment = _deployment(
         CONTROLLER, spec, settings,
-        args=_serve_args(CONTROLLER, settings.fleet_port, "--spec", f"{FLEET_SPEC_DIR}/{FLEET_SPEC_FILE}"),
+        args=_serve_args(CONTROLLER, settings.fleet_port, "--spec", f"{FLEET_SPEC_DIR}/{FLEET_SPEC_FILE}",
+                         "--provisioner", "kubernetes", "--namespace", settings.namespace, "--image", settings.image),
         ports=ports, volumes=volumes,
         pod_extra={"serviceAccountName": name, "automountServiceAccountToken": True},
         recreate=True)  # two controllers at once would fight over the groups: never overlap them

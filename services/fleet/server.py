@@ -23,7 +23,11 @@ from services.common.registry import ShardRegistry, registry_url
 from services.common.supervisor import Supervisor
 from services.fleet import metrics
 from services.fleet.controller import HEARTBEAT_TIMEOUT_S, STARTUP_TIMEOUT_S, FleetController
+from services.fleet.kubernetes import KubernetesSettings
+from services.fleet.kubernetes_provisioner import Kubectl, KubernetesProvisioner
 from services.fleet.local import LocalProvisioner
+from services.fleet.provisioner import Provisioner
+from services.fleet.spec import FleetSpec, InvalidFleetSpec
 from services.telemetry.server import add_metrics_arguments, setup_observability
 
 SERVICE = "fleet"
@@ -33,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", action="append", default=None, metavar="NAME",
                         help="fleet to reconcile (repeatable; env SHARDLINE_FLEET, comma-separated); it must have "
                              "been applied with `shardline apply`")
+    parser.add_argument("--spec", type=Path, default=None, metavar="FILE",
+                        help="apply this fleet spec at start (as `shardline apply -f FILE`) and reconcile its fleet")
+    parser.add_argument("--provisioner", choices=("local", "kubernetes"), default="local",
+                        help="local: each group is a `shardline serve worker` process group, children of this one "
+                             "(default); kubernetes: each group is a LeaderWorkerSet applied with kubectl")
+    parser.add_argument("--namespace", default="shardline", help="kubernetes: the fleet's namespace")
+    parser.add_argument("--image", default="shardline:latest", help="kubernetes: the image of the rank pods")
     parser.add_argument("--registry-url", default=None, help="shard registry URL (env SHARDLINE_REGISTRY_URL; "
                                                              "default: the embedded SQLite file)")
     parser.add_argument("--redis-url", default=None, help="health store the workers share (env SHARDLINE_REDIS_URL)")
@@ -90,13 +101,32 @@ class Reconcilers:
             controller.provisioner.close()
 
 
+def provisioner_for(args: argparse.Namespace, supervisor: Supervisor, shared: list[str], url: str) -> Provisioner:
+    if args.provisioner == "local":
+        return LocalProvisioner(supervisor, shared, args.log_dir)
+    settings = KubernetesSettings(image=args.image, namespace=args.namespace, registry_url=url,
+                                  redis_url=resolve("redis_url", args.redis_url, "") or None)
+    # its groups outlive a restart of the controller's pod: closing it deletes nothing
+    return KubernetesProvisioner(settings, Kubectl(args.namespace), delete_on_close=False)
+
+
 def serve(args: argparse.Namespace) -> int:
     fleets = [f.strip() for value in (args.fleet or [resolve("fleet", None, "")]) for f in value.split(",") if f.strip()]
-    if not fleets:
-        print("shardline serve fleet: --fleet NAME (or SHARDLINE_FLEET) is required", file=sys.stderr)
-        return 2
     url = registry_url(resolve("registry_url", args.registry_url, "") or None)
     registry = ShardRegistry(url, migrate_schema=True)
+    if args.spec is not None:
+        try:
+            spec = FleetSpec.load(args.spec)
+        except InvalidFleetSpec as exc:
+            print(f"shardline serve fleet: {exc}", file=sys.stderr)
+            return 2
+        revision, created = registry.apply_fleet(spec.name, spec.to_json())
+        print(f"fleet {spec.name}: revision {revision.revision} ({'applied' if created else 'already the newest'})",
+              flush=True)
+        fleets = [*fleets, spec.name] if spec.name not in fleets else fleets
+    if not fleets:
+        print("shardline serve fleet: --fleet NAME, --spec FILE (or SHARDLINE_FLEET) is required", file=sys.stderr)
+        return 2
     missing = [f for f in fleets if f not in registry.list_fleets()]
     if missing:
         print(f"shardline serve fleet: no fleet {', '.join(missing)} in the registry (`shardline apply -f FILE` "
@@ -105,11 +135,16 @@ def serve(args: argparse.Namespace) -> int:
     shared = worker_shared_flags(url, resolve("redis_url", args.redis_url, ""),
                                  resolve("telemetry_addr", args.telemetry, ""), args.worker_flag)
     supervisor = Supervisor()
-    controllers = [FleetController(registry, LocalProvisioner(supervisor, shared, args.log_dir), fleet,
+    try:
+        provisioners = [provisioner_for(args, supervisor, shared, url) for _ in fleets]
+    except FileNotFoundError as exc:  # no kubectl
+        print(f"shardline serve fleet: {exc}", file=sys.stderr)
+        return 2
+    controllers = [FleetController(registry, provisioner, fleet,
                                    registry_url=url, heartbeat_timeout_s=args.heartbeat_timeout,
                                    startup_timeout_s=args.startup_timeout,
                                    say=lambda line: print(line, flush=True))
-                   for fleet in fleets]
+                   for fleet, provisioner in zip(fleets, provisioners, strict=True)]
     reconcilers = Reconcilers(controllers, args.interval)
 
     def on_started(server: GrpcServer) -> None:

@@ -241,7 +241,7 @@ def test_fleet_render_writes_the_services_and_one_leaderworkerset_per_replica(tm
     spec_file = tmp_path / "fleet.yaml"
     spec_file.write_text(yaml.safe_dump(_spec().to_dict()))
     out = tmp_path / "out"
-    assert shardline(["fleet-render", "-f", str(spec_file), "--out", str(out), "--image", "img:2",
+    assert shardline(["fleet", "render", "-f", str(spec_file), "--out", str(out), "--image", "img:2",
                       "--namespace", "ns1", "--revision", "3", "--gpus-per-rank", "0"]) == 0
     groups = [group_name("llama-primary", 3, i) for i in range(3)]  # in index order
     assert sorted(p.stem for p in out.iterdir()) == sorted(["shardline", *groups])
