@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (vLLM's de
 # What the proto's fields can carry: a value is valid only if its wire type holds it, so a
 # request the router accepts reaches the worker unchanged.
 MAX_SEED = 2**64 - 1  # uint64 seed
-MAX_UINT32 = 2**32 - 1  # top_k, stop_token_ids, token ids
+MAX_UINT32 = 2**32 - 1  # top_k, stop_token_ids, token ids, first_step
 MAX_INT32 = 2**31 - 1  # max_tokens
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, as common.proto documents
 DEFAULT_TEMPERATURE = 1.0
@@ -67,7 +67,9 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy; ``top_k`` 0 disables top-k; ``top_p`` 1 disables nucleus
     sampling; ``seed`` None draws from the sampler's own generator (not reproducible);
-    ``logprobs`` is how many top alternatives to return per token (0 = only the sampled one's).
+    ``logprobs`` is how many top alternatives to return per token (0 = only the sampled one's);
+    ``first_step`` is how many tokens the request generated before its prompt's end (a
+    continuation's: the seeded random stream resumes at that step, not at 0).
     Construction validates every field and raises :class:`InvalidRequest` naming it.
     """
 
@@ -80,6 +82,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int = 0
     ignore_eos: bool = False
+    first_step: int = 0
 
     def __post_init__(self) -> None:
         # accept lists for the tuple fields, keep the dataclass hashable
@@ -117,6 +120,15 @@ class SamplingParams:
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not is_integer(self.first_step) or self.first_step < 0:
+            raise InvalidRequest(f"first_step must be an integer >= 0, got {self.first_step!r}")
+        if self.first_step > MAX_UINT32:
+            raise InvalidRequest(f"first_step must be at most 2**32 - 1, got {self.first_step}")
+        # every step index the request can reach fits the uint32 field, so a continuation's
+        # first_step (this one + the tokens generated so far, fewer than max_tokens) is valid too
+        if self.first_step + self.max_tokens > MAX_UINT32:
+            raise InvalidRequest(f"first_step + max_tokens must be at most 2**32 - 1, got "
+                                 f"{self.first_step} + {self.max_tokens} = {self.first_step + self.max_tokens}")
 
     @property
     def is_greedy(self) -> bool:

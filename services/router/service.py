@@ -10,12 +10,17 @@ relay and the front doors call however the request ends, releases the reservatio
 
 If the group fails mid-stream (the worker ends the request with UNAVAILABLE), the group is marked
 failed and the request continues on another group: prompt + the tokens already streamed
-become the new prompt, ``max_tokens`` shrinks by as many, and the client sees one unbroken
-stream (``replica_group_id`` changes on the messages that follow: it always names the group
-that produced the token at hand; ``replica_group_ids`` lists every group that produced some).
-A request that cannot continue (no healthy group left, or ``max_continuations`` spent) raises
-the failure (UNAVAILABLE), which each front door turns into its error: a gRPC status, an SSE
-error event before ``[DONE]``.
+become the new prompt, ``max_tokens`` shrinks by as many and ``first_step`` grows by as many (a
+seeded request's sampler resumes its random stream where the failed group left it, so the
+continued tokens are those of a fault-free run), and the client sees one unbroken stream
+(``replica_group_id`` changes on the messages that follow: it always names the group that
+produced the token at hand; ``replica_group_ids`` lists every group that produced some). Stop
+strings are matched by the router's own detokenizer over every generated token (a new group sees
+the earlier ones only as prompt), so a stop string that straddles the failure point still ends
+the request, and a request already complete when its group fails is not continued. A request
+that cannot continue (no healthy group left, or ``max_continuations`` spent) raises the failure
+(UNAVAILABLE), which each front door turns into its error: a gRPC status, an SSE error event
+before ``[DONE]``.
 
 Per relayed token the loop does only what the client needs: one await on the request's upstream
 stream (``worker_client.py`` reads the worker's Relay stream once per engine step for all the
@@ -428,14 +433,16 @@ class Generation:
                         raise RequestCancelled(f"request {self.request_id} cancelled") from None
                     failovers += 1
                     remaining = p.sampling.max_tokens - len(generated)
-                    self._fail_over(reservation, exc, failovers)
-                    if remaining <= 0:
+                    if stop_hit or remaining <= 0:  # the request is complete: nothing to continue
+                        self._fail_over(reservation, exc, failovers=0)  # marks the group, never raises
                         self._finished = True
-                        yield Finished(FinishReason.LENGTH, len(p.prompt_ids), len(generated),
-                                       text=detok.text if detok else "")
+                        yield Finished(FinishReason.STOP_SEQUENCE if stop_hit else FinishReason.LENGTH,
+                                       len(p.prompt_ids), len(generated), text=detok.text if detok else "")
                         return
-                    await self._continue(p.prompt_ids + generated, replace(p.sampling, max_tokens=remaining),
-                                         continued_from=len(generated))
+                    self._fail_over(reservation, exc, failovers)
+                    sampling = replace(p.sampling, max_tokens=remaining,
+                                       first_step=p.sampling.first_step + len(generated))
+                    await self._continue(p.prompt_ids + generated, sampling, continued_from=len(generated))
         except BaseException as exc:
             self._count_failure(exc)
             raise

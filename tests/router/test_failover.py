@@ -1,9 +1,13 @@
-"""A replica group that dies mid-stream: the router marks it and continues the request elsewhere."""
+"""A replica group that dies mid-stream: the router marks it and continues the request elsewhere,
+with the tokens of a fault-free run (greedy, and sampled with a seed)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -28,7 +32,10 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def test_a_stream_continues_on_another_group_when_its_group_dies(tiny_model_dir, tmp_path):
+@contextmanager
+def two_groups(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """rg-a (TP 2, whose rank a test kills) and rg-b (TP 1) behind a router: rg-a's worker
+    process, rg-b's address, the router's address."""
     common = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.01"]
     a, a_address = start_service("worker", [*common, "--tp", "2", "--replica-group-id", "rg-a",
                                             "--collective-timeout", "1"], tmp_path / "a.log")
@@ -42,6 +49,14 @@ def test_a_stream_continues_on_another_group_when_its_group_dies(tiny_model_dir,
             "--worker", b_address, "--http-port", "-1"], tmp_path / "router.log")
         procs.append(router)
         wait_serving(router, router_address, tmp_path / "router.log", timeout_s=30)
+        yield a, b_address, router_address
+    finally:
+        for proc in reversed(procs):
+            stop(proc, timeout_s=10)
+
+
+def test_a_stream_continues_on_another_group_when_its_group_dies(tiny_model_dir, tmp_path):
+    with two_groups(tiny_model_dir, tmp_path) as (a, b_address, router_address):
         prompt = list(range(30, 46))
         params = common_pb2.SamplingParameters(temperature=0, max_tokens=200, ignore_eos=True)
         with grpc.insecure_channel(b_address) as channel:
@@ -67,6 +82,39 @@ def test_a_stream_continues_on_another_group_when_its_group_dies(tiny_model_dir,
         assert groups["rg-a"].status == common_pb2.REPLICA_GROUP_STATUS_UNHEALTHY
         assert groups["rg-a"].kv_bytes_reserved == 0 and groups["rg-b"].kv_bytes_reserved == 0
         assert "continuing elsewhere" in (tmp_path / "router.log").read_text()
-    finally:
-        for proc in reversed(procs):
-            stop(proc, timeout_s=10)
+
+
+def test_a_seeded_sampled_stream_continued_elsewhere_has_the_fault_free_tokens(tiny_model_dir, tmp_path):
+    """The continuation carries the sampling step (first_step = the tokens streamed before the
+    failure), so rg-b draws the rest of the seeded stream that rg-a would have drawn."""
+    max_tokens = 64
+    with two_groups(tiny_model_dir, tmp_path) as (a, b_address, router_address):
+        prompt = list(range(50, 62))
+        params = common_pb2.SamplingParameters(temperature=0.8, seed=31337, max_tokens=max_tokens, ignore_eos=True)
+
+        def on_b(ids: list[int], sampling: common_pb2.SamplingParameters) -> list[int]:
+            with grpc.insecure_channel(b_address) as channel:
+                return [r.token.token_id for r in worker_pb2_grpc.WorkerServiceStub(channel).Generate(
+                    worker_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling=sampling))
+                    if r.HasField("token")]
+
+        reference = on_b(prompt, params)  # the fault-free run
+        with grpc.insecure_channel(router_address) as channel:
+            stream = router_pb2_grpc.RouterServiceStub(channel).Generate(
+                router_pb2.RouterGenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt), sampling=params))
+            responses = [next(stream) for _ in range(2)]
+            assert {r.replica_group_id for r in responses} == {"rg-a"}  # equal loads: the lower id
+            os.kill(children(a.pid)[0], signal.SIGKILL)  # one rank of rg-a dies mid-stream
+            responses += list(stream)
+        tokens, final = responses[:-1], responses[-1]
+        switch = [r.replica_group_id for r in tokens].index("rg-b")  # rg-b's first token
+        assert 2 <= switch < max_tokens and {r.replica_group_id for r in tokens[switch:]} == {"rg-b"}
+        assert [r.token.index for r in tokens] == list(range(max_tokens))
+        assert [r.token.token_id for r in tokens] == reference
+        assert final.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert final.finished.usage.completion_tokens == max_tokens
+        # what rg-b would have sent had the step index restarted at 0: another stream
+        restart = common_pb2.SamplingParameters(temperature=0.8, seed=31337, max_tokens=max_tokens - switch,
+                                                ignore_eos=True)
+        assert on_b(prompt + reference[:switch], restart) != reference[switch:]
+        print(f"\nrg-a streamed {switch} of {max_tokens} tokens before its rank was killed")

@@ -166,6 +166,72 @@ def test_a_group_that_fails_mid_stream_is_marked_and_the_request_continues_elsew
     assert a.failed and reserved(core) == 0
 
 
+def test_each_continuation_carries_the_remaining_budget_and_the_sampling_step(catalog):
+    """max_tokens counts across groups, and first_step grows by the tokens generated before each
+    continuation (from the request's own first_step), so a seeded stream resumes where it stopped."""
+    workers = Workers(**{"a:1": {"fail_after": 3}, "b:1": {"fail_after": 2}})
+    core = core_over(catalog, workers, view("a"), view("b", used_tokens=10), view("c", used_tokens=20))
+    sampling = SamplingParams(temperature=0.8, seed=7, max_tokens=10, first_step=4)
+
+    async def run() -> list:
+        generation = await core.generate(GenerationRequest(model="m", prompt_ids=(5, 6, 7), sampling=sampling))
+        return [event async for event in generation]
+
+    events = asyncio.run(run())
+    assert [e.index for e in events[:-1]] == list(range(10))
+    assert [(address, len(prompt), s.max_tokens, s.first_step, s.seed) for address, prompt, s, _ in workers.opened] \
+        == [("a:1", 3, 10, 4, 7), ("b:1", 6, 7, 7, 7), ("c:1", 8, 5, 9, 7)]
+    assert (events[-1].reason, events[-1].completion_tokens) == (FinishReason.LENGTH, 10)
+    assert reserved(core) == 0
+
+
+def test_a_stop_string_straddling_the_failure_point_ends_the_request(catalog):
+    """The tiny tokenizer's ids 104, 105, ... are "d", "e", ...: group a streams "def" and fails,
+    group b's first token "g" completes the stop string "fg". Group b only sees "def" as prompt,
+    so it is the router's detokenizer, over every generated token, that ends the request, with
+    the events of the same request on a group that does not fail."""
+    sampling = SamplingParams(max_tokens=20, stop=("fg",))
+
+    def run(workers: Workers) -> list:
+        core = core_over(catalog, workers, view("a"), view("b", used_tokens=10))
+
+        async def relay() -> list:
+            generation = await core.generate(GenerationRequest(model="m", prompt_ids=(5, 6, 7), sampling=sampling))
+            return [event async for event in generation]
+
+        events = asyncio.run(relay())
+        assert reserved(core) == 0
+        return [(t.token_id, t.text) for t in events[:-1]] + [(events[-1].reason, events[-1].completion_tokens,
+                                                               events[-1].text)]
+
+    workers = Workers(**{"a:1": {"fail_after": 3}})
+    events = run(workers)
+    assert events[:4] == [(104, "d"), (105, "e"), (106, "f"), (107, "")]
+    assert events[4][:2] == (FinishReason.STOP_SEQUENCE, 4) and len(events) == 5
+    assert events == run(Workers())
+    assert [address for address, *_ in workers.opened] == ["a:1", "b:1"]
+    assert workers.opened[1][2].stop == ("fg",) and workers.streams[1].cancelled.is_set()
+
+
+@pytest.mark.parametrize(("stop", "max_tokens", "reason"), [
+    (("ef",), 20, FinishReason.STOP_SEQUENCE),  # the stop string ended on the failed group's last token
+    ((), 3, FinishReason.LENGTH),  # the failed group streamed the whole budget
+])
+def test_a_request_complete_when_its_group_fails_is_not_continued(catalog, stop, max_tokens, reason):
+    workers = Workers(**{"a:1": {"fail_after": 3}})
+    a = view("a")
+    core = core_over(catalog, workers, a, view("b", used_tokens=10))
+    sampling = SamplingParams(max_tokens=max_tokens, stop=stop)
+
+    async def run() -> list:
+        generation = await core.generate(GenerationRequest(model="m", prompt_ids=(5, 6, 7), sampling=sampling))
+        return [event async for event in generation]
+
+    events = asyncio.run(run())
+    assert (events[-1].reason, events[-1].completion_tokens) == (reason, 3)
+    assert [address for address, *_ in workers.opened] == ["a:1"] and a.failed and reserved(core) == 0
+
+
 def test_a_queued_request_waits_on_a_thread_and_is_placed_when_headroom_returns(catalog):
     workers = Workers()
     core = core_over(catalog, workers, view("a", capacity_tokens=64))

@@ -3,6 +3,8 @@ seeded reproducibility, preemption, and request validation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -62,6 +64,20 @@ def test_outputs_do_not_depend_on_batching(tiny_model_dir):
     assert batched[5].token_ids == alone_seeded.token_ids
     again = generate(tiny_model_dir, [prompts[5]], seeded)[0]
     assert again.token_ids == alone_seeded.token_ids
+
+
+def test_a_continuation_with_first_step_resumes_the_seeded_stream(tiny_model_dir):
+    """What a router sends another group after a failover: prompt + the first k tokens, the rest of
+    the budget, ``first_step = k``. The tokens are those after k of the run from 0."""
+    prompt = prompts_of([12], seed=9)[0]
+    seeded = SamplingParams(temperature=0.8, seed=2024, max_tokens=24, ignore_eos=True)
+    [full] = generate(tiny_model_dir, [prompt], seeded)
+    k = 10
+    continued, restarted = generate(tiny_model_dir, [prompt + full.token_ids[:k]] * 2,
+                                    [replace(seeded, max_tokens=24 - k, first_step=k),
+                                     replace(seeded, max_tokens=24 - k)])
+    assert continued.token_ids == full.token_ids[k:]
+    assert restarted.token_ids != full.token_ids[k:]  # the step index restarted at 0: another stream
 
 
 def test_preemption_keeps_outputs(tiny_model_dir):

@@ -136,6 +136,8 @@ def test_sixteen_concurrent_streams_complete(worker):
     (dict(text="hi", sampling=common_pb2.SamplingParameters(top_p=0)), "top_p"),
     (dict(text="hi", sampling=common_pb2.SamplingParameters(top_p=1.5)), "top_p"),
     (dict(text="hi", sampling=common_pb2.SamplingParameters(max_tokens=700)), "KV cache holds 40 blocks"),
+    (dict(text="hi", sampling=common_pb2.SamplingParameters(first_step=2**32 - 1, max_tokens=8)),
+     "first_step + max_tokens must be at most 2**32 - 1"),
 ])
 def test_bad_requests_are_invalid_argument_and_do_not_disturb_running_ones(worker, request_kwargs, field):
     running = worker.Generate(worker_pb2.GenerateRequest(

@@ -334,7 +334,7 @@ class LLMEngine:
             seq = self.scheduler.get(s.seq_id)
             p = seq.sampling_params
             steps.append(SeqStep(s.seq_id, s.token_ids, s.positions, s.slot_mapping, s.block_table, s.context_len,
-                                 s.do_sample, p.temperature, p.top_p, p.top_k, p.seed, seq.num_output_tokens,
+                                 s.do_sample, p.temperature, p.top_p, p.top_k, p.seed, seq.sampling_step,
                                  p.logprobs))
         plan = StepPlan(out.step_id, "run", steps)
         for listener in tuple(self.step_listeners):

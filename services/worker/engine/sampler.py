@@ -11,9 +11,11 @@ For each row (one sequence's last position), in float32:
 
 Reproducibility: a row whose request has a ``seed`` draws its ``q`` from its own
 ``torch.Generator`` seeded with ``mix(seed, n)``, ``n`` being the number of tokens the request
-has generated so far. The token drawn therefore depends only on the row's logits, its
-parameters, its seed and ``n``: the same request gives the same tokens alone or in any batch,
-and after a preemption (recompute) as well. Rows without a seed share the sampler's generator.
+has generated so far: ``first_step + i`` for the sequence's token ``i``, where ``first_step``
+counts the tokens generated before its prompt's end (a continuation's prompt holds them). The
+token drawn therefore depends only on the row's logits, its parameters, its seed and ``n``: the
+same request gives the same tokens alone or in any batch, after a preemption (recompute), and
+when continued from prompt + generated ids on another replica group. Rows without a seed share the sampler's generator.
 
 Logprobs are *raw*: ``log_softmax`` of the unmodified logits, before temperature, top-k or top-p
 (vLLM's default ``logprobs_mode="raw_logprobs"``). Each row gets the sampled token's logprob and,
@@ -57,7 +59,7 @@ class SamplingRow(Protocol):
     @property
     def seed(self) -> int | None: ...
     @property
-    def num_generated(self) -> int: ...  # tokens the request generated before this one
+    def num_generated(self) -> int: ...  # tokens the request generated before this one (first_step included)
     @property
     def top_logprobs(self) -> int: ...  # alternatives to return (SamplingParams.logprobs)
 
@@ -75,8 +77,10 @@ class RowParams:
 
     @classmethod
     def of(cls, params: SamplingParams, num_generated: int) -> RowParams:
-        return cls(params.temperature, params.top_p, params.top_k, params.seed, num_generated,
-                   params.logprobs)
+        """``num_generated``: tokens the sequence generated (after its prompt); the row's step
+        adds the request's ``first_step``."""
+        return cls(params.temperature, params.top_p, params.top_k, params.seed,
+                   params.first_step + num_generated, params.logprobs)
 
 
 @dataclass
@@ -121,7 +125,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
                  num_generated: Seq[int]) -> SampleResult:
         """``logits``: float32 ``[n, vocab]``; ``params[i]`` and ``num_generated[i]`` (tokens
-        row i's request has generated so far) describe row i."""
+        row i's sequence has generated so far, after ``params[i].first_step``) describe row i."""
         if len(params) != len(num_generated):
             raise SamplerError(f"got {len(params)} params but {len(num_generated)} num_generated")
         return self.sample(logits, [RowParams.of(p, n) for p, n in zip(params, num_generated, strict=True)])

@@ -73,6 +73,13 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
 
     @property
+    def sampling_step(self) -> int:
+        """The request's index of the token sampled next: the tokens it generated before its
+        prompt's end (``first_step``, set on a continuation) plus those generated here. With a
+        seed it picks the random stream, so a continued request draws as if it never moved."""
+        return self.sampling_params.first_step + len(self.output_token_ids)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -24,7 +24,9 @@ class SeqStep:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    num_generated: int = 0  # tokens generated so far: with ``seed`` it fixes the random stream
+    # the request's tokens generated so far, those before its prompt's end (first_step)
+    # included: with ``seed`` it fixes the random stream (Sequence.sampling_step)
+    num_generated: int = 0
     top_logprobs: int = 0
 
 

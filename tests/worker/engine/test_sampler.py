@@ -157,3 +157,16 @@ def test_sample_takes_step_rows_and_iterates_as_tuples() -> None:
     rows = list(by_steps)
     assert len(by_steps) == 3 and rows[1] == (by_params.token_ids[1], by_params.logprobs[1], [])
     assert len(rows[0][2]) == 2
+
+
+def test_a_row_with_first_step_k_draws_the_steps_after_k_of_a_row_from_zero() -> None:
+    """A continuation's sequence generates its token ``n`` as the request's token ``k + n``: the
+    same draw as step ``k + n`` of the request run from 0, and not the draw of step ``n``."""
+    params = SamplingParams(temperature=0.8, seed=77)
+    continued = SamplingParams(temperature=0.8, seed=77, first_step=5)
+    logits = logits_batch(1, seed=4)
+    from_zero = [Sampler()(logits, [params], [n]).token_ids[0] for n in range(20)]
+    after_k = [Sampler()(logits, [continued], [n]).token_ids[0] for n in range(15)]
+    assert after_k == from_zero[5:]
+    assert after_k != from_zero[:15]  # restarting the step index at 0 would draw another stream
+    assert RowParams.of(continued, 3) == RowParams.of(params, 8)

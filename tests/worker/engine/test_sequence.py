@@ -65,3 +65,12 @@ def test_sequence_token_accounting() -> None:
     s.num_computed_tokens = 4
     assert s.num_uncomputed_tokens == 1
     assert s.max_total_tokens == 7
+
+
+def test_sampling_step_counts_the_tokens_generated_before_the_prompts_end() -> None:
+    fresh = Sequence(1, [10, 11], SamplingParams(seed=3))
+    continued = Sequence(2, [10, 11, 20, 21, 22], SamplingParams(seed=3, first_step=3))
+    assert (fresh.sampling_step, continued.sampling_step) == (0, 3)
+    fresh.output_token_ids += [20, 21, 22]
+    continued.output_token_ids += [23]
+    assert (fresh.sampling_step, continued.sampling_step) == (3, 4)
