@@ -66,7 +66,8 @@ def fleet_status(registry: ShardRegistry, fleet: str) -> dict[str, Any]:
     rollout = registry.latest_rollout(fleet)
     scaling = spec.autoscaling
     return {"fleet": fleet, "revision": revision.revision, "plan": spec.group.describe(),
-            "replicas": spec.replicas if scaling is None else {"min": scaling.min_replicas, "max": scaling.max_replicas},
+            "replicas": (spec.replicas if scaling is None
+                         else {"min": scaling.min_replicas, "max": scaling.max_replicas}),
             "in_rotation": sum(1 for g in live if g.status in ("healthy", "degraded")),
             "rollout": None if rollout is None else {"from_revision": rollout.from_revision,
                                                      "to_revision": rollout.to_revision, "status": rollout.status,
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     rollout = status["rollout"]
     print(f"fleet {status['fleet']}: revision {status['revision']}, {status['plan']}, replicas {status['replicas']}, "
           f"{status['in_rotation']} in rotation"
-          + (f"; rollout {rollout['from_revision']} -> {rollout['to_revision']} {rollout['status']}" if rollout else ""))
+          + (f"; rollout {rollout['from_revision']} -> {rollout['to_revision']} {rollout['status']}"
+             if rollout else ""))
     print(f"  {'GROUP':<24} {'PLAN':<22} {'REV':>3}  {'STATUS':<12} {'KV %':>6} {'REQS':>5}  REASON")
     for g in status["groups"]:
         kv = "-" if g["kv_utilization_pct"] is None else f"{g['kv_utilization_pct']:.1f}"

@@ -35,7 +35,8 @@ class Autoscaler:
         desired = max(policy.min_replicas, min(policy.max_replicas, current))
         if utilization_pct is not None:
             self._samples.append((now, utilization_pct))
-        while self._samples and now - self._samples[0][0] > policy.window_s:
+        # keep the newest sample from before the window too: the samples then span the whole window
+        while len(self._samples) > 1 and now - self._samples[1][0] >= policy.window_s:
             self._samples.popleft()
         if not self._samples:
             return ScaleDecision(desired, None, "")
@@ -43,15 +44,15 @@ class Autoscaler:
         mean = sum(values) / len(values)
         if desired != current:
             return ScaleDecision(desired, mean, f"held within min {policy.min_replicas} .. max {policy.max_replicas}")
-        spans_window = now - self._samples[0][0] >= policy.window_s * 0.9 or policy.window_s == 0
+        spans_window = now - self._samples[0][0] >= policy.window_s
         if not spans_window or now - self._last_change < policy.cooldown_s:
             return ScaleDecision(desired, mean, "")
         if min(values) > policy.scale_out_threshold and desired < policy.max_replicas:
             self.reset(now)
-            return ScaleDecision(desired + 1, mean, f"KV utilization {mean:.1f} % > {policy.scale_out_threshold:g} % for "
-                                                    f"{policy.window_s:g} s")
+            return ScaleDecision(desired + 1, mean, f"KV utilization {mean:.1f} % > "
+                                                    f"{policy.scale_out_threshold:g} % for {policy.window_s:g} s")
         if max(values) < policy.scale_in_threshold and desired > policy.min_replicas:
             self.reset(now)
-            return ScaleDecision(desired - 1, mean, f"KV utilization {mean:.1f} % < {policy.scale_in_threshold:g} % for "
-                                                    f"{policy.window_s:g} s")
+            return ScaleDecision(desired - 1, mean, f"KV utilization {mean:.1f} % < "
+                                                    f"{policy.scale_in_threshold:g} % for {policy.window_s:g} s")
         return ScaleDecision(desired, mean, "")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from services.common.healthcheck import check
 from services.common.registry import FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
 from services.fleet.autoscale import Autoscaler
 from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate
+from services.fleet.load_signal import registry_utilization
 from services.fleet.provisioner import GroupLaunch, GroupProcess, Provisioner
 from services.fleet.spec import FleetSpec
 from services.modeling.golden_set import GoldenSet
@@ -43,6 +45,8 @@ from services.worker.runtime import RankSpec
 
 log = logging.getLogger(__name__)
 
+UtilizationSource = Callable[[ShardRegistry, list[ReplicaGroup]], dict[str, float]]
+
 IN_ROTATION = ("healthy", "degraded")
 HEARTBEAT_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 600.0
@@ -50,8 +54,6 @@ MAX_BACKOFF_S = 60.0
 
 
 def new_group_name(fleet: str) -> str:
-    import uuid  # deferred: only for the name's random suffix
-
     return f"{fleet}-{uuid.uuid4().hex[:6]}"
 
 
@@ -64,6 +66,7 @@ class FleetState:
     failures: int = 0  # provisioning failures in a row
     retry_at: float = 0.0
     gates: dict[str, GateOutcome] = field(default_factory=dict)  # passed candidates, by name
+    reference_scores: dict[str, Any] = field(default_factory=dict)  # the serving plan's, for this rollout
     utilization_pct: float | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -71,7 +74,7 @@ class FleetState:
 class FleetController:
     def __init__(self, registry: ShardRegistry, provisioner: Provisioner, fleet: str, *, registry_url: str,
                  heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, startup_timeout_s: float = STARTUP_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.monotonic, utilization: UtilizationSource | None = None,
                  say: Callable[[str], None] | None = None) -> None:
         self.registry = registry
         self.registry_url = registry_url
@@ -80,6 +83,7 @@ class FleetController:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.clock = clock
+        self.utilization = utilization or registry_utilization  # group name -> KV utilization (0..1)
         self.say = say or (lambda line: log.info("%s", line))
         self.state = FleetState()
         self.jobs = Jobs()
@@ -124,10 +128,10 @@ class FleetController:
         if rollout is not None and rollout.status == "aborting":
             self._abort(rollout)
             newest = self.registry.fleet_revision(self.fleet).revision
+        self._collect_jobs(rollout)  # first: a gate that failed changes the target
         target_rev, rollout = self._target(newest)
         spec = self.spec_of(target_rev)
         procs = {p.name: p for p in self.provisioner.groups()}
-        self._collect_jobs(rollout)
         groups = self._heal(self.registry.fleet_groups(self.fleet, include_dead=True), procs, now)
         key = spec.plan_key()
         mine = [g for g in groups if self.spec_of(g.fleet_revision or target_rev).plan_key() == key]
@@ -252,10 +256,12 @@ class FleetController:
             if not self._ready(g) or self.jobs.running(name):
                 continue
             if others_in_rotation and name not in self.state.gates:
-                reference = others_in_rotation[0].name or ""
+                scored = [g.name for g in others_in_rotation if g.name in self.state.reference_scores]
+                reference = scored[0] if scored else others_in_rotation[0].name or ""
                 self.jobs.submit(name, "gate", gate_candidate, name, reference, self._golden_for(spec),
                                  registry_url=self.registry_url, threshold_pct=spec.rollout.gate_threshold_pct,
-                                 min_top1_agreement=spec.rollout.gate_min_top1)
+                                 min_top1_agreement=spec.rollout.gate_min_top1,
+                                 reference_scores=self.state.reference_scores)
                 self.event("gating", rollout, group=name, reference=reference)
                 continue
             try:
@@ -270,10 +276,12 @@ class FleetController:
 
     def _golden_for(self, spec: FleetSpec) -> GoldenSet:
         g = spec.group
-        key = (g.source, spec.rollout.gate_chunks)
+        policy = spec.rollout
+        key = (g.source, policy.gate_chunks, policy.gate_chunk_tokens)
         if key not in self._golden:
             rank = RankSpec(None, checkpoint=g.manifest_uri) if g.manifest_uri else None
-            self._golden[key] = golden_set_for(g.model_dir, rank, chunks=spec.rollout.gate_chunks)
+            self._golden[key] = golden_set_for(g.model_dir, rank, chunks=policy.gate_chunks,
+                                               chunk_tokens=policy.gate_chunk_tokens)
         return self._golden[key]
 
     # ---- count -----------------------------------------------------------------------------
@@ -286,7 +294,8 @@ class FleetController:
         if state.desired is None:
             state.desired = spec.bounded(spec.replicas)
         in_rotation = [g for g in mine if g.status in IN_ROTATION]
-        utils = [self._utilization(g) for g in in_rotation]
+        by_group = self.utilization(self.registry, in_rotation)
+        utils = [by_group.get(g.name or "", 0.0) for g in in_rotation]
         util = sum(utils) / len(utils) * 100 if utils else None
         state.utilization_pct = util
         if rolling or any(g.status == "provisioning" for g in mine):
@@ -298,12 +307,6 @@ class FleetController:
                        utilization_pct=None if decision.utilization_pct is None else round(decision.utilization_pct, 1))
             state.desired = decision.desired
         return state.desired
-
-    def _utilization(self, g: ReplicaGroup) -> float:
-        shards = self.registry.shards_of(g.replica_group_id)
-        if not shards or g.kv_cache_cap_bytes <= 0:
-            return 0.0
-        return min(1.0, max(s.kv_used_bytes for s in shards) / g.kv_cache_cap_bytes)
 
     def _provision(self, spec: FleetSpec, revision: int, now: float, why: str,
                    rollout: FleetRollout | None = None) -> None:
@@ -367,6 +370,7 @@ class FleetController:
             source = max((g.fleet_revision or 0) for g in others_in_rotation) or None
             rollout = self.registry.create_rollout(self.fleet, source, target)
             self.state.gates.clear()
+            self.state.reference_scores.clear()
             self.event("rollout-started", rollout, from_revision=source, to_revision=target,
                        plan=self.spec_of(target).group.describe())
         elif running and rollout.to_revision == target and not others:

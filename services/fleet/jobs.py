@@ -25,7 +25,7 @@ from services.common.proto import worker_pb2, worker_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
 from services.modeling.golden_set import GoldenSet
-from services.worker.plan_scoring import GateResult, record_gate, run_gate, score_live_group
+from services.worker.plan_scoring import GateResult, PlanScores, record_gate, run_gate, score_live_group
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,13 @@ def gate_figures(result: GateResult) -> dict[str, Any]:
 
 
 def gate_candidate(candidate: str, reference: str, golden: GoldenSet, *, registry_url: str,
-                   threshold_pct: float, min_top1_agreement: float | None) -> GateOutcome:
-    ref = score_live_group(f"group={reference}", golden, registry_url=registry_url)
+                   threshold_pct: float, min_top1_agreement: float | None,
+                   reference_scores: dict[str, PlanScores]) -> GateOutcome:
+    """``reference_scores`` keeps the serving plan's scores for the rollout's later candidates:
+    the serving groups share one plan, and scoring one holds its engine for a prefill per chunk."""
+    ref = reference_scores.get(reference)
+    if ref is None:
+        ref = reference_scores[reference] = score_live_group(f"group={reference}", golden, registry_url=registry_url)
     cand = score_live_group(f"group={candidate}", golden, registry_url=registry_url)
     result = run_gate(ref, cand, golden, threshold_pct=threshold_pct, min_top1_agreement=min_top1_agreement)
     try:

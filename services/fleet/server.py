@@ -25,6 +25,7 @@ from services.fleet import metrics
 from services.fleet.controller import HEARTBEAT_TIMEOUT_S, STARTUP_TIMEOUT_S, FleetController
 from services.fleet.kubernetes import KubernetesSettings
 from services.fleet.kubernetes_provisioner import Kubectl, KubernetesProvisioner
+from services.fleet.load_signal import RouterUtilization
 from services.fleet.local import LocalProvisioner
 from services.fleet.provisioner import Provisioner
 from services.fleet.spec import FleetSpec, InvalidFleetSpec
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{HEARTBEAT_TIMEOUT_S:g} s)")
     parser.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
                         help=f"a group not ready this long after its start is dead (default {STARTUP_TIMEOUT_S:g} s)")
+    parser.add_argument("--router", action="append", default=[], metavar="ADDRESS",
+                        help="a router whose committed KV the autoscaler reads (repeatable; default: the workers' "
+                             "heartbeats in the registry)")
     parser.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
                         help="one more flag for every worker, e.g. --worker-flag=--collective-timeout=5")
     add_metrics_arguments(parser)
@@ -111,7 +115,8 @@ def provisioner_for(args: argparse.Namespace, supervisor: Supervisor, shared: li
 
 
 def serve(args: argparse.Namespace) -> int:
-    fleets = [f.strip() for value in (args.fleet or [resolve("fleet", None, "")]) for f in value.split(",") if f.strip()]
+    given = args.fleet or [resolve("fleet", None, "")]
+    fleets = [f.strip() for value in given for f in value.split(",") if f.strip()]
     url = registry_url(resolve("registry_url", args.registry_url, "") or None)
     registry = ShardRegistry(url, migrate_schema=True)
     if args.spec is not None:
@@ -143,6 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     controllers = [FleetController(registry, provisioner, fleet,
                                    registry_url=url, heartbeat_timeout_s=args.heartbeat_timeout,
                                    startup_timeout_s=args.startup_timeout,
+                                   utilization=RouterUtilization(args.router) if args.router else None,
                                    say=lambda line: print(line, flush=True))
                    for fleet, provisioner in zip(fleets, provisioners, strict=True)]
     reconcilers = Reconcilers(controllers, args.interval)

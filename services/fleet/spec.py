@@ -17,7 +17,7 @@
       max_surge: 1
       max_unavailable: 0
       drain_deadline_s: 30
-      gate: {threshold_pct: 0.5, chunks: 8}
+      gate: {threshold_pct: 0.5, chunks: 8, chunk_tokens: 512}   # the golden set each candidate is scored on
     autoscaling:
       min_replicas: 1
       max_replicas: 3
@@ -45,6 +45,7 @@ import yaml
 
 from services.common.dtypes import canonical_dtype
 from services.common.errors import InvalidArgument
+from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")  # a DNS label: it names Kubernetes objects
 SCALE_ON = ("kv_cache_utilization_pct",)
@@ -118,6 +119,7 @@ class RolloutPolicy:
     drain_deadline_s: float = 30.0
     gate_threshold_pct: float = 0.5
     gate_chunks: int = 8
+    gate_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     gate_min_top1: float | None = None
     settle_s: float = 3.0  # after a group enters rotation, before an old one leaves: every router sees it
 
@@ -176,6 +178,7 @@ class FleetSpec:
             "rollout": {"max_surge": r.max_surge, "max_unavailable": r.max_unavailable,
                         "drain_deadline_s": r.drain_deadline_s, "settle_s": r.settle_s,
                         "gate": {"threshold_pct": r.gate_threshold_pct, "chunks": r.gate_chunks,
+                                 "chunk_tokens": r.gate_chunk_tokens,
                                  **({"min_top1_agreement": r.gate_min_top1} if r.gate_min_top1 is not None else {})}},
         }
         if self.served_model_name:
@@ -279,6 +282,7 @@ def _rollout(section: dict[str, Any]) -> RolloutPolicy:
         settle_s=_take(section, "settle_s", float, 3.0, w),
         gate_threshold_pct=_take(gate, "threshold_pct", float, 0.5, "rollout.gate."),
         gate_chunks=_take(gate, "chunks", int, 8, "rollout.gate."),
+        gate_chunk_tokens=_take(gate, "chunk_tokens", int, DEFAULT_CHUNK_TOKENS, "rollout.gate."),
         gate_min_top1=_take(gate, "min_top1_agreement", float, None, "rollout.gate."),
     )
     _no_extra(gate, "rollout.gate")
@@ -288,8 +292,9 @@ def _rollout(section: dict[str, Any]) -> RolloutPolicy:
                                f"{policy.max_surge} and {policy.max_unavailable}")
     if policy.drain_deadline_s < 0 or policy.settle_s < 0:
         raise InvalidFleetSpec("rollout.drain_deadline_s and settle_s must be >= 0")
-    if policy.gate_chunks < 1:
-        raise InvalidFleetSpec(f"rollout.gate.chunks must be >= 1, got {policy.gate_chunks}")
+    if policy.gate_chunks < 1 or policy.gate_chunk_tokens < 2:
+        raise InvalidFleetSpec(f"rollout.gate.chunks must be >= 1 and chunk_tokens >= 2, got {policy.gate_chunks} "
+                               f"and {policy.gate_chunk_tokens}")
     _positive(policy.gate_threshold_pct, "rollout.gate.threshold_pct")
     return policy
 

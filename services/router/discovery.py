@@ -3,7 +3,8 @@
 Every ``interval_s`` (and once before the router serves) the newest registry row of each
 endpoint is read: a new endpoint gets a view and a poller (through ``on_endpoint``), and the
 row's status (``provisioning`` before a fleet controller puts it in rotation, ``draining``,
-``dead``) feeds the view's status. A row that is already dead when first seen gets no view. Rows whose group id differs from what the worker at that address reports
+``dead``) feeds the view's status. A row that is already dead when first seen gets no view.
+Rows whose group id differs from what the worker at that address reports
 (an older group that once lived there) are ignored.
 """
 
@@ -71,6 +72,8 @@ class RegistryDiscovery:
             view, created = self.replicas.add(address)
             if created:
                 log.info("discovered replica group %s at %s in the registry", name, address)
+                with self.replicas.lock:  # before its first poll: a provisioning group is never routable
+                    view.registry_status = status
                 self.on_endpoint(address)
             with self.replicas.lock:
                 if view.replica_group_id in ("", name):

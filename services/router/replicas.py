@@ -55,6 +55,11 @@ class GroupStatus(Enum):
         return self in (GroupStatus.HEALTHY, GroupStatus.DEGRADED)
 
 
+class StatsLate(Exception):
+    """A worker's Stats did not answer within the poll's timeout (a busy host, a long prefill): not
+    yet a failure. Its last report stands until it is stale, which the stale rule judges."""
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     """One worker ``Stats`` answer, in domain form."""
@@ -310,6 +315,8 @@ class GroupPoller:
         try:
             stats = self.source.stats(timeout)
             serving = self.source.serving(timeout)
+        except StatsLate as exc:  # the last report ages instead; staleness makes it unhealthy
+            log.debug("%s", exc)
         except Exception as exc:  # noqa: BLE001 - any failure to report makes the view unhealthy
             error = str(exc) or type(exc).__name__
         store_read = self._read_store(stats)
@@ -319,8 +326,8 @@ class GroupPoller:
             if stats is not None:
                 view.apply_stats(stats, now=now, wall_ms=time.time_ns() // 1_000_000)
                 view.worker_serving = serving
-            else:
-                view.stats_error = error
+            elif error or not view.reported_at:
+                view.stats_error = error or "Stats timed out"
             if store_read is not None:
                 seen, status = store_read
                 view.store_seen = view.store_seen or seen

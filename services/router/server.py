@@ -93,7 +93,7 @@ def group_to_pb(view: ReplicaGroupView) -> router_pb2.ReplicaGroupInfo:
         kv_bytes_used=view.kv_bytes_used, kv_bytes_capacity=view.kv_bytes_capacity,
         kv_bytes_reserved=view.kv_bytes_reserved, kv_bytes_per_token=view.kv_bytes_per_token,
         status=STATUS_TO_PB[view.status], running=view.running, waiting=view.waiting,
-        last_report_ms=view.last_report_ms)
+        last_report_ms=view.last_report_ms, kv_bytes_committed=max(0, view.committed_bytes))
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):

@@ -31,7 +31,7 @@ from services.common.proto_convert import DTYPE_FROM_PB, finish_reason_from_pb, 
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.transport_security import TransportSecurity, open_aio_channel, open_channel
 from services.router.admission import RequestCancelled
-from services.router.replicas import WorkerStats
+from services.router.replicas import StatsLate, WorkerStats
 
 # Reconnects back off to at most 2 s (gRPC's default grows to 120 s): a worker restarted at the
 # same address (a new replica group there) is polled, and so routable, within a poll or two.
@@ -272,6 +272,8 @@ class WorkerClient:
         try:
             r = self._stub.Stats(worker_pb2.StatsRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise StatsLate(f"Stats of {self.address}: no answer within {timeout_s:g} s") from None
             raise Unavailable(f"Stats of {self.address}: {exc.code().name}: {exc.details()}") from None
         return WorkerStats(
             replica_group_id=r.replica_group_id, model_name=r.model_name, tp_degree=r.layout.tp_degree,

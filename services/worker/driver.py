@@ -110,8 +110,9 @@ class ReplicaDriver:
                                                          pp_degree=plan.pp_degree, dtype=to_registry_dtype(plan.dtype),
                                                          kv_cache_cap_bytes=capacity, endpoint=opts.endpoint)
         if adopted is None:  # started by hand: the group makes its own row
-            self.registry.create_replica_group(model_name, plan.tp_degree, plan.pp_degree, plan.dtype, capacity, name=self.replica_group_id,
-                                               endpoint=opts.endpoint, replica_group_id=group_uuid)
+            self.registry.create_replica_group(model_name, plan.tp_degree, plan.pp_degree, plan.dtype, capacity,
+                                               name=self.replica_group_id, endpoint=opts.endpoint,
+                                               replica_group_id=group_uuid)
         node = socket.gethostname()
         for pp in range(plan.pp_degree):
             for tp in range(plan.tp_degree):

@@ -37,7 +37,8 @@ from .repository import GroupIsDead, ShardRegistry
 
 __all__ = [
     "ALLOWED_TRANSITIONS", "GROUP_STATUSES", "PROJECT_DTYPES", "REGISTRY_DTYPES", "SHARD_STATUSES",
-    "CheckpointManifest", "Conflict", "FleetNotFound", "FleetRevision", "FleetRollout", "DuplicateManifest", "DuplicateShard", "GpuShard",
+    "CheckpointManifest", "Conflict", "DuplicateManifest", "DuplicateShard", "FleetNotFound", "FleetRevision",
+    "FleetRollout", "GpuShard",
     "GroupIsDead", "GroupNotFound", "IllegalTransition", "InvalidValue", "ManifestNotFound",
     "NotFound", "QualityGateResult", "RegistryError", "ReplicaGroup", "ShardNotFound", "ShardRegistry",
     "default_registry_url", "downgrade", "make_engine", "registry_url", "state_dir",

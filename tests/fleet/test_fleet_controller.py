@@ -1,0 +1,188 @@
+"""The fleet controller on real processes: a router discovering groups in a PostgreSQL registry,
+``shardline serve fleet`` with the local provisioner, Redis as the health store, and 8 greedy
+streams looping through the ``openai`` client, every completion checked against its fault-free
+text. One stack for the module, one fleet through four scenarios in order:
+
+1. heal: SIGKILL the worker process of one of two groups; nothing fails, and a new group of the
+   same plan is in rotation within collective timeout + start-up + 10 s, the old one dead with why;
+2. re-shard: TP1 x PP1 -> TP1 x PP2 (float32) under load: no failed request, never fewer than 2 groups in
+   rotation (the router's view), identical outputs, the gate's figures per new group;
+3. a rollout whose candidate fails the gate (weights with planted noise) ends ``failed``, the
+   groups of the serving revision still serving;
+4. autoscaling (min 1, max 3): streams that fill the KV cache add groups; without them it scales
+   back to 1, draining without a failed request.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench._fleet_stack import FleetStack, Load, RotationMonitor, fleet_spec
+from tests.stack import fresh_database
+
+pytestmark = pytest.mark.slow
+
+FLEET = "tinyfleet"
+PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
+MAX_TOKENS = 24
+COLLECTIVE_TIMEOUT_S = 2.0
+# float32: the tiny model's random weights leave near-ties that bfloat16 resolves differently
+# from one batch to the next, and these tests compare texts across batches and layouts
+DTYPE = "float32"
+
+
+def spec(**overrides):
+    """The fleet's spec, kept short for the suite: a gate of 4 x 128 tokens, 5 s drains."""
+    return fleet_spec(FLEET, overrides.pop("model_dir"), dtype=DTYPE, gate_chunk_tokens=128, drain_deadline_s=5.0,
+                      **overrides)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path, postgres_url: str, redis_url: str,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with fresh_database(postgres_url, "fleet") as db:
+        fleet = FleetStack(tmp_path_factory.mktemp("fleet"), tiny_model_dir, FLEET, db, redis_url=redis_url)
+        try:
+            fleet.start(spec(model_dir=tiny_model_dir), groups=2)
+            yield fleet
+        finally:
+            fleet.close()
+
+
+@pytest.fixture(scope="module")
+def expected(stack: FleetStack) -> dict[int, str]:
+    """Each prompt's fault-free greedy text, from the fleet before anything happens to it."""
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, concurrency=1)
+    outcomes = [load.one(i) for i in range(len(PROMPTS))]
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    return {o.prompt: o.text for o in outcomes}
+
+
+def check_outcomes(outcomes: list, expected: dict[int, str]) -> None:
+    assert outcomes, "the load ran no request"
+    failed = [o for o in outcomes if not o.ok]
+    assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
+    wrong = [o for o in outcomes if o.text != expected[o.prompt]]
+    assert not wrong, f"{len(wrong)} of {len(outcomes)} differ from the fault-free text: {wrong[:3]}"
+
+
+def driver_pid(group: str) -> int:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"worker" in args and group.encode() in args:
+                return int(pid)
+    raise AssertionError(f"no worker process of {group}")
+
+
+def live_groups(stack: FleetStack) -> dict[str, dict]:
+    return {g["id"]: g for g in stack.status()["groups"] if g["status"] != "dead"}
+
+
+def test_heal_replaces_a_killed_group_with_the_same_plan(stack: FleetStack, expected: dict[int, str]) -> None:
+    before = live_groups(stack)
+    assert len(before) == 2 and all(g["status"] == "healthy" for g in before.values())
+    victim = sorted(before)[0]
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS).start()
+    time.sleep(2.0)
+    os.kill(driver_pid(victim), signal.SIGKILL)
+    killed = time.monotonic()
+
+    def healed() -> bool:
+        groups = live_groups(stack)
+        return victim not in groups and sum(g["status"] == "healthy" for g in groups.values()) == 2
+
+    took = stack.wait(healed, COLLECTIVE_TIMEOUT_S + 30 + 10, "a replacement group in rotation")
+    time.sleep(1.0)
+    check_outcomes(load.stop(), expected)
+    status = stack.status()
+    dead = {g["id"]: g for g in status["groups"]}[victim]
+    assert dead["status"] == "dead" and "exited with code -9" in dead["reason"], dead
+    new = set(live_groups(stack)) - set(before)
+    assert len(new) == 1 and all(live_groups(stack)[g]["plan"] == before[victim]["plan"] for g in new)
+    print(f"healed in {time.monotonic() - killed:.1f} s (wait {took:.1f} s): {victim} -> {new}")
+
+
+def test_rolling_reshard_to_pp2_loses_nothing_and_keeps_two_groups_in_rotation(
+        stack: FleetStack, expected: dict[int, str], tiny_model_dir: Path) -> None:
+    stack.wait(lambda: len(stack.rotation()) == 2, 10, "the router to see both groups")
+    monitor = RotationMonitor(stack).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS).start()
+    time.sleep(1.0)
+    print(stack.apply(spec(model_dir=tiny_model_dir, pp=2)))
+
+    def rolled() -> bool:
+        rollout = stack.status()["rollout"]
+        return rollout is not None and rollout["status"] in ("succeeded", "failed")
+
+    stack.wait(rolled, 150, "the rollout to end")
+    time.sleep(1.0)
+    outcomes, samples = load.stop(), monitor.stop()
+    check_outcomes(outcomes, expected)
+    rollout = stack.rollout()
+    assert rollout["status"] == "succeeded", rollout
+    assert min(n for _, n, _ in samples) >= 2, f"fewer than 2 groups in rotation: {[n for _, n, _ in samples]}"
+    groups = live_groups(stack)
+    assert len(groups) == 2 and {g["plan"] for g in groups.values()} == {"TP1 x PP2 float32"}
+    gates = [e for e in rollout["events"] if e["event"] == "gate-passed"]
+    assert {e["group"] for e in gates} == set(groups), gates
+    assert all(e["perplexity_delta_pct"] == pytest.approx(0.0, abs=0.5) for e in gates)
+    print(f"{len(outcomes)} requests, rotation min {min(n for _, n, _ in samples)}, gates {gates}")
+
+
+def test_a_candidate_failing_the_gate_ends_the_rollout_failed_and_the_fleet_serving(
+        stack: FleetStack, expected: dict[int, str], tiny_model_dir: Path) -> None:
+    serving = live_groups(stack)
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS).start()
+    noisy = spec(model_dir=tiny_model_dir, pp=1, env={"SHARDLINE_WEIGHT_NOISE": "layer=1,std=0.5,seed=0"})
+    print(stack.apply(noisy))
+
+    def ended() -> bool:
+        rollout = stack.status()["rollout"]
+        return rollout is not None and rollout["to_revision"] == stack.status()["revision"] and \
+            rollout["status"] in ("succeeded", "failed")
+
+    stack.wait(ended, 90, "the rollout to the noisy plan to end")
+    time.sleep(2.0)
+    check_outcomes(load.stop(), expected)
+    rollout = stack.rollout()
+    assert rollout["status"] == "failed" and "quality gate" in rollout["reason"], rollout
+    failed = [e for e in rollout["events"] if e["event"] == "gate-failed"]
+    assert failed and failed[0]["reasons"], failed  # the verdict's reasons (perplexity or top-1) are kept
+    assert set(live_groups(stack)) == set(serving)  # the candidate is gone, the old groups serve
+    assert len(stack.rotation()) == 2
+
+
+def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
+        stack: FleetStack, tiny_model_dir: Path) -> None:
+    scaling = {"min_replicas": 1, "max_replicas": 3, "scale_out_threshold": 80, "scale_in_threshold": 35,
+               "window_s": 2, "cooldown_s": 4}
+    # the serving plan (PP2) again, so no rollout: only the count is the autoscaler's now
+    print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, replicas=2, autoscaling=scaling)))
+    stack.wait(lambda: stack.status()["in_rotation"] == 1, 60, "scale-in to 1 without load")
+    monitor = RotationMonitor(stack).start()
+    # each request's KV estimate (prompt + 450) is near a quarter of a group's cache: the routers
+    # commit ~90 % of every group while requests wait, however many groups there are
+    load = Load(stack.http, "tinyfleet", PROMPTS, 450, concurrency=12).start()
+    stack.wait(lambda: stack.status()["in_rotation"] >= 2, 90, "a scale-out under load")
+    stack.wait(lambda: stack.status()["in_rotation"] == 3 or
+               (monitor.samples and monitor.samples[-1][2] < 80 and stack.status()["in_rotation"] >= 2),
+               90, "max replicas, or utilization below the threshold")
+    peak = stack.status()["in_rotation"]
+    outcomes = load.stop()
+    assert not [o for o in outcomes if not o.ok], [o.error for o in outcomes if not o.ok][:3]
+    stack.wait(lambda: stack.status()["in_rotation"] == 1 and len(live_groups(stack)) == 1, 90,
+               "scale-in back to 1")
+    samples = monitor.stop()
+    scales = [e for e in stack.events() if e.startswith("scale ")]
+    assert any("desired=2" in e for e in scales) and peak >= 2, scales
+    print(f"peak {peak} groups, max KV {max(u for _, _, u in samples):.0f} %, {len(outcomes)} requests; {scales}")
