@@ -40,6 +40,19 @@ def _env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}, **extra}
 
 
+def driver_pid(group: str) -> int:
+    """The pid of a replica group's worker process (its driver), found by its --replica-group-id."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"worker" in args and group.encode() in args:
+                return int(pid)
+    raise RuntimeError(f"no worker process of {group}")
+
+
 def fleet_spec(name: str, model_dir: Path, *, replicas: int = 2, tp: int = 1, pp: int = 1, dtype: str = "bfloat16",
                kv_cache_cap_gb: float = 0.004, env: dict[str, str] | None = None,
                autoscaling: dict[str, Any] | None = None, gate_chunks: int = 4, gate_chunk_tokens: int = 512,
@@ -150,12 +163,17 @@ class FleetStack:
         text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
         return "\n".join(text)
 
-    def events(self) -> list[str]:
-        """The controller's event lines (``fleet NAME: EVENT ...``)."""
+    def events(self) -> list[tuple[float, str]]:
+        """The controller's events: (Unix time, ``EVENT key=value ...``) from its ``T fleet NAME: ...`` lines."""
         path = self.logs / "fleet.log"
-        prefix = f"fleet {self.fleet}: "
-        return [line[len(prefix):] for line in path.read_text(errors="replace").splitlines()
-                if line.startswith(prefix)] if path.exists() else []
+        marker = f" fleet {self.fleet}: "
+        out = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            stamp, found, rest = line.partition(marker)
+            if found:
+                with contextlib.suppress(ValueError):
+                    out.append((float(stamp), rest))
+        return out
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -193,6 +211,7 @@ class Load:
     prompts: list[str]
     max_tokens: int
     concurrency: int = 8
+    pause_s: float = 0.0  # each stream's think time between two requests
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -226,6 +245,7 @@ class Load:
             with self._lock:
                 self.outcomes.append(outcome)
             n += self.concurrency
+            self._stop.wait(self.pause_s)
 
     def start(self) -> Load:
         for thread in self._threads:
@@ -240,7 +260,7 @@ class Load:
 
 
 class RotationMonitor:
-    """Samples (time, groups in rotation, mean KV utilization %) from the router every ``every_s``."""
+    """Samples (time, groups in rotation, mean committed KV utilization %) from the router every ``every_s``."""
 
     def __init__(self, stack: FleetStack, every_s: float = 0.25) -> None:
         self.stack, self.every_s = stack, every_s
@@ -254,7 +274,8 @@ class RotationMonitor:
                 groups = self.stack.rotation()
             except grpc.RpcError:
                 continue
-            utils = [g.kv_bytes_used / g.kv_bytes_capacity for g in groups if g.kv_bytes_capacity]
+            # what the router has committed (in use + its admitted requests' claims): the autoscaler's signal
+            utils = [min(1.0, g.kv_bytes_committed / g.kv_bytes_capacity) for g in groups if g.kv_bytes_capacity]
             self.samples.append((time.monotonic(), len(groups), 100 * sum(utils) / len(utils) if utils else 0.0))
 
     def start(self) -> RotationMonitor:

@@ -24,16 +24,17 @@ the same way.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.healthcheck import check
 from services.common.registry import FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
+from services.fleet import metrics
 from services.fleet.autoscale import Autoscaler
 from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate
 from services.fleet.load_signal import registry_utilization
@@ -68,7 +69,7 @@ class FleetState:
     gates: dict[str, GateOutcome] = field(default_factory=dict)  # passed candidates, by name
     reference_scores: dict[str, Any] = field(default_factory=dict)  # the serving plan's, for this rollout
     utilization_pct: float | None = None
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=500))  # the latest, for reports
 
 
 class FleetController:
@@ -103,6 +104,7 @@ class FleetController:
     def event(self, kind: str, rollout: FleetRollout | None = None, **detail: Any) -> None:
         entry = {"t": round(time.time(), 3), "event": kind, **detail}
         self.state.events.append(entry)
+        metrics.count_event(self.fleet, kind)
         words = " ".join(f"{k}={v}" for k, v in detail.items())
         self.say(f"fleet {self.fleet}: {kind} {words}")
         if rollout is not None:
@@ -388,7 +390,3 @@ class FleetController:
             except Exception as exc:  # noqa: BLE001 - a registry outage must not end the loop
                 log.warning("fleet %s: reconcile failed: %s", self.fleet, exc, exc_info=log.isEnabledFor(10))
             stop.wait(interval_s)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"fleet": self.fleet, "desired": self.state.desired, "utilization_pct": self.state.utilization_pct,
-                "jobs": self.jobs.kinds(), "events": json.loads(json.dumps(self.state.events[-50:]))}

@@ -25,6 +25,12 @@ from services.fleet.provisioner import GroupLaunch, GroupProcess
 STOP_GRACE_S = 15.0  # SIGTERM, then SIGKILL: a driver that drains and deregisters takes a few seconds
 
 
+def last_words(managed: ManagedProcess, limit: int = 300) -> str:
+    """``: <the last line of its log>`` (what a worker that failed to load says last), or ''."""
+    lines = [line.strip() for line in managed.log_tail(5).splitlines() if line.strip()]
+    return f": {lines[-1][:limit]}" if lines else ""
+
+
 @dataclass
 class _Started:
     launch: GroupLaunch
@@ -84,9 +90,8 @@ class LocalProvisioner:
         out = []
         for s in started:
             code = s.managed.proc.poll() if s.managed.proc is not None else -1
-            out.append(GroupProcess(s.launch.name, code is None,
-                                    "" if code is None else f"worker process exited with code {code}",
-                                    s.managed.address))
+            reason = "" if code is None else f"worker process exited with code {code}{last_words(s.managed)}"
+            out.append(GroupProcess(s.launch.name, code is None, reason, s.managed.address))
         return out
 
     def log_path(self, name: str) -> Path:

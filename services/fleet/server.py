@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 from pathlib import Path
 
 from services.common.config import resolve
@@ -149,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
                                    registry_url=url, heartbeat_timeout_s=args.heartbeat_timeout,
                                    startup_timeout_s=args.startup_timeout,
                                    utilization=RouterUtilization(args.router) if args.router else None,
-                                   say=lambda line: print(line, flush=True))
+                                   say=lambda line: print(f"{time.time():.3f} {line}", flush=True))
                    for fleet, provisioner in zip(fleets, provisioners, strict=True)]
     reconcilers = Reconcilers(controllers, args.interval)
 

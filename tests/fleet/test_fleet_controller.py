@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bench._fleet_stack import FleetStack, Load, RotationMonitor, fleet_spec
+from bench._fleet_stack import FleetStack, Load, RotationMonitor, driver_pid, fleet_spec
 from tests.stack import fresh_database
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 FLEET = "tinyfleet"
 PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
 MAX_TOKENS = 24
+PAUSE_S = 0.15  # each stream's think time: 8 streams that leave the 2 cores some room to start groups
 COLLECTIVE_TIMEOUT_S = 2.0
 # float32: the tiny model's random weights leave near-ties that bfloat16 resolves differently
 # from one batch to the next, and these tests compare texts across batches and layouts
@@ -72,18 +73,6 @@ def check_outcomes(outcomes: list, expected: dict[int, str]) -> None:
     assert not wrong, f"{len(wrong)} of {len(outcomes)} differ from the fault-free text: {wrong[:3]}"
 
 
-def driver_pid(group: str) -> int:
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"worker" in args and group.encode() in args:
-                return int(pid)
-    raise AssertionError(f"no worker process of {group}")
-
-
 def live_groups(stack: FleetStack) -> dict[str, dict]:
     return {g["id"]: g for g in stack.status()["groups"] if g["status"] != "dead"}
 
@@ -92,7 +81,7 @@ def test_heal_replaces_a_killed_group_with_the_same_plan(stack: FleetStack, expe
     before = live_groups(stack)
     assert len(before) == 2 and all(g["status"] == "healthy" for g in before.values())
     victim = sorted(before)[0]
-    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
     time.sleep(2.0)
     os.kill(driver_pid(victim), signal.SIGKILL)
     killed = time.monotonic()
@@ -116,7 +105,7 @@ def test_rolling_reshard_to_pp2_loses_nothing_and_keeps_two_groups_in_rotation(
         stack: FleetStack, expected: dict[int, str], tiny_model_dir: Path) -> None:
     stack.wait(lambda: len(stack.rotation()) == 2, 10, "the router to see both groups")
     monitor = RotationMonitor(stack).start()
-    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
     time.sleep(1.0)
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2)))
 
@@ -142,7 +131,7 @@ def test_rolling_reshard_to_pp2_loses_nothing_and_keeps_two_groups_in_rotation(
 def test_a_candidate_failing_the_gate_ends_the_rollout_failed_and_the_fleet_serving(
         stack: FleetStack, expected: dict[int, str], tiny_model_dir: Path) -> None:
     serving = live_groups(stack)
-    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
     noisy = spec(model_dir=tiny_model_dir, pp=1, env={"SHARDLINE_WEIGHT_NOISE": "layer=1,std=0.5,seed=0"})
     print(stack.apply(noisy))
 
@@ -183,6 +172,6 @@ def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
     stack.wait(lambda: stack.status()["in_rotation"] == 1 and len(live_groups(stack)) == 1, 90,
                "scale-in back to 1")
     samples = monitor.stop()
-    scales = [e for e in stack.events() if e.startswith("scale ")]
+    scales = [e for _, e in stack.events() if e.startswith("scale ")]
     assert any("desired=2" in e for e in scales) and peak >= 2, scales
     print(f"peak {peak} groups, max KV {max(u for _, _, u in samples):.0f} %, {len(outcomes)} requests; {scales}")
