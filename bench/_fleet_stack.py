@@ -107,16 +107,23 @@ class FleetStack:
     def start(self, spec: dict[str, Any], *, groups: int, timeout_s: float = 180.0) -> None:
         """Apply ``spec``, start the controller and the router, and wait for ``groups`` in rotation."""
         self.apply(spec)
-        shared = ["--registry-url", self.registry_url, *(["--redis-url", self.redis_url] if self.redis_url else [])]
-        self.controller = self._spawn("fleet", [
-            "serve", "fleet", "--port", str(self.fleet_port), "--fleet", self.fleet, "--log-dir", str(self.logs),
-            "--interval", "0.5", "--router", self.router, *shared, *(f"--worker-flag={f}" for f in self.worker_flags)])
+        self.start_controller()
         self.wait(lambda: self.in_rotation_registry() >= groups, timeout_s, f"{groups} groups in rotation")
         self.router_proc = self._spawn("router", [
             "serve", "router", "--port", str(self.router_port), "--http-port", str(self.http_port),
-            "--model", str(self.model_dir), "--served-model-name", self.fleet, *shared])
+            "--model", str(self.model_dir), "--served-model-name", self.fleet, *self._shared()])
         self.wait(lambda: self._serving(self.router), 60, "the router SERVING")
         self.wait(lambda: len(self.rotation()) >= groups, 30, f"the router sees {groups} groups in rotation")
+
+    def _shared(self) -> list[str]:
+        return ["--registry-url", self.registry_url, *(["--redis-url", self.redis_url] if self.redis_url else [])]
+
+    def start_controller(self) -> None:
+        """``shardline serve fleet`` for the fleet (applied first), reading the router's committed KV."""
+        self.controller = self._spawn("fleet", [
+            "serve", "fleet", "--port", str(self.fleet_port), "--fleet", self.fleet, "--log-dir", str(self.logs),
+            "--interval", "0.5", "--router", self.router, *self._shared(),
+            *(f"--worker-flag={f}" for f in self.worker_flags)])
 
     @staticmethod
     def _serving(address: str) -> bool:
