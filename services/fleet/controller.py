@@ -47,6 +47,16 @@ from services.worker.runtime import RankSpec
 log = logging.getLogger(__name__)
 
 UtilizationSource = Callable[[ShardRegistry, list[ReplicaGroup]], dict[str, float]]
+Probe = Callable[[str], bool]  # endpoint -> its worker is SERVING
+Gate = Callable[[str, str, "FleetSpec"], GateOutcome]  # (candidate, reference, target spec) -> verdict
+Drain = Callable[..., int]  # drain_group's signature
+
+
+def serving(endpoint: str) -> bool:
+    try:
+        return check(endpoint, timeout_s=1.0) == "SERVING"
+    except Exception:  # noqa: BLE001 - not yet
+        return False
 
 IN_ROTATION = ("healthy", "degraded")
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -76,6 +86,7 @@ class FleetController:
     def __init__(self, registry: ShardRegistry, provisioner: Provisioner, fleet: str, *, registry_url: str,
                  heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, startup_timeout_s: float = STARTUP_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic, utilization: UtilizationSource | None = None,
+                 probe: Probe = serving, gate: Gate | None = None, drain: Drain = drain_group,
                  say: Callable[[str], None] | None = None) -> None:
         self.registry = registry
         self.registry_url = registry_url
@@ -85,6 +96,8 @@ class FleetController:
         self.startup_timeout_s = startup_timeout_s
         self.clock = clock
         self.utilization = utilization or registry_utilization  # group name -> KV utilization (0..1)
+        # how groups are looked at and acted on: the real ones talk to the workers' endpoints
+        self.probe, self.gate, self.drain = probe, gate or self._gate_live, drain
         self.say = say or (lambda line: log.info("%s", line))
         self.state = FleetState()
         self.jobs = Jobs()
@@ -244,12 +257,13 @@ class FleetController:
     # ---- admit -----------------------------------------------------------------------------
 
     def _ready(self, g: ReplicaGroup) -> bool:
-        if g.status != "provisioning" or not g.endpoint:
-            return False
-        try:
-            return check(g.endpoint, timeout_s=1.0) == "SERVING"
-        except Exception:  # noqa: BLE001 - not yet
-            return False
+        return g.status == "provisioning" and bool(g.endpoint) and self.probe(g.endpoint or "")
+
+    def _gate_live(self, candidate: str, reference: str, spec: FleetSpec) -> GateOutcome:
+        return gate_candidate(candidate, reference, self._golden_for(spec), registry_url=self.registry_url,
+                              threshold_pct=spec.rollout.gate_threshold_pct,
+                              min_top1_agreement=spec.rollout.gate_min_top1,
+                              reference_scores=self.state.reference_scores)
 
     def _admit(self, spec: FleetSpec, mine: list[ReplicaGroup], others_in_rotation: list[ReplicaGroup],
                rollout: FleetRollout | None, now: float) -> None:
@@ -260,10 +274,7 @@ class FleetController:
             if others_in_rotation and name not in self.state.gates:
                 scored = [g.name for g in others_in_rotation if g.name in self.state.reference_scores]
                 reference = scored[0] if scored else others_in_rotation[0].name or ""
-                self.jobs.submit(name, "gate", gate_candidate, name, reference, self._golden_for(spec),
-                                 registry_url=self.registry_url, threshold_pct=spec.rollout.gate_threshold_pct,
-                                 min_top1_agreement=spec.rollout.gate_min_top1,
-                                 reference_scores=self.state.reference_scores)
+                self.jobs.submit(name, "gate", self.gate, name, reference, spec)
                 self.event("gating", rollout, group=name, reference=reference)
                 continue
             try:
@@ -334,7 +345,7 @@ class FleetController:
             return
         spec = self.spec_of(g.fleet_revision) if g.fleet_revision else None
         policy = spec.rollout if spec is not None else None
-        self.jobs.submit(name, "drain", drain_group, self.registry, name, g.endpoint,
+        self.jobs.submit(name, "drain", self.drain, self.registry, name, g.endpoint,
                          deadline_s=policy.drain_deadline_s if policy else 30.0,
                          settle_s=policy.settle_s if policy else 3.0, reason=reason, stop=self.provisioner.stop)
         self.event("draining", rollout, group=name, reason=reason)
@@ -353,8 +364,10 @@ class FleetController:
                 self._retire(in_rotation[-1], f"scaled in to {desired}")
             return
         policy = spec.rollout
-        if len(pending) < policy.max_surge and len(mine) + len(others_in_rotation) < desired + policy.max_surge:
+        # at most desired + max_surge groups (new ones, loading or not, and old ones in rotation) ...
+        if len(mine) + len(others_in_rotation) < desired + policy.max_surge:
             self._provision(spec, revision, now, "rollout surge", rollout)
+        # ... and at least desired - max_unavailable in rotation once an old one leaves
         rotation = len(in_rotation) + len(others_in_rotation)
         settled = now - self.state.admitted_at >= policy.settle_s
         if not draining and settled and rotation - 1 >= desired - policy.max_unavailable:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_field
-from services.common.registry import ShardRegistry, registry_group_id, to_registry_dtype
+from services.common.registry import ShardRegistry, registry_group_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
 from services.worker.engine.bootstrap import build_engine, start_rank
@@ -107,7 +107,7 @@ class ReplicaDriver:
         capacity = self.engine.layout.capacity_bytes
         model_name = opts.model_name or plan.config.name
         adopted = self.registry.adopt_provisioning_group(group_uuid, model_name=model_name, tp_degree=plan.tp_degree,
-                                                         pp_degree=plan.pp_degree, dtype=to_registry_dtype(plan.dtype),
+                                                         pp_degree=plan.pp_degree, dtype=plan.dtype,
                                                          kv_cache_cap_bytes=capacity, endpoint=opts.endpoint)
         if adopted is None:  # started by hand: the group makes its own row
             self.registry.create_replica_group(model_name, plan.tp_degree, plan.pp_degree, plan.dtype, capacity,

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from . import errors
+from .dtypes import to_registry_dtype
 from .engine import retry_on_disconnect
 from .lifecycle import PROVISIONING
 from .models import ROLLOUT_STATUSES, FleetRevisionRow, FleetRolloutRow, ReplicaGroupRow
@@ -90,8 +91,10 @@ class FleetRecords:
     def adopt_provisioning_group(self, group_id: uuid.UUID, *, model_name: str, tp_degree: int, pp_degree: int,
                                  dtype: str, kv_cache_cap_bytes: int, endpoint: str | None) -> ReplicaGroup | None:
         """A group a controller created in ``provisioning`` is taken over by its driver: the
-        model name, capacity and endpoint it found are recorded. None when there is no such row; Conflict
-        when the row is not provisioning or describes another layout."""
+        model name, capacity and endpoint it found are recorded. None when there is no such row;
+        Conflict when the row is not provisioning or describes another layout. ``dtype`` in project
+        or registry naming."""
+        dtype = to_registry_dtype(dtype)
         with self._tx() as session:
             row = session.get(ReplicaGroupRow, group_id)
             if row is None:

@@ -1,0 +1,192 @@
+"""The controller's reconcile logic on a simulated fleet: a real registry (SQLite), a provisioner
+whose groups "load" when the test says so, and gate/drain/probe stand-ins, on a clock the test
+advances. What real processes cannot show quickly: the rollout policy at every tick, abort, a
+failed gate, heal, and max_unavailable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.common.registry import ShardRegistry, registry_group_id
+from services.fleet.controller import FleetController
+from services.fleet.jobs import GateOutcome
+from services.fleet.provisioner import GroupLaunch, GroupProcess
+from services.fleet.spec import FleetSpec
+
+FLEET = "sim"
+
+
+class SimulatedProvisioner:
+    """Groups that load on :meth:`load_all` (their driver adopts the row and registers a shard)."""
+
+    def __init__(self, registry: ShardRegistry) -> None:
+        self.registry = registry
+        self.started: dict[str, GroupLaunch] = {}
+        self.loaded: set[str] = set()
+        self.exited: dict[str, str] = {}
+        self.stopped: list[str] = []
+
+    def start(self, launch: GroupLaunch) -> None:
+        self.started[launch.name] = launch
+
+    def stop(self, name: str) -> None:
+        if self.started.pop(name, None) is not None:
+            self.stopped.append(name)
+
+    def groups(self) -> list[GroupProcess]:
+        return [GroupProcess(n, n not in self.exited, self.exited.get(n, "")) for n in self.started]
+
+    def close(self) -> None:
+        self.started.clear()
+
+    def load_all(self) -> None:
+        for name, launch in list(self.started.items()):
+            if name in self.loaded or name in self.exited:
+                continue
+            plan = launch.plan
+            gid = registry_group_id(name)
+            self.registry.adopt_provisioning_group(gid, model_name=FLEET, tp_degree=plan.tp_degree,
+                                                   pp_degree=plan.pp_degree, dtype=plan.dtype, kv_cache_cap_bytes=100,
+                                                   endpoint=f"sim:{name}")
+            self.registry.register_shard(gid, f"{name}:0", "node", 0, 0, 1)
+            self.loaded.add(name)
+
+
+def spec(**group: object) -> str:
+    data = {"replica_group": {"name": FLEET, "checkpoint": {"model_dir": "/models/sim"}, **group}, "replicas": 2,
+            "rollout": {"settle_s": 2, "drain_deadline_s": 1}}
+    return FleetSpec.from_dict(data).to_json()
+
+
+class Sim:
+    def __init__(self, tmp: Path, *, failing_dtypes: tuple[str, ...] = ()) -> None:
+        self.url = f"sqlite:///{tmp / 'registry.db'}"
+        self.registry = ShardRegistry(self.url, migrate_schema=True)
+        self.provisioner = SimulatedProvisioner(self.registry)
+        self.now = 0.0
+        self.gated: list[tuple[str, str]] = []
+        self.failing_dtypes = failing_dtypes
+        self.controller = FleetController(self.registry, self.provisioner, FLEET, registry_url=self.url,
+                                          clock=lambda: self.now, probe=lambda endpoint: True, gate=self.gate,
+                                          drain=self.drain, say=lambda line: None)
+        self.rotation: list[int] = []
+
+    def gate(self, candidate: str, reference: str, target: FleetSpec) -> GateOutcome:
+        self.gated.append((candidate, reference))
+        passed = target.group.dtype not in self.failing_dtypes
+        return GateOutcome(candidate, reference, passed, {"perplexity_delta_pct": 0.0 if passed else 5.0},
+                           () if passed else ("perplexity delta 5 % above 0.5 %",))
+
+    def drain(self, registry: ShardRegistry, name: str, endpoint: str, *, reason: str, stop, **_: object) -> int:
+        registry.set_status(registry_group_id(name), "draining", reason=reason)
+        registry.set_status(registry_group_id(name), "dead", reason=reason)
+        stop(name)
+        return 0
+
+    def apply(self, **group: object) -> int:
+        return self.registry.apply_fleet(FLEET, spec(**group))[0].revision
+
+    def groups(self) -> list:
+        return self.registry.fleet_groups(FLEET)
+
+    def in_rotation(self) -> int:
+        return sum(g.status in ("healthy", "degraded") for g in self.groups())
+
+    def tick(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.controller.tick()
+            self.controller.jobs.wait_all(5.0)
+            self.provisioner.load_all()
+            self.rotation.append(self.in_rotation())
+            self.now += 1.0
+
+    def until(self, condition, limit: int = 60) -> None:
+        for _ in range(limit):
+            if condition():
+                return
+            self.tick()
+        raise AssertionError(f"not reached in {limit} ticks: {[(g.name, g.status) for g in self.groups()]}")
+
+    def rollout_status(self) -> str | None:
+        rollout = self.registry.latest_rollout(FLEET)
+        return rollout.status if rollout is not None else None
+
+    def plans(self) -> set[tuple[int, int, str]]:
+        return {(g.tp_degree, g.pp_degree, g.dtype) for g in self.groups()}
+
+
+@pytest.fixture
+def sim(tmp_path: Path):
+    s = Sim(tmp_path)
+    s.apply()
+    s.until(lambda: s.in_rotation() == 2)
+    s.rotation.clear()
+    yield s
+    s.registry.close()
+
+
+def test_a_rollout_surges_one_gates_it_and_never_drops_below_the_desired_count(sim: Sim) -> None:
+    sim.apply(pp_degree=2)
+    sim.until(lambda: sim.rollout_status() == "succeeded")
+    assert min(sim.rotation) >= 2 and max(sim.rotation) <= 3  # max_unavailable 0, max_surge 1
+    assert sim.plans() == {(1, 2, "bf16")} and len(sim.groups()) == 2
+    assert len(sim.gated) == 2 and all(ref != cand for cand, ref in sim.gated)
+    events = [e["event"] for e in json.loads(sim.registry.latest_rollout(FLEET).events)]
+    assert events.count("gate-passed") == 2 and events.count("draining") == 2 and events[-1] == "rollout-succeeded"
+
+
+def test_a_resize_is_no_rollout(sim: Sim) -> None:
+    data = json.loads(spec())
+    data["replicas"] = 3
+    sim.registry.apply_fleet(FLEET, json.dumps(data))
+    sim.until(lambda: sim.in_rotation() == 3)
+    assert sim.registry.latest_rollout(FLEET) is None and not sim.gated
+
+
+def test_abort_returns_to_the_previous_plan_the_same_rolling_way(sim: Sim) -> None:
+    sim.apply(pp_degree=2)
+    sim.until(lambda: any(g.pp_degree == 2 and g.status == "healthy" for g in sim.groups()))
+    rollout = sim.registry.latest_rollout(FLEET)
+    sim.registry.update_rollout(rollout.rollout_id, status="aborting", only_if="running")
+    sim.until(lambda: sim.plans() == {(1, 1, "bf16")} and sim.in_rotation() == 2 and len(sim.groups()) == 2)
+    assert sim.registry.fleet_revision(FLEET).revision == 3  # revision 1's spec, applied again
+    statuses = [r.status for r in sim.registry.list_rollouts(FLEET)]
+    assert statuses[-1] == "aborted"
+    sim.until(lambda: sim.rollout_status() == "succeeded")
+    assert min(sim.rotation) >= 2
+
+
+def test_a_failed_gate_ends_the_rollout_failed_and_nothing_more_is_tried(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, failing_dtypes=("int8",))
+    sim.apply()
+    sim.until(lambda: sim.in_rotation() == 2)
+    serving = {g.name for g in sim.groups()}
+    sim.apply(dtype="int8")
+    sim.until(lambda: sim.rollout_status() == "failed")
+    started = len(sim.provisioner.stopped) + len(sim.provisioner.started)
+    sim.tick(10)
+    assert {g.name for g in sim.groups()} == serving and sim.in_rotation() == 2
+    assert len(sim.provisioner.stopped) + len(sim.provisioner.started) == started  # no new candidate
+    assert "quality gate" in sim.registry.latest_rollout(FLEET).reason
+    dead = [g for g in sim.registry.fleet_groups(FLEET, include_dead=True) if g.status == "dead"]
+    assert len(dead) == 1 and "failed the quality gate" in dead[0].status_reason
+
+
+def test_heal_replaces_a_group_whose_process_exited(sim: Sim) -> None:
+    victim = sim.groups()[0].name
+    sim.provisioner.exited[victim] = "worker process exited with code -9"
+    sim.until(lambda: victim not in {g.name for g in sim.groups()} and sim.in_rotation() == 2)
+    row = sim.registry.get_group(registry_group_id(victim))
+    assert row.status == "dead" and row.status_reason == "worker process exited with code -9"
+    assert victim in sim.provisioner.stopped and sim.registry.latest_rollout(FLEET) is None
+
+
+def test_max_unavailable_without_surge_drains_first(sim: Sim) -> None:
+    data = json.loads(spec(pp_degree=2))
+    data["rollout"].update(max_surge=0, max_unavailable=1)
+    sim.registry.apply_fleet(FLEET, json.dumps(data))
+    sim.until(lambda: sim.rollout_status() == "succeeded")
+    assert min(sim.rotation) >= 1 and max(sim.rotation) <= 2 and sim.plans() == {(1, 2, "bf16")}
