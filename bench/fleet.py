@@ -159,8 +159,8 @@ def markdown(payload: dict[str, Any]) -> str:
              "", "*differing*: completions whose text is not the first bf16 group's fault-free text (expected once "
              "int8 groups serve; for the bf16 scenarios it counts greedy near-ties that batching resolves "
              "differently). *continued*: streams that finished on another group than they started on.",
-             "", "| scenario | s | requests | failed | differing | continued | groups in rotation (min..max) | result |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| scenario | s | requests | failed | differing | continued | groups in rotation (min..max) "
+             "| result |", "|---|---|---|---|---|---|---|---|"]
     for s in payload["scenarios"]:
         result = ", ".join(f"{k} {s[k]}" for k in ("killed", "healed_s", "rollout", "peak_in_rotation", "scaled_in_s")
                            if k in s)
