@@ -42,7 +42,7 @@ import httpx
 from bench._soak_clients import Load, Stats
 from bench._soak_report import markdown, plot_rss, verdict
 from services.common.ports import free_port_run
-from services.common.proto import worker_pb2, worker_pb2_grpc
+from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed
     import psutil
@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - the bench extra installs it
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-INTERNAL = ("telemetry", "loader", "planner")  # `up --port-base B` gives them B, B+1, B+2; workers B+3...
+INTERNAL = ("telemetry", "loader", "planner")  # `up --port-base B` gives them B, B+1, B+2
 
 
 
@@ -131,7 +131,7 @@ class ProcessSampler(threading.Thread):
         self.root, self.interval_s = root, interval_s
         self.by_port = {str(ports["router"]): "router"}
         self.by_port.update({str(ports["base"] + i): name for i, name in enumerate(INTERNAL)})
-        self.by_port.update({str(ports["base"] + len(INTERNAL) + i): f"worker-{i}" for i in range(64)})
+        self.workers: dict[str, str] = {}  # replica group id -> worker-N, in the order they appear
         self.series: dict[int, dict[str, Any]] = {}  # pid -> {label, cmd, samples [[t, rss MiB]]}
         self.t0 = time.monotonic()
         self._halt = threading.Event()
@@ -139,6 +139,9 @@ class ProcessSampler(threading.Thread):
     def label(self, pid: int, args: list[str]) -> str:
         if pid == self.root:
             return "up"
+        if "serve" in args and "worker" in args and "--replica-group-id" in args:
+            group = args[args.index("--replica-group-id") + 1]
+            return self.workers.setdefault(group, f"worker-{len(self.workers)}")
         if "serve" in args and "--port" in args:
             port = args[args.index("--port") + 1] if args.index("--port") + 1 < len(args) else ""
             return self.by_port.get(port, f"{args[args.index('serve') + 1]}:{port}")
@@ -220,8 +223,12 @@ class Stack:
         """Each worker's queues and KV blocks once the clients are gone (waits up to ``timeout_s``
         for them to empty): a cancelled stream must not leave a sequence or a block behind."""
         out: dict[str, dict[str, Any]] = {}
-        for i in range(replicas):
-            address = f"127.0.0.1:{self.ports['base'] + len(INTERNAL) + i}"
+        with grpc.insecure_channel(f"127.0.0.1:{self.ports['router']}") as channel:
+            groups = router_pb2_grpc.RouterServiceStub(channel).ListReplicaGroups(
+                router_pb2.ListReplicaGroupsRequest(), timeout=10).groups
+        addresses = [g.address for g in groups if g.status in (common_pb2.REPLICA_GROUP_STATUS_HEALTHY,
+                                                               common_pb2.REPLICA_GROUP_STATUS_DEGRADED)]
+        for i, address in enumerate(addresses[:replicas]):
             deadline = time.monotonic() + timeout_s
             with grpc.insecure_channel(address) as channel:
                 stub = worker_pb2_grpc.WorkerServiceStub(channel)

@@ -2,13 +2,16 @@
 
 Starts telemetry, loader and planner, N replica groups (each a ``shardline serve worker`` whose
 driver spawns its TP x PP ranks) and the router, each as ``shardline serve NAME`` (the entry
-point docker-compose and the tests use); waits until each answers its gRPC health check; prints
-the router's gRPC and HTTP endpoints; and serves until Ctrl-C or SIGTERM, which stops everything
-(process groups, no orphan). A worker process that dies is a failed replica group, not a
-stopped stack: the router continues its requests on the other groups and ``up_workers``
-restarts it once as a new group; only the router's death (or ``up``'s own) stops the stack.
-``--model smollm2`` / ``tiny`` make the model under ``.models/`` on
-first use. ``--demo-prompt`` streams one completion through the router once the stack is up.
+point docker-compose and the tests use); waits until each answers its gRPC health check and
+the groups are in rotation; prints the router's gRPC and HTTP endpoints; and serves until Ctrl-C
+or SIGTERM, which stops everything (process groups, no orphan). The groups are a fleet applied to
+the stack's registry and reconciled by a fleet controller in this process (``up_fleet``): a dead
+worker process is a failed replica group, not a stopped stack; the router continues its requests
+on the other groups and the controller replaces the group. Only the router's death (or ``up``'s
+own) stops the stack.
+``-f FLEET.yaml`` serves a declared fleet instead of the layout flags (``up_fleet``: the groups
+are a fleet reconciled in this process). ``--model smollm2`` / ``tiny`` make the model under
+``.models/`` on first use. ``--demo-prompt`` streams one completion through the router once the stack is up.
 ``--drift-every S`` adds ``shardline drift`` (every group's golden-set numbers checked every S
 seconds against float32 of the model, alerts through telemetry) once the stack is up.
 
@@ -31,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from services.cli.client import stream_generate, summary
-from services.cli.up_workers import WorkerSlots
+from services.cli.up_fleet import UpFleets, fleets_from_flags, load_fleet_file
 from services.common.config import DEFAULT_PORTS
 from services.common.errors import InvalidArgument
 from services.common.ports import free_port
@@ -46,7 +49,6 @@ from services.router.server import add_shadow_arguments, shadow_flags
 
 BACKGROUND = ("telemetry", "loader", "planner")
 DEFAULT_HTTP_PORT = 8000
-FIRST_EXTRA_WORKER_PORT = 50060  # replica groups after the first (which takes 50052)
 MODEL_PRESETS = ("smollm2", "tiny")
 
 
@@ -57,12 +59,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"router OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT})")
     parser.add_argument("--port-base", type=int, default=None,
-                        help="first port of the internal services: telemetry, loader, planner, then the "
-                             "workers take consecutive ports (default: their standard ports)")
+                        help="first port of the internal services: telemetry, loader, planner take it and the "
+                             "next two (default: their standard ports); the replica groups take free ports")
     parser.add_argument("--model", default="smollm2",
                         help="model directory, or 'smollm2' / 'tiny' (made under .models/ if missing; "
                              "default smollm2)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    parser.add_argument("-f", "--file", type=Path, default=None, metavar="FLEET.yaml",
+                        help="serve this declared fleet (the shard-plan.yaml shape) instead of the layout flags")
     parser.add_argument("--replicas", type=int, default=1, help="replica groups to run (default 1)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each group (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of each group (default 1)")
@@ -92,14 +96,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def internal_ports(args: argparse.Namespace) -> dict[str, int]:
-    """Ports of telemetry, loader, planner and worker-0 .. worker-(N-1)."""
+    """Ports of telemetry, loader and planner."""
     if args.port_base is not None:
-        names = [*BACKGROUND, *(f"worker-{i}" for i in range(args.replicas))]
-        return {name: args.port_base + i for i, name in enumerate(names)}
-    ports = {name: DEFAULT_PORTS[name] for name in BACKGROUND}
-    for i in range(args.replicas):
-        ports[f"worker-{i}"] = DEFAULT_PORTS["worker"] if i == 0 else FIRST_EXTRA_WORKER_PORT + i
-    return ports
+        return {name: args.port_base + i for i, name in enumerate(BACKGROUND)}
+    return {name: DEFAULT_PORTS[name] for name in BACKGROUND}
 
 
 def models_root() -> Path:
@@ -158,32 +158,14 @@ def group_dtypes(args: argparse.Namespace) -> list[str | None]:
     return dtypes
 
 
-def worker_flags(args: argparse.Namespace, model_dir: Path, group: str, registry: str,
-                 telemetry: str, dtype: str | None = None) -> list[str]:
-    flags = ["--model", str(model_dir), "--tp", str(args.tp), "--pp", str(args.pp), "--telemetry", telemetry,
-             "--replica-group-id", group, "--registry-url", registry]
-    if args.served_model_name:
-        flags += ["--served-model-name", args.served_model_name]
-    if dtype:
-        flags += ["--dtype", dtype]
-    if args.kv_cache_gb is not None:
-        flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
-    if args.redis_url:
-        flags += ["--redis-url", args.redis_url]
-    return flags
-
-
-def router_flags(args: argparse.Namespace, model_dir: Path, workers: list[ManagedProcess],
-                 telemetry_metrics_url: str, telemetry: str = "") -> list[str]:
-    # each worker slot keeps its address across a restart, so --worker suffices: the router
-    # polls the address and takes the new group id it reports there
-    # the router's /metrics re-exports telemetry's collective histograms: one scrape target
-    flags = ["--http-port", str(args.http_port), "--model", str(model_dir),
+def router_flags(args: argparse.Namespace, model_dir: Path, registry: str, telemetry_metrics_url: str,
+                 telemetry: str = "") -> list[str]:
+    # the router discovers the groups in the registry (the fleet controller puts them in rotation
+    # there); its /metrics re-exports telemetry's collective histograms: one scrape target
+    flags = ["--http-port", str(args.http_port), "--model", str(model_dir), "--registry-url", registry,
              "--telemetry-metrics-url", telemetry_metrics_url]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
-    for worker in workers:
-        flags += ["--worker", worker.address]
     if args.redis_url:
         flags += ["--redis-url", args.redis_url]
     if args.api_key:
@@ -217,6 +199,10 @@ def export_security(args: argparse.Namespace) -> None:
         os.environ["SHARDLINE_DEV"] = "1"
 
 
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
 def _wait_all(supervisor: Supervisor, started: list[ManagedProcess], timeout_s: float) -> None:
     for managed in started:
         took = supervisor.wait_healthy(managed, timeout_s)
@@ -232,8 +218,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         export_security(args)
-        dtypes = group_dtypes(args)
-        model_dir = resolve_model(args.model)
+        if args.file is not None:
+            specs = [load_fleet_file(args.file)]
+            model_dir = Path(specs[0].group.model_dir) if specs[0].group.model_dir else resolve_model(args.model)
+        else:
+            model_dir = resolve_model(args.model)
+            specs = fleets_from_flags(args, model_dir, group_dtypes(args))
         registry = prepare_registry(args.registry_url)
     except (StackError, InvalidArgument) as exc:
         print(f"shardline up: {exc}", file=sys.stderr)
@@ -242,29 +232,29 @@ def run(args: argparse.Namespace) -> int:
         print("\nshardline up: interrupted", file=sys.stderr)
         return 130
     stop = threading.Event()
-    slots: WorkerSlots | None = None
+    fleets: UpFleets | None = None
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     supervisor = Supervisor(stop)
     try:
         ports = internal_ports(args)
         logs = args.log_dir
-        print(f"shardline up: model {model_dir}, {args.replicas} replica group(s) of TP{args.tp} x PP{args.pp}; "
-              f"logs in {logs}/", flush=True)
+        groups = ", ".join(f"{s.replicas} x {s.group.describe()}" for s in specs)
+        print(f"shardline up: model {model_dir}, replica groups {groups}; logs in {logs}/", flush=True)
         metrics_port = free_port()
         extra = {"telemetry": ["--metrics-port", str(metrics_port)]}
         background = [supervisor.start(name, serve_argv(name, ports[name], *extra.get(name, [])), ports[name],
                                        log_path=logs / f"{name}.log")
                       for name in BACKGROUND]
         telemetry = f"127.0.0.1:{ports['telemetry']}"
-        slots = WorkerSlots(supervisor, lambda i, port, group: serve_argv(
-                                "worker", port, *worker_flags(args, model_dir, group, registry, telemetry, dtypes[i])),
-                            logs, registry)
-        workers = [slots.start(i, ports[f"worker-{i}"]) for i in range(args.replicas)]
-        _wait_all(supervisor, background + workers, args.startup_timeout)
-        # the router comes last: it polls every group once before it reports SERVING
+        fleets = UpFleets(specs, registry, supervisor, logs, telemetry=telemetry, redis_url=args.redis_url,
+                          router=f"127.0.0.1:{args.port}", api_key=args.api_key, say=say)
+        fleets.start()
+        _wait_all(supervisor, background, args.startup_timeout)
+        fleets.wait_in_rotation(args.startup_timeout, stop.is_set, say)
+        # the router comes last: it reads every group in the registry once before it reports SERVING
         scheme = "https" if args.tls_cert else "http"
         router = supervisor.start("router", serve_argv("router", args.port, *router_flags(
-                                      args, model_dir, workers, f"{scheme}://127.0.0.1:{metrics_port}/metrics",
+                                      args, model_dir, registry, f"{scheme}://127.0.0.1:{metrics_port}/metrics",
                                       telemetry)),
                                   args.port, log_path=logs / "router.log")
         _wait_all(supervisor, [router], args.startup_timeout)
@@ -280,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         if args.exit_after_demo:
             return 0
         print("Ctrl-C stops the stack.", flush=True)
-        watch(supervisor, slots, router, background, stop)
+        watch(supervisor, router, background, stop)
         return 0
     except StackStopped:
         return 0
@@ -290,18 +280,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if supervisor.processes:
             print("shardline up: stopping the stack ...", flush=True)
+        if fleets is not None:
+            fleets.close()  # the controllers first: nothing is replaced while the stack stops
         supervisor.stop_all()
-        if slots is not None:
-            slots.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
-def watch(supervisor: Supervisor, slots: WorkerSlots, router: ManagedProcess, background: list[ManagedProcess],
+def watch(supervisor: Supervisor, router: ManagedProcess, background: list[ManagedProcess],
           stop: threading.Event) -> None:
-    """Serve until stopped. A dead worker is a failed replica group (``up_workers``: the others
-    keep serving, it is restarted once); a dead background service is reported and left dead (it
-    is not on the request path); only the router's death stops the stack, as it is the front door."""
+    """Serve until stopped. A dead worker is a failed replica group (its fleet controller replaces
+    it, on its own thread); a dead background service is reported and left dead (it is not on the
+    request path); only the router's death stops the stack, as it is the front door."""
     reported: set[int] = set()
     while not stop.wait(0.5):
         if router.proc.poll() is not None:
@@ -313,7 +303,6 @@ def watch(supervisor: Supervisor, slots: WorkerSlots, router: ManagedProcess, ba
                 print(f"shardline up: {managed.name} exited with code {managed.proc.returncode}; it is not on "
                       f"the request path, so the stack keeps serving without it (log: {managed.log_path})",
                       flush=True)
-        slots.tick()
 
 
 def demo(router_address: str, args: argparse.Namespace) -> bool:

@@ -34,8 +34,9 @@ def registry_utilization(registry: ShardRegistry, groups: list[ReplicaGroup]) ->
 class RouterUtilization:
     """Committed KV per group, summed over the routers at ``addresses``."""
 
-    def __init__(self, addresses: list[str], timeout_s: float = 2.0) -> None:
+    def __init__(self, addresses: list[str], *, api_key: str | None = None, timeout_s: float = 2.0) -> None:
         self.addresses = list(addresses)
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
         self.timeout_s = timeout_s
 
     def __call__(self, registry: ShardRegistry, groups: list[ReplicaGroup]) -> dict[str, float]:
@@ -47,7 +48,7 @@ class RouterUtilization:
             try:
                 with open_channel(address) as channel:
                     infos = router_pb2_grpc.RouterServiceStub(channel).ListReplicaGroups(
-                        router_pb2.ListReplicaGroupsRequest(), timeout=self.timeout_s).groups
+                        router_pb2.ListReplicaGroupsRequest(), timeout=self.timeout_s, metadata=self.metadata).groups
             except grpc.RpcError as exc:
                 log.warning("router %s: ListReplicaGroups failed (%s); its reservations are not counted",
                             address, exc.code().name)

@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", action="append", default=[], metavar="ADDRESS",
                         help="a router whose committed KV the autoscaler reads (repeatable; default: the workers' "
                              "heartbeats in the registry)")
+    parser.add_argument("--router-api-key", default=None,
+                        help="the routers' API key, if they want one (env SHARDLINE_API_KEY)")
     parser.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
                         help="one more flag for every worker, e.g. --worker-flag=--collective-timeout=5")
     add_metrics_arguments(parser)
@@ -149,7 +151,8 @@ def serve(args: argparse.Namespace) -> int:
     controllers = [FleetController(registry, provisioner, fleet,
                                    registry_url=url, heartbeat_timeout_s=args.heartbeat_timeout,
                                    startup_timeout_s=args.startup_timeout,
-                                   utilization=RouterUtilization(args.router) if args.router else None,
+                                   utilization=(RouterUtilization(args.router, api_key=resolve(
+                                       "api_key", args.router_api_key, "") or None) if args.router else None),
                                    say=lambda line: print(f"{time.time():.3f} {line}", flush=True))
                    for fleet, provisioner in zip(fleets, provisioners, strict=True)]
     reconcilers = Reconcilers(controllers, args.interval)

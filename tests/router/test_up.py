@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from tests.stack import free_port
 
 
 def up_command(tmp_path: Path, *extra: str) -> tuple[list[str], dict[str, str], dict[str, int]]:
-    ports = {"router": free_port(), "http": free_port(), "base": free_port()}
+    ports = {"router": free_port(), "http": free_port(), "base": free_port(), "tmp": str(tmp_path)}
     # the internal services take base .. base+3; a free port's neighbours are free in practice,
     # and a clash fails loudly (the service exits and `up` reports it)
     argv = [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", str(ports["router"]),
@@ -27,9 +28,10 @@ def up_command(tmp_path: Path, *extra: str) -> tuple[list[str], dict[str, str], 
     return argv, env, ports
 
 
-def our_processes(ports: dict[str, int]) -> list[str]:
-    """Command lines of live processes serving on any of the stack's ports."""
-    wanted = {str(p) for p in (ports["router"], *range(ports["base"], ports["base"] + 4))}
+def our_processes(ports: dict) -> list[str]:
+    """Command lines of live processes serving on any of the stack's ports, or naming its
+    directory (the replica groups take free ports; their registry is in the stack's state dir)."""
+    wanted = {str(p) for p in (ports["router"], *range(ports["base"], ports["base"] + 3))}
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
@@ -38,7 +40,8 @@ def our_processes(ports: dict[str, int]) -> list[str]:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "serve" in args and any(a == "--port" and b in wanted for a, b in zip(args, args[1:])):
+        if "serve" in args and (any(a == "--port" and b in wanted for a, b in zip(args, args[1:]))
+                                or any(ports["tmp"] in a for a in args)):
             found.append(" ".join(args))
     return found
 
@@ -51,12 +54,13 @@ def test_up_streams_the_demo_and_exits_0(tmp_path):
     out = result.stdout
     model_dir = tmp_path / "models" / "tiny-llama"
     assert f"making the tiny model in {model_dir}" in out
-    for name in ("telemetry", "loader", "planner", "worker-0", "router"):
+    for name in ("telemetry", "loader", "planner", "router"):
         assert f"  {name:<10} 127.0.0.1:" in out
+    assert re.search(r"\n  tiny-llama-[0-9a-f]{6} 127\.0\.0\.1:\d+ +SERVING", out), out  # the fleet's one group
     assert (f"shardline is up: router gRPC 127.0.0.1:{ports['router']}, "
             f"OpenAI HTTP http://127.0.0.1:{ports['http']}/v1") in out
     streamed, summary = out.split(f"demo: {prompt}", 1)[1].split("\n[", 1)
-    assert summary.startswith("length: 12 prompt + 24 completion tokens on rg-0-")
+    assert summary.startswith("length: 12 prompt + 24 completion tokens on tiny-llama-")
     # the same greedy request through `shardline generate` gives the same text
     reference = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(model_dir),
                                 "--prompt", prompt, "--max-tokens", "24", "--json"],
@@ -79,7 +83,7 @@ def test_up_serves_http_until_sigterm_and_leaves_no_process(tmp_path):
             time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="none", max_retries=0)
         done = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=5, temperature=0)
-        assert done.usage.completion_tokens == 5 and done.replica_group_id.startswith("rg-0-")
+        assert done.usage.completion_tokens == 5 and done.replica_group_id.startswith("tiny-llama-")
         assert len(our_processes(ports)) == 5  # telemetry, loader, planner, worker, router
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()

@@ -8,6 +8,7 @@ API key and still re-exports telemetry's /metrics, which is HTTPS behind the tok
 
 from __future__ import annotations
 
+import re
 import ssl
 
 import grpc
@@ -74,8 +75,9 @@ def test_grpc_client_with_the_ca_streams(stack) -> None:
 
 
 def test_worker_without_the_internal_token_is_unauthenticated(stack) -> None:
-    pki, ports, _out = stack
-    worker = f"127.0.0.1:{ports['base'] + 3}"
+    pki, ports, out = stack
+    # the fleet's group, as `up` reported it when it went into rotation
+    worker = re.search(r"\n  tiny-llama-[0-9a-f]{6} (127\.0\.0\.1:\d+) +SERVING", out.read_text()).group(1)
     with open_channel(worker, TransportSecurity(ca_file=str(pki.ca))) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
