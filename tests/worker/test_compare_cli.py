@@ -4,8 +4,6 @@ is refused with exit 2."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 import subprocess
@@ -17,17 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from services.cli import main as cli_main
 from services.common.registry import ShardRegistry
+from tests.cli import run_cli
 from tests.router.processes import start_service, stop, wait_serving
-
-
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    """``shardline ARGV`` in this process: its exit code, stdout and stderr. What these tests
-    check is the command, not the process boundary, and a fresh interpreter importing torch and
-    the CLI costs ~2 s a call; the ranks of a TP/PP plan are still processes of their own."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli_main(list(argv))
-    return subprocess.CompletedProcess(["shardline", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 def compare(model: Path, reference: str, candidate: str, *extra: str) -> subprocess.CompletedProcess:
