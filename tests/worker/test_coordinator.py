@@ -86,13 +86,19 @@ def _waits(stderr: str) -> list[float]:
     return [float(x) for x in re.findall(r"after waiting ([0-9.]+) s", stderr)]
 
 
+# A rank gives up at its timeout, but one starved of CPU (the other pytest-xdist worker's ranks
+# on the same cores) notices seconds late: measured up to 1.7 s past it at load 14. A hang would
+# be the 120 s of _score_with_fault.
+SCHEDULING_SLACK_S = 3.0
+
+
 def test_sigkilled_rank_fails_the_group_fast(tiny_model_dir):
     proc, _ = _score_with_fault(str(tiny_model_dir), "rank=1,op=all_reduce,after=2,action=kill")
     assert proc.returncode == 1, proc.stderr
     assert "rank 1: process died from signal SIGKILL" in proc.stderr
     assert "ShardGroupUnhealthy: replica group rg-test is unhealthy: all_reduce on rg-test:pp0-tp0" in proc.stderr
     waits = _waits(proc.stderr)
-    assert waits and max(waits) <= 2.0 + 1.0, proc.stderr
+    assert waits and max(waits) <= 2.0 + SCHEDULING_SLACK_S, proc.stderr
 
 
 @pytest.mark.slow
@@ -103,7 +109,7 @@ def test_stopped_rank_times_out_instead_of_hanging(tiny_model_dir):
     assert "timed out after 1.5 s" in proc.stderr
     waits = _waits(proc.stderr)
     # collectives give up after one timeout; stage-boundary send/recv after their one retry
-    assert waits and all(w <= 2 * 1.5 + 1.0 for w in waits), proc.stderr
+    assert waits and all(w <= 2 * 1.5 + SCHEDULING_SLACK_S for w in waits), proc.stderr
     assert elapsed < 60
 
 
