@@ -54,10 +54,11 @@ def redis_url() -> Iterator[str]:
 
 
 # -- `serial` tests under pytest-xdist -----------------------------------------------------------
-# A test marked `serial` races a clock against the machine: a 2 s collective timeout that a rank
-# starved of CPU trips, a shipper that must drop rather than wait while telemetry is stopped.
-# On 2 cores the other workers' ranks would starve it, so it runs while no other test of the
-# run does: every test holds a lock in the base temp dir the run's workers share, a serial test
+# A test marked `serial` races a clock that a busy core moves: step times before and after
+# telemetry stops, the host's costs a calibration fits, a service's 10 s start-up budget, the
+# events a stalled stream takes. Each one idles the other worker, so a test whose bound can
+# allow a starved process seconds (a collective timeout's waits) does that instead. On 2 cores
+# the other workers' ranks would skew it, so it runs while no other test of the run does: every test holds a lock in the base temp dir the run's workers share, a serial test
 # holds it exclusive. The gate in front keeps a waiting serial test from being starved by
 # workers taking turns on the shared lock: a worker passes the gate only while no serial test
 # is waiting or running.

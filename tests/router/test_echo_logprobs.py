@@ -5,8 +5,6 @@ HTTP and the official `openai` client) and RouterService.Score over gRPC give th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +14,8 @@ import openai
 import pytest
 
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
-from tests.router.processes import REPO, RouterStack, router_and_worker
+from tests.cli import run_cli
+from tests.router.processes import RouterStack, router_and_worker
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +33,7 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "services.cli", "score", "--model", str(tiny_model_dir),
-                             "--text", TEXT, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_cli("score", "--model", str(tiny_model_dir), "--text", TEXT, "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

@@ -176,7 +176,6 @@ class Streams:
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_huge_prompts_do_not_stall_the_other_streams(edge):
     """Tokenizing a 4 MiB prompt on the event loop froze every stream for seconds. Each round
     measures the streams' longest wait for a token over 1.5 s, then during a 4 MiB completions

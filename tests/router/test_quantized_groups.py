@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +15,8 @@ import openai
 import pytest
 
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
-from tests.router.processes import REPO, running_up, start_service, stop, wait_healthy, wait_serving
+from tests.cli import run_cli
+from tests.router.processes import running_up, start_service, stop, wait_healthy, wait_serving
 from tests.router.test_up import up_command
 from tests.stack import free_port
 
@@ -46,9 +45,8 @@ def test_up_serves_smollm2_quantized(smollm2_dir: Path, tmp_path: Path, dtype: s
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         assert set(group_dtypes(f"127.0.0.1:{ports['router']}").values()) == {f"DTYPE_{dtype.upper()}"}
     # the same greedy tokens as `shardline generate` at that dtype on its own
-    reference = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(smollm2_dir),
-                                "--dtype", dtype, "--prompt", PROMPT, "--max-tokens", "16", "--json"],
-                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    reference = run_cli("generate", "--model", str(smollm2_dir), "--dtype", dtype, "--prompt", PROMPT,
+                        "--max-tokens", "16", "--json")
     assert reference.returncode == 0, reference.stderr
     assert text == json.loads(reference.stdout)["text"] and text.strip()
     with sqlite3.connect(registry) as db:

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import grpc
 import openai
 import pytest
 
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.router.processes import REPO, clean_env, router_and_worker
+from tests.cli import run_cli
+from tests.router.processes import router_and_worker
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +37,7 @@ def test_completion_equals_shardline_generate(served, smollm2_dir):
     client, _worker = served
     prompt = "The capital of France is"
     out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
-    reference = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(smollm2_dir),
-                                "--prompt", prompt, "--max-tokens", "16", "--json"],
-                               cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    reference = run_cli("generate", "--model", str(smollm2_dir), "--prompt", prompt, "--max-tokens", "16", "--json")
     assert reference.returncode == 0, reference.stderr
     expected = json.loads(reference.stdout)
     assert out.choices[0].text == expected["text"] and "Paris" in out.choices[0].text

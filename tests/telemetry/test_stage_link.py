@@ -50,7 +50,6 @@ def kinds(alerts) -> list[tuple[int, int, str, str]]:
     return [(a.kind, a.new_status, a.gpu_id.split(":")[-1], a.op_type) for a in alerts]
 
 
-@pytest.mark.serial  # a 1 s collective timeout, and exactly one send may hit it
 def test_a_late_stage_link_is_retried_generation_goes_on_and_the_group_is_degraded_then_healthy(
         tiny_model_dir, tmp_path, redis_url):
     group = f"rg-flap-{uuid.uuid4().hex[:6]}"
@@ -93,7 +92,6 @@ def test_a_late_stage_link_is_retried_generation_goes_on_and_the_group_is_degrad
         health.remove_group(group)
 
 
-@pytest.mark.serial  # a 1 s collective timeout, and the failure's timing is asserted
 def test_a_stage_link_that_stays_down_after_the_retry_fails_the_group(tiny_model_dir, tmp_path, redis_url):
     group = f"rg-down-{uuid.uuid4().hex[:6]}"
     telemetry, worker, registry_url = start_group(tiny_model_dir, tmp_path, group, redis_url, STALLED_RECV)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,12 @@ from services.modeling.quant import dequantize
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankRuntime, RankSpec
 from services.worker.scoring import score_rank
+from tests.cli import run_cli
 from tests.worker.test_parallel_parity import random_ids
 
 
 def quantize_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "quantize", *args], capture_output=True, text=True,
-                          timeout=300)
+    return run_cli("quantize", *args)
 
 
 @pytest.fixture(scope="module")

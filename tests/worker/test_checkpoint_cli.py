@@ -4,18 +4,13 @@ checkpoint cut for another layout is refused before any weight is used."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from tests.cli import run_cli as cli
 from tests.worker.oracle import reference_greedy
 
 IDS = ",".join(str(i) for i in range(10, 80))
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from services.cli import main as cli_main
 from services.common.registry import ShardRegistry
+from tests.cli import run_cli
 from tests.router.processes import start_service, stop, wait_serving
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def compare(model: Path, reference: str, candidate: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "compare", "--model", str(model),
-                           "--reference", reference, "--candidate", candidate, "--chunks", "2",
-                           "--chunk-tokens", "64", *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run_cli("compare", "--model", str(model), "--reference", reference, "--candidate", candidate,
+                   "--chunks", "2", "--chunk-tokens", "64", *extra)
 
 
 def figures(result: subprocess.CompletedProcess) -> dict:
@@ -69,10 +65,8 @@ def test_bad_plans_exit_2(tiny_model_dir: Path, capsys: pytest.CaptureFixture[st
 
 
 def gate(model: Path, reference: str, candidate: str, registry: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "gate", "--model", str(model),
-                           "--reference", reference, "--candidate", candidate, "--chunks", "4",
-                           "--chunk-tokens", "64", "--registry-url", registry, *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run_cli("gate", "--model", str(model), "--reference", reference, "--candidate", candidate,
+                   "--chunks", "4", "--chunk-tokens", "64", "--registry-url", registry, *extra)
 
 
 def test_gate_passes_resharding_fails_a_perturbed_copy_and_a_tight_threshold(tiny_model_dir: Path,
@@ -108,10 +102,9 @@ def test_gate_passes_resharding_fails_a_perturbed_copy_and_a_tight_threshold(tin
 
 @pytest.mark.slow
 def test_gate_smollm2_tp3_bfloat16_against_tp1_float32(smollm2_dir: Path, tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "services.cli", "gate", "--model", str(smollm2_dir),
-                             "--reference", "dtype=float32", "--candidate", "tp=3,dtype=bfloat16", "--chunks", "16",
-                             "--chunk-tokens", "128", "--registry-url", f"sqlite:///{tmp_path / 'r.db'}", "--json"],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_cli("gate", "--model", str(smollm2_dir), "--reference", "dtype=float32",
+                     "--candidate", "tp=3,dtype=bfloat16", "--chunks", "16", "--chunk-tokens", "128",
+                     "--registry-url", f"sqlite:///{tmp_path / 'r.db'}", "--json")
     verdict = json.loads(result.stdout)
     assert result.returncode == 0 and verdict["passed"], verdict
     assert verdict["min_top1_agreement"] is None  # float32 and bfloat16 are two families

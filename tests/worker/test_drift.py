@@ -19,6 +19,7 @@ import pytest
 from services.cli import main
 from services.common.proto import telemetry_pb2
 from services.common.registry import ShardRegistry, registry_group_id
+from tests.cli import run_cli
 from tests.router.processes import clean_env, spawn, stop, wait_serving
 from tests.stack import free_port
 from tests.telemetry.procs import alerts_reader, start_service, wait_until
@@ -67,15 +68,15 @@ def shardline(*argv: str, timeout_s: float = 120) -> subprocess.CompletedProcess
 def test_gate_group_passes_the_clean_group_fails_the_noisy_one_and_keeps_history(
         tiny_model_dir: Path, groups: Groups, capsys: pytest.CaptureFixture) -> None:
     reg = ("--registry-url", groups.registry)
-    clean = shardline("gate", "--model", str(tiny_model_dir), "--group", "rg-clean", *GOLDEN, *reg, "--json")
+    clean = run_cli("gate", "--model", str(tiny_model_dir), "--group", "rg-clean", *GOLDEN, *reg, "--json")
     assert clean.returncode == 0, clean.stdout + clean.stderr
     verdict = json.loads(clean.stdout)
     assert verdict["candidate"] == "group=rg-clean" and verdict["reference"] == "dtype=float32"
     assert verdict["passed"] and verdict["max_abs_logprob_delta"] < 1e-4
 
     # by UUID: recorded under the group's name all the same
-    noisy = shardline("gate", "--model", str(tiny_model_dir), "--group", str(registry_group_id("rg-noisy")),
-                      *GOLDEN, *reg)
+    noisy = run_cli("gate", "--model", str(tiny_model_dir), "--group", str(registry_group_id("rg-noisy")),
+                    *GOLDEN, *reg)
     assert noisy.returncode == 1, noisy.stdout + noisy.stderr
     assert "group=rg-noisy" in noisy.stdout and "verdict: FAIL" in noisy.stdout
     assert "top-1 agreement" in noisy.stdout and "is below 0.97" in noisy.stdout

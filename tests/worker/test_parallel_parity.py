@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
+from tests.cli import run_cli
 from tests.worker.oracle import reference_logprobs
 
 TINY_LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]  # every TP·PP ≤ 4 in {1,2,4}²
@@ -28,8 +26,8 @@ def random_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def make_tiny(out, *flags: str) -> str:
-    subprocess.run([sys.executable, "-m", "services.cli", "model", "tiny", "--out", str(out), *flags],
-                   check=True, capture_output=True)
+    made = run_cli("model", "tiny", "--out", str(out), *flags)
+    assert made.returncode == 0, made.stderr
     return str(out)
 
 
