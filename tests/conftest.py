@@ -107,18 +107,25 @@ SECONDS_PER_SLOW_TEST = 10.0
 
 
 def _longest_files_first(items: list[pytest.Item]) -> None:
-    """Files in order of their recorded (else estimated) seconds, longest first; each file's
-    tests kept together and in order."""
+    """Files with a `serial` test first, then the others; each group in order of their recorded
+    (else estimated) seconds, longest first; each file's tests kept together and in order.
+
+    A serial test waits for the test the other worker is running to end: early in the run that
+    is a short test of another serial file, later it may be a minute-long fleet scenario."""
     recorded = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
     seconds: dict[str, float] = {}
     first: dict[str, int] = {}
+    has_serial: set[str] = set()
     for index, item in enumerate(items):
         path = item.nodeid.split("::", 1)[0]
         first.setdefault(path, index)
         seconds[path] = seconds.get(path, 0.0) + SECONDS_PER_SLOW_TEST * ("slow" in item.keywords)
+        if "serial" in item.keywords:
+            has_serial.add(path)
     for path in seconds:
         seconds[path] = recorded.get(path, seconds[path])
-    items.sort(key=lambda item: (-seconds[(path := item.nodeid.split("::", 1)[0])], first[path]))
+    items.sort(key=lambda item: (
+        (path := item.nodeid.split("::", 1)[0]) not in has_serial, -seconds[path], first[path]))
 
 
 _file_seconds: dict[str, float] = {}

@@ -82,7 +82,7 @@ def test_heal_replaces_a_killed_group_with_the_same_plan(stack: FleetStack, expe
     assert len(before) == 2 and all(g["status"] == "healthy" for g in before.values())
     victim = sorted(before)[0]
     load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
-    time.sleep(2.0)
+    time.sleep(1.0)
     os.kill(driver_pid(victim), signal.SIGKILL)
     killed = time.monotonic()
 
@@ -141,7 +141,7 @@ def test_a_candidate_failing_the_gate_ends_the_rollout_failed_and_the_fleet_serv
             rollout["status"] in ("succeeded", "failed")
 
     stack.wait(ended, 90, "the rollout to the noisy plan to end")
-    time.sleep(2.0)
+    time.sleep(1.0)
     check_outcomes(load.stop(), expected)
     rollout = stack.rollout()
     assert rollout["status"] == "failed" and "quality gate" in rollout["reason"], rollout
@@ -154,7 +154,7 @@ def test_a_candidate_failing_the_gate_ends_the_rollout_failed_and_the_fleet_serv
 def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
         stack: FleetStack, tiny_model_dir: Path) -> None:
     scaling = {"min_replicas": 1, "max_replicas": 3, "scale_out_threshold": 80, "scale_in_threshold": 35,
-               "window_s": 2, "cooldown_s": 4}
+               "window_s": 1.5, "cooldown_s": 3}
     # the serving plan (PP2) again, so no rollout: only the count is the autoscaler's now
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, replicas=2, autoscaling=scaling)))
     stack.wait(lambda: stack.status()["in_rotation"] == 1, 60, "scale-in to 1 without load")
