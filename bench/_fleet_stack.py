@@ -219,6 +219,7 @@ class Load:
     max_tokens: int
     concurrency: int = 8
     pause_s: float = 0.0  # each stream's think time between two requests
+    ignore_eos: bool = False  # every request generates its whole max_tokens
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -234,7 +235,8 @@ class Load:
         groups: list[str] = []
         try:
             stream = self.client.completions.create(model=self.model, prompt=self.prompts[index], stream=True,
-                                                    max_tokens=self.max_tokens, temperature=0.0)
+                                                    max_tokens=self.max_tokens, temperature=0.0,
+                                                    extra_body={"ignore_eos": True} if self.ignore_eos else None)
             for chunk in stream:
                 group = (chunk.model_extra or {}).get("replica_group_id", "")
                 if group and (not groups or groups[-1] != group):

@@ -62,9 +62,9 @@ class Bench:
         return fleet_spec(self.stack.fleet, self.model, kv_cache_cap_gb=self.args.kv_cache_gb,
                           gate_chunks=self.args.gate_chunks, **overrides)
 
-    def load(self, max_tokens: int | None = None, streams: int | None = None) -> Load:
+    def load(self, max_tokens: int | None = None, streams: int | None = None, *, ignore_eos: bool = False) -> Load:
         return Load(self.stack.http, self.stack.fleet, PROMPTS, max_tokens or self.args.max_tokens,
-                    concurrency=streams or self.args.streams).start()
+                    concurrency=streams or self.args.streams, ignore_eos=ignore_eos).start()
 
     def scenario(self, name: str, load: Load, run: Any) -> dict[str, Any]:
         start = time.monotonic()
@@ -140,7 +140,8 @@ class Bench:
             return {"peak_in_rotation": stack.status()["in_rotation"]}
 
         begin = time.monotonic()
-        self.scenario("autoscale: load", self.load(self.args.long_tokens, self.args.long_streams), pressure)
+        self.scenario("autoscale: load", self.load(self.args.long_tokens, self.args.long_streams, ignore_eos=True),
+                      pressure)
 
         def quiet() -> dict[str, Any]:
             took = stack.wait(lambda: stack.status()["in_rotation"] == 1

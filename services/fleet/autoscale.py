@@ -1,9 +1,11 @@
 """Scale a fleet on its KV-cache utilization: out above one threshold, in below another.
 
 The input is the mean KV utilization of the groups in rotation, sampled every controller tick.
-A decision needs the whole window (``window_s``) on one side of a threshold, and none is taken
-within ``cooldown_s`` of the last one (or of the fleet's last change of size), so a burst
-neither adds a group nor a lull removes one. One group at a time, within min/max.
+A decision takes the mean of those samples over the whole window (``window_s``): above the
+scale-out threshold adds a group, below the scale-in threshold removes one; none is taken before
+the samples span the window, nor within ``cooldown_s`` of the last one (or of the fleet's last
+change of size), so a burst neither adds a group nor a lull removes one. One group at a time,
+within min/max.
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ class Autoscaler:
         spans_window = now - self._samples[0][0] >= policy.window_s
         if not spans_window or now - self._last_change < policy.cooldown_s:
             return ScaleDecision(desired, mean, "")
-        if min(values) > policy.scale_out_threshold and desired < policy.max_replicas:
+        if mean > policy.scale_out_threshold and desired < policy.max_replicas:
             self.reset(now)
             return ScaleDecision(desired + 1, mean, f"KV utilization {mean:.1f} % > "
                                                     f"{policy.scale_out_threshold:g} % for {policy.window_s:g} s")
-        if max(values) < policy.scale_in_threshold and desired > policy.min_replicas:
+        if mean < policy.scale_in_threshold and desired > policy.min_replicas:
             self.reset(now)
             return ScaleDecision(desired - 1, mean, f"KV utilization {mean:.1f} % < "
                                                     f"{policy.scale_in_threshold:g} % for {policy.window_s:g} s")

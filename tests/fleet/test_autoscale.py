@@ -24,9 +24,11 @@ def test_scale_out_needs_the_whole_window_above_the_threshold() -> None:
     assert run([*ticks, (12.0, 90.0)], 1)[-1] == 2
 
 
-def test_one_dip_below_the_threshold_holds_the_count() -> None:
-    ticks = [(0.0, 90.0), (4.0, 70.0), (8.0, 90.0), (12.0, 90.0)]
-    assert run(ticks, 1) == [1, 1, 1, 1]
+def test_the_windows_mean_decides_not_one_sample() -> None:
+    dip = [(0.0, 90.0), (4.0, 70.0), (8.0, 90.0), (12.0, 90.0)]  # mean 85 over the 12 s
+    assert run(dip, 1) == [1, 1, 1, 2]
+    burst = [(0.0, 10.0), (4.0, 10.0), (8.0, 99.0), (12.0, 99.0)]  # mean 54.5: a burst is not load
+    assert run(burst, 1) == [1, 1, 1, 1]
 
 
 def test_cooldown_after_a_change_and_the_bounds() -> None:

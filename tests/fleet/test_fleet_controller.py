@@ -31,17 +31,19 @@ pytestmark = pytest.mark.slow
 FLEET = "tinyfleet"
 PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
 MAX_TOKENS = 24
-PAUSE_S = 0.15  # each stream's think time: 8 streams that leave the 2 cores some room to start groups
+PAUSE_S = 0.3  # each stream's think time: 8 streams that leave the 2 cores some room to start groups
 COLLECTIVE_TIMEOUT_S = 2.0
 # float32: the tiny model's random weights leave near-ties that bfloat16 resolves differently
 # from one batch to the next, and these tests compare texts across batches and layouts
 DTYPE = "float32"
+# 2 MiB per rank: 512 tokens of a PP1 group, 1024 of a PP2 group (float32, 4 KiB a token over the 4 layers)
+KV_CACHE_GB = 2 / 1024
 
 
 def spec(**overrides):
     """The fleet's spec, kept short for the suite: a gate of 4 x 128 tokens, 5 s drains."""
     return fleet_spec(FLEET, overrides.pop("model_dir"), dtype=DTYPE, gate_chunk_tokens=128, drain_deadline_s=5.0,
-                      **overrides)
+                      kv_cache_cap_gb=KV_CACHE_GB, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +161,9 @@ def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, replicas=2, autoscaling=scaling)))
     stack.wait(lambda: stack.status()["in_rotation"] == 1, 60, "scale-in to 1 without load")
     monitor = RotationMonitor(stack).start()
-    # each request's KV estimate (prompt + 450) is near a quarter of a group's cache: the routers
-    # commit ~90 % of every group while requests wait, however many groups there are
-    load = Load(stack.http, "tinyfleet", PROMPTS, 450, concurrency=12).start()
+    # each request's KV estimate (prompt + 230 tokens) is near a quarter of a PP2 group's 1024: the
+    # routers commit ~94 % of every group while requests wait, however many groups there are
+    load = Load(stack.http, "tinyfleet", PROMPTS, 230, concurrency=12, ignore_eos=True).start()
     stack.wait(lambda: stack.status()["in_rotation"] >= 2, 90, "a scale-out under load")
     stack.wait(lambda: stack.status()["in_rotation"] == 3 or
                (monitor.samples and monitor.samples[-1][2] < 80 and stack.status()["in_rotation"] >= 2),
