@@ -54,6 +54,7 @@ class Bench:
     def __init__(self, stack: FleetStack, model: Path, args: argparse.Namespace) -> None:
         self.stack, self.model, self.args = stack, model, args
         self.scenarios: list[dict[str, Any]] = []
+        self.serving: dict[str, Any] = {}  # the plan in rotation (fleet_spec's overrides)
         self.expected: dict[int, str] = {}
         self.t0 = time.monotonic()
         self.monitor = RotationMonitor(stack)
@@ -61,6 +62,14 @@ class Bench:
     def spec(self, **overrides: Any) -> dict[str, Any]:
         return fleet_spec(self.stack.fleet, self.model, kv_cache_cap_gb=self.args.kv_cache_gb,
                           gate_chunks=self.args.gate_chunks, **overrides)
+
+    def rollout_to(self, name: str, plan: dict[str, Any]) -> None:
+        """A rollout scenario; the plan serves afterwards if the gate let it through."""
+        load = self.load()
+        self.stack.apply(self.spec(**self.serving, **plan) if "env" in plan else self.spec(**plan))
+        result = self.scenario(name, load, self.wait_rollout)
+        if result["rollout"] == "succeeded":
+            self.serving = plan
 
     def load(self, max_tokens: int | None = None, streams: int | None = None, *, ignore_eos: bool = False) -> Load:
         return Load(self.stack.http, self.stack.fleet, PROMPTS, max_tokens or self.args.max_tokens,
@@ -119,19 +128,15 @@ class Bench:
             time.sleep(2)
             return {"killed": victim, "healed_s": round(took, 1)}
 
+        self.scenario("steady load (baseline)", self.load(), lambda: time.sleep(self.args.baseline_s))
         self.scenario("heal", self.load(), heal)
-        for name, plan in (("re-shard to TP1 x PP2 bf16", {"pp": 2}),
-                           ("re-shard to TP1 x PP2 int8", {"pp": 2, "dtype": "int8"})):
-            load = self.load()
-            stack.apply(self.spec(**plan))
-            self.scenario(name, load, self.wait_rollout)
-        load = self.load()
-        stack.apply(self.spec(pp=2, dtype="int8", env={"SHARDLINE_WEIGHT_NOISE": NOISE}))
-        self.scenario("candidate with noisy weights", load, self.wait_rollout)
+        self.rollout_to("re-shard to TP1 x PP2 bf16", {"pp": 2})
+        self.rollout_to("re-shard to TP1 x PP2 int8", {"pp": 2, "dtype": "int8"})
+        self.rollout_to("candidate with noisy weights", {"env": {"SHARDLINE_WEIGHT_NOISE": NOISE}})
 
         scaling = {"min_replicas": 1, "max_replicas": 3, "scale_out_threshold": 80, "scale_in_threshold": 35,
                    "window_s": self.args.scale_window, "cooldown_s": self.args.scale_cooldown}
-        stack.apply(self.spec(pp=2, dtype="int8", autoscaling=scaling))
+        stack.apply(self.spec(**self.serving, autoscaling=scaling))  # the serving plan: no rollout
         stack.wait(lambda: stack.status()["in_rotation"] == 1, 300, "scale-in to 1 without load")
 
         def pressure() -> dict[str, Any]:
@@ -212,7 +217,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--kv-cache-gb", type=float, default=0.05, help="KV cache per rank (default 0.05 GiB)")
-    parser.add_argument("--gate-chunks", type=int, default=4)
+    parser.add_argument("--gate-chunks", type=int, default=16, help="golden-set chunks of 512 tokens per gate")
+    parser.add_argument("--baseline-s", type=float, default=20.0, help="the steady-load scenario's length")
     parser.add_argument("--long-streams", type=int, default=12, help="streams of the autoscaling load")
     parser.add_argument("--long-tokens", type=int, default=400, help="max_tokens of the autoscaling load")
     parser.add_argument("--hold-s", type=float, default=120.0, help="longest the autoscaling load runs")

@@ -90,7 +90,9 @@ class LocalProvisioner:
         out = []
         for s in started:
             code = s.managed.proc.poll() if s.managed.proc is not None else -1
-            reason = "" if code is None else f"worker process exited with code {code}{last_words(s.managed)}"
+            # a worker that exits on its own says why last; one killed by a signal said nothing
+            words = last_words(s.managed) if code is not None and code > 0 else ""
+            reason = "" if code is None else f"worker process exited with code {code}{words}"
             out.append(GroupProcess(s.launch.name, code is None, reason, s.managed.address))
         return out
 

@@ -56,8 +56,9 @@ class GroupStatus(Enum):
 
 
 class StatsLate(Exception):
-    """A worker's Stats did not answer within the poll's timeout (a busy host, a long prefill): not
-    yet a failure. Its last report stands until it is stale, which the stale rule judges."""
+    """A worker's Stats or health check did not answer within the poll's timeout (a busy host, a
+    long prefill): not yet a failure. Its last report stands until it is stale, which the stale
+    rule judges."""
 
 
 @dataclass(frozen=True)

@@ -285,7 +285,9 @@ class WorkerClient:
     def serving(self, timeout_s: float) -> bool:
         try:
             response = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # slow, as a Stats can be: not a verdict
+                raise StatsLate(f"health check of {self.address}: no answer within {timeout_s:g} s") from None
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
