@@ -66,7 +66,7 @@ class Bench:
     def rollout_to(self, name: str, plan: dict[str, Any]) -> None:
         """A rollout scenario; the plan serves afterwards if the gate let it through."""
         load = self.load()
-        self.stack.apply(self.spec(**self.serving, **plan) if "env" in plan else self.spec(**plan))
+        self.stack.apply(self.spec(**plan))
         result = self.scenario(name, load, self.wait_rollout)
         if result["rollout"] == "succeeded":
             self.serving = plan
@@ -132,7 +132,7 @@ class Bench:
         self.scenario("heal", self.load(), heal)
         self.rollout_to("re-shard to TP1 x PP2 bf16", {"pp": 2})
         self.rollout_to("re-shard to TP1 x PP2 int8", {"pp": 2, "dtype": "int8"})
-        self.rollout_to("candidate with noisy weights", {"env": {"SHARDLINE_WEIGHT_NOISE": NOISE}})
+        self.rollout_to("candidate with noisy weights", {**self.serving, "env": {"SHARDLINE_WEIGHT_NOISE": NOISE}})
 
         scaling = {"min_replicas": 1, "max_replicas": 3, "scale_out_threshold": 80, "scale_in_threshold": 35,
                    "window_s": self.args.scale_window, "cooldown_s": self.args.scale_cooldown}

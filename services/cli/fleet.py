@@ -17,8 +17,9 @@ from typing import Any
 
 from services.cli import fleet_render
 from services.common.proto import worker_pb2, worker_pb2_grpc
-from services.common.registry import FleetNotFound, ReplicaGroup, ShardRegistry
+from services.common.registry import IN_ROTATION, FleetNotFound, ReplicaGroup, ShardRegistry
 from services.common.transport_security import open_channel
+from services.fleet.load_signal import registry_utilization
 from services.fleet.spec import FleetSpec
 
 DEAD_SHOWN = 10
@@ -48,9 +49,8 @@ def _requests(endpoint: str | None) -> int | None:
 
 
 def group_status(registry: ShardRegistry, g: ReplicaGroup) -> dict[str, Any]:
-    shards = registry.shards_of(g.replica_group_id)
-    used = max((s.kv_used_bytes for s in shards), default=0)
-    util = 100.0 * used / g.kv_cache_cap_bytes if g.kv_cache_cap_bytes > 0 else None
+    ratio = registry_utilization(registry, [g]).get(g.name or "")
+    util = None if ratio is None else 100.0 * ratio
     return {"id": g.name or str(g.replica_group_id), "plan": f"TP{g.tp_degree} x PP{g.pp_degree} {g.project_dtype}",
             "revision": g.fleet_revision, "status": g.status, "reason": g.status_reason or "",
             "kv_utilization_pct": None if util is None else round(util, 1), "endpoint": g.endpoint or "",
@@ -68,7 +68,7 @@ def fleet_status(registry: ShardRegistry, fleet: str) -> dict[str, Any]:
     return {"fleet": fleet, "revision": revision.revision, "plan": spec.group.describe(),
             "replicas": (spec.replicas if scaling is None
                          else {"min": scaling.min_replicas, "max": scaling.max_replicas}),
-            "in_rotation": sum(1 for g in live if g.status in ("healthy", "degraded")),
+            "in_rotation": sum(1 for g in live if g.status in IN_ROTATION),
             "rollout": None if rollout is None else {"from_revision": rollout.from_revision,
                                                      "to_revision": rollout.to_revision, "status": rollout.status,
                                                      "reason": rollout.reason},

@@ -21,10 +21,11 @@ import argparse
 import re
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
-from services.common.registry import ShardRegistry, to_registry_dtype
+from services.common.registry import IN_ROTATION, ShardRegistry, to_registry_dtype
 from services.common.supervisor import StackError, Supervisor
 from services.fleet.controller import FleetController
 from services.fleet.load_signal import RouterUtilization
@@ -84,6 +85,7 @@ class UpFleets:
         self._reported: set[str] = set()
 
     def start(self) -> None:
+        self.started = datetime.now(UTC)  # groups made from here on are this stack's
         self.reconcilers.start()
 
     def wait_in_rotation(self, timeout_s: float, stop: Callable[[], bool],
@@ -95,11 +97,11 @@ class UpFleets:
             ready = True
             for fleet, count in wanted.items():
                 rows = self.registry.fleet_groups(fleet, include_dead=True)
-                failed = [g for g in rows if g.status == "dead" and g.name in self._started_here(fleet)]
+                failed = [g for g in rows if g.status == "dead" and g.created_at >= self.started]
                 if failed:  # while starting, a failure is the stack's: say why at once
                     raise StackError(f"replica group {failed[0].name} failed while starting: "
                                      f"{failed[0].status_reason}")
-                groups = [g for g in rows if g.status in ("healthy", "degraded")]
+                groups = [g for g in rows if g.status in IN_ROTATION]
                 for g in groups:
                     if g.name not in self._reported:
                         self._reported.add(g.name or "")
@@ -113,10 +115,6 @@ class UpFleets:
                 raise StackError(f"the replica groups were not all in rotation within {timeout_s:g} s "
                                  f"(logs in the log directory)")
             time.sleep(0.2)
-
-    def _started_here(self, fleet: str) -> set[str]:
-        controller = next(c for c in self.controllers if c.fleet == fleet)
-        return {e.get("group", "") for e in controller.state.events if e["event"] == "provisioning"}
 
     def close(self) -> None:
         self.reconcilers.close()

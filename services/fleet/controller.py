@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.healthcheck import check
-from services.common.registry import FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
+from services.common.registry import IN_ROTATION, FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
 from services.fleet import metrics
 from services.fleet.autoscale import Autoscaler
 from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate
@@ -58,7 +58,6 @@ def serving(endpoint: str) -> bool:
     except Exception:  # noqa: BLE001 - not yet
         return False
 
-IN_ROTATION = ("healthy", "degraded")
 HEARTBEAT_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 600.0
 MAX_BACKOFF_S = 60.0
@@ -233,11 +232,11 @@ class FleetController:
                     self.event("stopped", group=name, reason=row.status_reason or "dead in the registry")
         live = []
         for g in rows:
-            if g.status == "dead" or self.jobs.running(g.name or "") == "drain":
-                if g.status != "dead":
-                    live.append(g)
+            if g.status == "dead":
                 continue
-            reason = self._failure_of(g, procs.get(g.name or ""), now)
+            # a group being drained is stopped by its drain job, whatever it looks like meanwhile
+            draining = self.jobs.running(g.name or "") == "drain"
+            reason = None if draining else self._failure_of(g, procs.get(g.name or ""), now)
             if reason is None:
                 live.append(g)
                 continue

@@ -67,7 +67,7 @@ class RegistryDiscovery:
             if group.endpoint:
                 newest[dialable(group.endpoint)] = (group.name or str(group.replica_group_id), group.status)
         for address, (name, status) in newest.items():
-            if status == "dead" and not any(v.address == address for v in self.replicas.views()):
+            if status == "dead" and not self.replicas.known(address):
                 continue  # a group that died before we saw it: nothing to route to or poll
             view, created = self.replicas.add(address)
             if created:

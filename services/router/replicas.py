@@ -254,6 +254,9 @@ class ReplicaSet:
             view = self._views[address] = ReplicaGroupView(address=address)
             return view, True
 
+    def known(self, address: str) -> bool:
+        return address in self._views
+
     def views(self) -> list[ReplicaGroupView]:
         """Every view (the caller holds the lock when it reads mutable fields)."""
         return list(self._views.values())

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
+from services.common.registry import IN_ROTATION, QualityGateResult, ReplicaGroup, ShardRegistry, registry_group_id
 from services.common.registry import NotFound as RegistryNotFound
-from services.common.registry import QualityGateResult, ReplicaGroup, ShardRegistry, registry_group_id
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, GoldenSet
 from services.worker.plan_scoring import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -38,7 +38,7 @@ from services.worker.plan_scoring import (
 DEFAULT_REFERENCE = "dtype=float32"
 DEFAULT_DRIFT_CHUNKS = 8  # a scheduled check is a handful of prefills per group, not a load test
 # statuses of a group that takes requests; a degraded one is still checked, so it can pass again
-CHECKED_STATUSES = ("healthy", "degraded")
+CHECKED_STATUSES = IN_ROTATION
 
 
 def _label(row: ReplicaGroup) -> str:

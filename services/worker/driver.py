@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_field
-from services.common.registry import ShardRegistry, registry_group_id
+from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
 from services.worker.engine.bootstrap import build_engine, start_rank
@@ -180,7 +180,7 @@ class ReplicaDriver:
         if self.registry is not None and self.engine is not None and self.engine.failure is None:
             try:
                 group = registry_group_id(self.replica_group_id)
-                if self.registry.get_group(group).status in ("healthy", "degraded"):
+                if self.registry.get_group(group).status in IN_ROTATION:
                     self.registry.set_status(group, "draining")
                 self.registry.set_status(group, "dead", reason="stopped")
             except Exception as exc:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.registry import ShardRegistry, registry_group_id
+from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
 from services.fleet.controller import FleetController
 from services.fleet.jobs import GateOutcome
 from services.fleet.provisioner import GroupLaunch, GroupProcess
@@ -93,7 +93,7 @@ class Sim:
         return self.registry.fleet_groups(FLEET)
 
     def in_rotation(self) -> int:
-        return sum(g.status in ("healthy", "degraded") for g in self.groups())
+        return sum(g.status in IN_ROTATION for g in self.groups())
 
     def tick(self, n: int = 1) -> None:
         for _ in range(n):

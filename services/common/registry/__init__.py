@@ -22,7 +22,7 @@ from .errors import (
     ShardNotFound,
 )
 from .fleet_store import FleetNotFound
-from .lifecycle import ALLOWED_TRANSITIONS, GROUP_STATUSES, SHARD_STATUSES
+from .lifecycle import ALLOWED_TRANSITIONS, GROUP_STATUSES, IN_ROTATION, SHARD_STATUSES
 from .migrate import downgrade, upgrade
 from .records import (
     CheckpointManifest,
@@ -36,7 +36,7 @@ from .records import (
 from .repository import GroupIsDead, ShardRegistry
 
 __all__ = [
-    "ALLOWED_TRANSITIONS", "GROUP_STATUSES", "PROJECT_DTYPES", "REGISTRY_DTYPES", "SHARD_STATUSES",
+    "ALLOWED_TRANSITIONS", "GROUP_STATUSES", "IN_ROTATION", "PROJECT_DTYPES", "REGISTRY_DTYPES", "SHARD_STATUSES",
     "CheckpointManifest", "Conflict", "DuplicateManifest", "DuplicateShard", "FleetNotFound", "FleetRevision",
     "FleetRollout", "GpuShard",
     "GroupIsDead", "GroupNotFound", "IllegalTransition", "InvalidValue", "ManifestNotFound",

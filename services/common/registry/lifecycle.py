@@ -13,6 +13,8 @@ DRAINING = "draining"
 DEAD = "dead"
 
 GROUP_STATUSES: tuple[str, ...] = (PROVISIONING, HEALTHY, DEGRADED, DRAINING, DEAD)
+# the statuses of a group that takes requests (a degraded group still does, with an alert out)
+IN_ROTATION: tuple[str, ...] = (HEALTHY, DEGRADED)
 
 ALLOWED_TRANSITIONS: dict[str, tuple[str, ...]] = {
     PROVISIONING: (HEALTHY, DEAD),
