@@ -72,9 +72,10 @@ def fleet_spec(name: str, model_dir: Path, *, replicas: int = 2, tp: int = 1, pp
 
 class FleetStack:
     def __init__(self, workdir: Path, model_dir: Path, fleet: str, registry_url: str, *,
-                 redis_url: str | None = None, worker_flags: tuple[str, ...] = ()) -> None:
+                 redis_url: str | None = None, telemetry: str | None = None,
+                 worker_flags: tuple[str, ...] = ()) -> None:
         self.workdir, self.model_dir, self.fleet = workdir, model_dir, fleet
-        self.registry_url, self.redis_url = registry_url, redis_url
+        self.registry_url, self.redis_url, self.telemetry = registry_url, redis_url, telemetry
         self.worker_flags = worker_flags
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -123,6 +124,7 @@ class FleetStack:
         self.controller = self._spawn("fleet", [
             "serve", "fleet", "--port", str(self.fleet_port), "--fleet", self.fleet, "--log-dir", str(self.logs),
             "--interval", "0.5", "--router", self.router, *self._shared(),
+            *(["--telemetry", self.telemetry] if self.telemetry else []),
             *(f"--worker-flag={f}" for f in self.worker_flags)])
 
     @staticmethod

@@ -4,9 +4,11 @@ Every tick it reads the newest applied revision and the fleet's replica groups (
 heartbeats, the provisioner's processes) and takes the next steps, none of which waits:
 
 1. **Heal.** A group whose processes exited, whose driver marked it dead (a collective timed
-   out), whose heartbeats stopped, or that did not become ready in time, is marked ``dead``
-   with the reason and its processes are stopped. Step 3 then provisions a replacement from the
-   same revision's plan. Repeated provisioning failures back off (1 s, 2 s, ... 60 s).
+   out), whose heartbeats stopped, that the health store marks unhealthy (telemetry's timeout
+   rule), or that did not become ready in time, is marked ``dead`` with the reason and its
+   processes are stopped. Step 3 then provisions a replacement from the same revision's plan.
+   A group that fails while provisioning pages (a telemetry alert), and repeated failures back
+   off (1 s, 2 s, ... 60 s).
 2. **Admit.** A loaded group (``provisioning`` with an endpoint, its worker SERVING) goes into
    rotation (``healthy``). While groups of another plan are in rotation (a rollout), a group of
    the target plan first passes the quality gate against one of them; a candidate that fails is
@@ -32,12 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.health import UNHEALTHY, HealthStore
 from services.common.healthcheck import check
 from services.common.registry import IN_ROTATION, FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
 from services.fleet import metrics
 from services.fleet.autoscale import Autoscaler
 from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate
 from services.fleet.load_signal import registry_utilization
+from services.fleet.paging import Page
 from services.fleet.provisioner import GroupLaunch, GroupProcess, Provisioner
 from services.fleet.spec import FleetSpec
 from services.modeling.golden_set import GoldenSet
@@ -86,6 +90,7 @@ class FleetController:
                  heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, startup_timeout_s: float = STARTUP_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic, utilization: UtilizationSource | None = None,
                  probe: Probe = serving, gate: Gate | None = None, drain: Drain = drain_group,
+                 health: HealthStore | None = None, page: Page | None = None,
                  say: Callable[[str], None] | None = None) -> None:
         self.registry = registry
         self.registry_url = registry_url
@@ -97,6 +102,8 @@ class FleetController:
         self.utilization = utilization or registry_utilization  # group name -> KV utilization (0..1)
         # how groups are looked at and acted on: the real ones talk to the workers' endpoints
         self.probe, self.gate, self.drain = probe, gate or self._gate_live, drain
+        self.health = health  # the ranks' health as telemetry and the drivers see it (optional)
+        self.page = page
         self.say = say or (lambda line: log.info("%s", line))
         self.state = FleetState()
         self.jobs = Jobs()
@@ -219,7 +226,20 @@ class FleetController:
                 age = time.time() - max(s.last_heartbeat for s in shards).timestamp()
                 if age > self.heartbeat_timeout_s:
                     return f"no heartbeat for {age:.0f} s"
+            unhealthy = self._unhealthy_ranks(g.name or "")
+            if unhealthy:
+                return f"the health store marks {', '.join(unhealthy)} unhealthy"
         return None
+
+    def _unhealthy_ranks(self, name: str) -> list[str]:
+        if self.health is None:
+            return []
+        try:
+            ranks = self.health.group_health(name)
+        except Exception as exc:  # noqa: BLE001 - a store outage is no verdict on the group
+            log.warning("fleet %s: health store unreachable for %s: %s", self.fleet, name, exc)
+            return []
+        return sorted(rank for rank, status in ranks.items() if status == UNHEALTHY)
 
     def _heal(self, rows: list[ReplicaGroup], procs: dict[str, GroupProcess], now: float) -> list[ReplicaGroup]:
         """The fleet's live groups, after taking the failed ones out."""
@@ -250,6 +270,9 @@ class FleetController:
                 self.state.retry_at = now + backoff
                 log.error("fleet %s: group %s failed while provisioning: %s (next attempt in %g s)",
                           self.fleet, g.name, reason, backoff)
+                if self.page is not None:
+                    self.page(g.name or "", f"fleet {self.fleet}: group {g.name} failed while provisioning "
+                                            f"{g.manifest_uri or ''}: {reason}"[:1000])
             self.event("dead", group=g.name, status=g.status, reason=reason)
         return live
 

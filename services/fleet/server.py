@@ -7,7 +7,8 @@ because it owns processes: with the local provisioner, the fleet's worker proces
 children (they stop with it); with the Kubernetes one, it owns their LeaderWorkerSets.
 
 Flags beyond the fleet's own (``--registry-url``, ``--redis-url``, ``--telemetry``) are handed
-to every worker it starts, so the groups register where the routers discover them.
+to every worker it starts, so the groups register where the routers discover them. The
+controller itself reads the ranks' health from that Redis and pages through that telemetry.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from services.common.config import resolve
+from services.common.health import make_health_store
 from services.common.grpc_server import GrpcServer, serve_service
 from services.common.registry import ShardRegistry, registry_url
 from services.common.supervisor import Supervisor
@@ -28,6 +30,7 @@ from services.fleet.kubernetes import KubernetesSettings
 from services.fleet.kubernetes_provisioner import Kubectl, KubernetesProvisioner
 from services.fleet.load_signal import RouterUtilization
 from services.fleet.local import LocalProvisioner
+from services.fleet.paging import telemetry_pager
 from services.fleet.provisioner import Provisioner
 from services.fleet.spec import FleetSpec, InvalidFleetSpec
 from services.telemetry.server import add_metrics_arguments, setup_observability
@@ -140,8 +143,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"shardline serve fleet: no fleet {', '.join(missing)} in the registry (`shardline apply -f FILE` "
               f"first)", file=sys.stderr)
         return 2
-    shared = worker_shared_flags(url, resolve("redis_url", args.redis_url, ""),
-                                 resolve("telemetry_addr", args.telemetry, ""), args.worker_flag)
+    redis, telemetry = resolve("redis_url", args.redis_url, ""), resolve("telemetry_addr", args.telemetry, "")
+    shared = worker_shared_flags(url, redis, telemetry, args.worker_flag)
     supervisor = Supervisor()
     try:
         provisioners = [provisioner_for(args, supervisor, shared, url) for _ in fleets]
@@ -153,6 +156,8 @@ def serve(args: argparse.Namespace) -> int:
                                    startup_timeout_s=args.startup_timeout,
                                    utilization=(RouterUtilization(args.router, api_key=resolve(
                                        "api_key", args.router_api_key, "") or None) if args.router else None),
+                                   health=make_health_store(redis) if redis else None,
+                                   page=telemetry_pager(telemetry) if telemetry else None,
                                    say=lambda line: print(f"{time.time():.3f} {line}", flush=True))
                    for fleet, provisioner in zip(fleets, provisioners, strict=True)]
     reconcilers = Reconcilers(controllers, args.interval)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
-from services.telemetry.rules import QUALITY_KINDS, Alert, RuleConfig, RuleEngine
+from services.telemetry.rules import RAISED_KINDS, Alert, RuleConfig, RuleEngine
 from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowConfig, WindowStore, WindowSummary
 
 log = logging.getLogger(__name__)
@@ -188,9 +188,10 @@ class TelemetryPipeline:
             self._effects.submit(alert)
 
     def raise_alert(self, alert: Alert) -> None:
-        """An alert a quality check outside the rules raised: published like the rules' own."""
-        if alert.kind not in QUALITY_KINDS:
-            raise ValueError(f"only the quality kinds are raised from outside, not {alert.kind.value}")
+        """An alert raised outside the rules (a quality check, the fleet controller): published like
+        the rules' own."""
+        if alert.kind not in RAISED_KINDS:
+            raise ValueError(f"{alert.kind.value} is decided by telemetry's rules, not raised from outside")
         if not alert.replica_group_id:
             raise ValueError("an alert names its replica group")
         self._publish(alert)

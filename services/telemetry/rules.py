@@ -60,9 +60,12 @@ class AlertKind(enum.Enum):
     # raised outside telemetry by the quality checks (TelemetryService.RaiseAlert)
     SHADOW_DIVERGENCE = "shadow_divergence"
     QUALITY_DRIFT = "quality_drift"
+    # raised by the fleet controller: a group it started failed before serving
+    PROVISIONING_FAILED = "provisioning_failed"
 
 
-QUALITY_KINDS = frozenset({AlertKind.SHADOW_DIVERGENCE, AlertKind.QUALITY_DRIFT})
+# what TelemetryService.RaiseAlert accepts: the kinds no telemetry rule decides
+RAISED_KINDS = frozenset({AlertKind.SHADOW_DIVERGENCE, AlertKind.QUALITY_DRIFT, AlertKind.PROVISIONING_FAILED})
 
 
 class GroupStatus(enum.Enum):

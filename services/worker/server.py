@@ -266,10 +266,15 @@ def serve(args: argparse.Namespace) -> int:
 
     binding = ServiceBinding(full_name=worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
                              servicer=servicer, add_to_server=worker_pb2_grpc.add_WorkerServiceServicer_to_server)
-    code = serve_service(args, service=SERVICE, bindings=lambda: [binding], start_serving=False,
-                         on_started=on_started, on_stopping=on_stopping)
+    try:
+        code = serve_service(args, service=SERVICE, bindings=lambda: [binding], start_serving=False,
+                             on_started=on_started, on_stopping=on_stopping)
+    except Exception:  # noqa: BLE001 - loading failed (a bad shard, a rank that died): say why, exit 1
+        log.exception("worker %s failed to start", args.replica_group_id)
+        code = 1
     # The group is stopped and its followers joined. A process group whose peer died still holds
-    # gloo work that its destructor would wait on forever at interpreter exit: leave now.
+    # gloo work that its destructor would wait on forever at interpreter exit, and a telemetry
+    # stream still open keeps gRPC's threads busy: leave now.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

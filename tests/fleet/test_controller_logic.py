@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.health import MemoryHealthStore
 from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
 from services.fleet.controller import FleetController
 from services.fleet.jobs import GateOutcome
@@ -28,9 +29,12 @@ class SimulatedProvisioner:
         self.loaded: set[str] = set()
         self.exited: dict[str, str] = {}
         self.stopped: list[str] = []
+        self.fail_with = ""  # set: every group started exits with it before loading
 
     def start(self, launch: GroupLaunch) -> None:
         self.started[launch.name] = launch
+        if self.fail_with:
+            self.exited[launch.name] = self.fail_with
 
     def stop(self, name: str) -> None:
         if self.started.pop(name, None) is not None:
@@ -69,9 +73,13 @@ class Sim:
         self.now = 0.0
         self.gated: list[tuple[str, str]] = []
         self.failing_dtypes = failing_dtypes
+        self.health = MemoryHealthStore()
+        self.pages: list[tuple[str, str]] = []
         self.controller = FleetController(self.registry, self.provisioner, FLEET, registry_url=self.url,
                                           clock=lambda: self.now, probe=lambda endpoint: True, gate=self.gate,
-                                          drain=self.drain, say=lambda line: None)
+                                          drain=self.drain, health=self.health,
+                                          page=lambda group, message: self.pages.append((group, message)),
+                                          say=lambda line: None)
         self.rotation: list[int] = []
 
     def gate(self, candidate: str, reference: str, target: FleetSpec) -> GateOutcome:
@@ -182,6 +190,30 @@ def test_heal_replaces_a_group_whose_process_exited(sim: Sim) -> None:
     row = sim.registry.get_group(registry_group_id(victim))
     assert row.status == "dead" and row.status_reason == "worker process exited with code -9"
     assert victim in sim.provisioner.stopped and sim.registry.latest_rollout(FLEET) is None
+
+
+def test_heal_replaces_a_group_the_health_store_marks_unhealthy(sim: Sim) -> None:
+    victim = sim.groups()[0].name
+    sim.health.heartbeat(victim, {"pp0_tp0": "unhealthy"})  # telemetry's collective-timeout rule
+    sim.until(lambda: victim not in {g.name for g in sim.groups()} and sim.in_rotation() == 2)
+    row = sim.registry.get_group(registry_group_id(victim))
+    assert row.status == "dead" and row.status_reason == "the health store marks pp0_tp0 unhealthy"
+    assert victim in sim.provisioner.stopped and not sim.pages  # it failed serving, not provisioning
+
+
+def test_a_group_failing_while_provisioning_pages_and_retries_after_a_back_off(tmp_path: Path) -> None:
+    s = Sim(tmp_path)
+    s.provisioner.fail_with = "ShardChecksumError: model-tp00-pp00.safetensors: manifest says 1a2b, file is 3c4d"
+    s.apply()
+    s.tick(8)  # back-off 1, 2, 4 s between attempts: a handful of attempts, not one per tick
+    dead = [g for g in s.registry.fleet_groups(FLEET, include_dead=True) if g.status == "dead"]
+    assert 3 <= len(s.pages) <= 5 and len(dead) == len(s.pages)
+    reasons = {g.name: g.status_reason for g in dead}
+    for group, message in s.pages:
+        assert s.provisioner.fail_with in message and f"group {group} failed while provisioning" in message
+        assert reasons[group] == s.provisioner.fail_with
+    assert len(reasons) == len(s.pages) and s.in_rotation() == 0
+    s.registry.close()
 
 
 def test_max_unavailable_without_surge_drains_first(sim: Sim) -> None:
