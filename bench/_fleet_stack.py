@@ -56,9 +56,12 @@ def driver_pid(group: str) -> int:
 def fleet_spec(name: str, model_dir: Path, *, replicas: int = 2, tp: int = 1, pp: int = 1, dtype: str = "bfloat16",
                kv_cache_cap_gb: float = 0.004, env: dict[str, str] | None = None,
                autoscaling: dict[str, Any] | None = None, gate_chunks: int = 4, gate_chunk_tokens: int = 512,
-               drain_deadline_s: float = 10.0, settle_s: float = 3.0) -> dict[str, Any]:
+               drain_deadline_s: float = 10.0, settle_s: float = 3.0,
+               collective_timeout_s: float | None = None) -> dict[str, Any]:
     group: dict[str, Any] = {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
                              "kv_cache_cap_gb": kv_cache_cap_gb, "checkpoint": {"model_dir": str(model_dir)}}
+    if collective_timeout_s is not None:
+        group["collective_timeout_s"] = collective_timeout_s
     if env:
         group["env"] = env
     spec: dict[str, Any] = {"replica_group": group, "replicas": replicas, "served_model_name": name,

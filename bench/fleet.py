@@ -61,7 +61,8 @@ class Bench:
 
     def spec(self, **overrides: Any) -> dict[str, Any]:
         return fleet_spec(self.stack.fleet, self.model, kv_cache_cap_gb=self.args.kv_cache_gb,
-                          gate_chunks=self.args.gate_chunks, **overrides)
+                          gate_chunks=self.args.gate_chunks, collective_timeout_s=self.args.collective_timeout,
+                          **overrides)
 
     def rollout_to(self, name: str, plan: dict[str, Any]) -> None:
         """A rollout scenario; the plan serves afterwards if the gate let it through."""
@@ -218,6 +219,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--kv-cache-gb", type=float, default=0.05, help="KV cache per rank (default 0.05 GiB)")
     parser.add_argument("--gate-chunks", type=int, default=16, help="golden-set chunks of 512 tokens per gate")
+    parser.add_argument("--collective-timeout", type=float, default=10.0,
+                        help="the groups' collective timeout (default 10 s: a PP2 group scoring a gate's golden set "
+                             "under load on 2 cores can take longer than the worker's 2 s default)")
     parser.add_argument("--baseline-s", type=float, default=20.0, help="the steady-load scenario's length")
     parser.add_argument("--long-streams", type=int, default=12, help="streams of the autoscaling load")
     parser.add_argument("--long-tokens", type=int, default=400, help="max_tokens of the autoscaling load")

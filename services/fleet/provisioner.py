@@ -36,6 +36,8 @@ class GroupLaunch:
             flags += ["--kv-cache-gb", f"{plan.kv_cache_cap_gb:g}"]
         if plan.max_concurrent_sequences is not None:
             flags += ["--max-num-seqs", str(plan.max_concurrent_sequences)]
+        if plan.collective_timeout_s is not None:
+            flags += ["--collective-timeout", f"{plan.collective_timeout_s:g}"]
         if self.served_model_name:
             flags += ["--served-model-name", self.served_model_name]
         return flags

@@ -9,6 +9,7 @@
       dtype: bf16                    # any name or alias the project knows (bfloat16, int8, fp8, ...)
       kv_cache_cap_gb: 0.25          # KV cache per rank
       max_concurrent_sequences: 64
+      collective_timeout_s: 2        # a collective slower than this fails the group (it is healed)
       checkpoint:
         manifest_uri: s3://models/smollm2/bf16/manifest.json   # or model_dir: .models/smollm2-135m-instruct
       env: {}                        # extra environment of the group's processes
@@ -98,6 +99,7 @@ class GroupPlan:
     manifest_uri: str | None = None  # a verified sharded checkpoint (the loader stages it) ...
     model_dir: str | None = None  # ... or a model directory every group reads
     env: tuple[tuple[str, str], ...] = ()
+    collective_timeout_s: float | None = None  # None: the worker's default
 
     @property
     def world_size(self) -> int:
@@ -148,7 +150,7 @@ class FleetSpec:
         """Two revisions with equal keys build interchangeable groups."""
         g = self.group
         return (g.tp_degree, g.pp_degree, g.dtype, g.kv_cache_cap_gb, g.max_concurrent_sequences, g.source, g.env,
-                self.served_model_name)
+                g.collective_timeout_s, self.served_model_name)
 
     def bounded(self, replicas: int) -> int:
         """``replicas`` within the autoscaling bounds (the spec's count without autoscaling)."""
@@ -170,6 +172,8 @@ class FleetSpec:
             group["kv_cache_cap_gb"] = g.kv_cache_cap_gb
         if g.max_concurrent_sequences is not None:
             group["max_concurrent_sequences"] = g.max_concurrent_sequences
+        if g.collective_timeout_s is not None:
+            group["collective_timeout_s"] = g.collective_timeout_s
         if g.env:
             group["env"] = dict(g.env)
         r = self.rollout
@@ -247,6 +251,9 @@ def _group_plan(group: dict[str, Any], base_dir: Path | None) -> GroupPlan:
     seqs = _take(group, "max_concurrent_sequences", int, None, w)
     if seqs is not None and seqs < 1:
         raise InvalidFleetSpec(f"replica_group.max_concurrent_sequences must be >= 1, got {seqs}")
+    collective_timeout = _take(group, "collective_timeout_s", float, None, w)
+    if collective_timeout is not None:
+        _positive(collective_timeout, "replica_group.collective_timeout_s")
     group.pop("gpus_per_replica", None)  # the seed's shape names it; it is tp x pp here
     group.pop("nvlink_domain", None)
     checkpoint = _section(group, "checkpoint", w)
@@ -268,7 +275,7 @@ def _group_plan(group: dict[str, Any], base_dir: Path | None) -> GroupPlan:
         raise InvalidFleetSpec("replica_group.env maps names to strings")
     _no_extra(group, "replica_group")
     return GroupPlan(tp, pp, dtype, kv, seqs, manifest, model_dir,
-                     tuple(sorted((k, str(v)) for k, v in env.items())))
+                     tuple(sorted((k, str(v)) for k, v in env.items())), collective_timeout)
 
 
 def _rollout(section: dict[str, Any]) -> RolloutPolicy:

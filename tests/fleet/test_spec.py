@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
+from services.fleet.provisioner import GroupLaunch
 from services.fleet.spec import FleetSpec, InvalidFleetSpec
 
 SEED_SHAPE = """
@@ -41,6 +42,18 @@ def test_the_seed_shape_parses_and_round_trips(tmp_path: Path) -> None:
     assert g.manifest_uri == "s3://models/llama3-70b/fp16/manifest.json" and g.kv_cache_cap_gb == 20.0
     assert spec.autoscaling is not None and spec.replicas == 4  # the starting count is within min/max
     assert FleetSpec.from_json(spec.to_json()) == spec
+    assert g.collective_timeout_s is None  # the worker's default
+
+
+def test_the_collective_timeout_reaches_the_workers_flags() -> None:
+    spec = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
+                                                  "collective_timeout_s": 10}})
+    assert FleetSpec.from_json(spec.to_json()) == spec
+    flags = GroupLaunch("smol-abc123", "smol", 1, spec.group).worker_flags()
+    assert flags[flags.index("--collective-timeout") + 1] == "10"
+    with pytest.raises(InvalidFleetSpec, match="collective_timeout_s"):
+        FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
+                                               "collective_timeout_s": 0}})
 
 
 def test_a_relative_model_dir_is_the_yaml_folders(tmp_path: Path) -> None:
@@ -55,7 +68,8 @@ def test_plan_key_separates_a_rollout_from_a_resize() -> None:
     spec = FleetSpec.from_dict(base)
     resized = FleetSpec.from_dict({**base, "replicas": 3})
     assert resized.plan_key() == spec.plan_key()
-    for change in ({"pp_degree": 2}, {"dtype": "int8"}, {"env": {"X": "1"}}, {"checkpoint": {"model_dir": "/n"}}):
+    for change in ({"pp_degree": 2}, {"dtype": "int8"}, {"env": {"X": "1"}}, {"checkpoint": {"model_dir": "/n"}},
+                   {"collective_timeout_s": 10}):
         other = FleetSpec.from_dict({**base, "replica_group": {**base["replica_group"], **change}})
         assert other.plan_key() != spec.plan_key(), change
 
