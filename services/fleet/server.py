@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from services.common.config import resolve
-from services.common.health import make_health_store
 from services.common.grpc_server import GrpcServer, serve_service
+from services.common.health import make_health_store
 from services.common.registry import ShardRegistry, registry_url
 from services.common.supervisor import Supervisor
 from services.fleet import metrics

@@ -22,9 +22,9 @@ import redis
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.registry import ShardRegistry
 from services.worker.driver import HEARTBEAT_S
+from tests.ranks import rank_pids
 from tests.restartable import postgres_server, redis_server
 from tests.router.processes import start_service, stop, wait_serving
-from tests.router.test_failover import children
 from tests.stack import free_port
 
 pytestmark = pytest.mark.slow
@@ -208,7 +208,7 @@ def test_a_group_failure_reaches_the_registry_while_redis_is_down(tiny_model_dir
         try:
             wait_serving(worker, address, tmp_path / "worker.log")
             own_redis.stop()
-            (rank,) = children(worker.pid)
+            (rank,) = rank_pids(worker.pid)
             os.kill(rank, signal.SIGKILL)
             with ShardRegistry(registry_url) as registry:
                 wait_for(lambda: registry.list_groups()[0].status == "dead", 15, "the group dead in the registry")

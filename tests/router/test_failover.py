@@ -13,23 +13,8 @@ from pathlib import Path
 import grpc
 
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.ranks import rank_pids
 from tests.router.processes import start_service, stop, wait_serving
-
-
-def children(pid: int) -> list[int]:
-    """Rank processes the worker spawned (not multiprocessing's resource tracker)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"resource_tracker" not in cmdline:
-            found.append(int(entry))
-    return found
 
 
 @contextmanager
@@ -69,7 +54,7 @@ def test_a_stream_continues_on_another_group_when_its_group_dies(tiny_model_dir,
                                                                     sampling=params))
             responses = [next(stream) for _ in range(10)]
             assert {r.replica_group_id for r in responses} == {"rg-a"}  # equal loads: the lower id
-            os.kill(children(a.pid)[0], signal.SIGKILL)  # one rank of rg-a dies mid-stream
+            os.kill(rank_pids(a.pid)[0], signal.SIGKILL)  # one rank of rg-a dies mid-stream
             responses += list(stream)
             groups = {g.replica_group_id: g for g in
                       stub.ListReplicaGroups(router_pb2.ListReplicaGroupsRequest()).groups}
@@ -104,7 +89,7 @@ def test_a_seeded_sampled_stream_continued_elsewhere_has_the_fault_free_tokens(t
                 router_pb2.RouterGenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt), sampling=params))
             responses = [next(stream) for _ in range(2)]
             assert {r.replica_group_id for r in responses} == {"rg-a"}  # equal loads: the lower id
-            os.kill(children(a.pid)[0], signal.SIGKILL)  # one rank of rg-a dies mid-stream
+            os.kill(rank_pids(a.pid)[0], signal.SIGKILL)  # one rank of rg-a dies mid-stream
             responses += list(stream)
         tokens, final = responses[:-1], responses[-1]
         switch = [r.replica_group_id for r in tokens].index("rg-b")  # rg-b's first token

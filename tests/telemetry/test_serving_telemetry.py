@@ -12,7 +12,6 @@ import threading
 import time
 import uuid
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,6 +25,7 @@ from services.modeling.parallel.plan import ParallelPlan
 from services.telemetry.tracing import outgoing_metadata
 from services.worker.engine.runner import IDLE_HEARTBEAT_S
 from services.worker.runtime import RankSpec
+from tests.ranks import rank_pids, state
 from tests.telemetry.procs import alerts_reader, query_counts, scrape, start_service, telemetry_stub, wait_until
 
 pytestmark = pytest.mark.slow
@@ -248,28 +248,12 @@ def test_a_planted_slow_rank_is_named_in_a_degraded_alert(tiny_model_dir, tmp_pa
         telemetry.stop()
 
 
-def _stopped_children(pid: int) -> list[int]:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
-    out = []
-    for child in map(int, children):
-        try:
-            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "T":
-            out.append(child)
-    return out
-
-
 def kill_stopped_children(pid: int) -> None:
     """SIGKILL the ranks under ``pid`` that a test SIGSTOPped (a stopped rank ignores SIGTERM)."""
     import os
     import signal
 
-    for child in _stopped_children(pid):
+    for child in [r for r in rank_pids(pid) if state(r) == "T"]:
         os.kill(child, signal.SIGKILL)
 
 
