@@ -5,6 +5,9 @@ The provisioner renders (:func:`services.fleet.kubernetes.render_group`) and a s
 -f DIR`` or a GitOps tool to pick up), :class:`Kubectl` pipes the objects to ``kubectl apply -f -``
 and deletes by name. Whether the pods run is not the provisioner's to say: a group that loaded
 registers itself, and the controller reads the registry and the health store, as for every group.
+
+A controller restarted in the cluster finds its fleet's groups again through the sink (the
+LeaderWorkerSets labelled with the fleet), so it adopts them instead of replacing them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Protocol
 
 import yaml
 
-from services.fleet.kubernetes import LWS_KIND, KubernetesSettings, leader_endpoint, render_group
+from services.fleet.kubernetes import LABEL_FLEET, LWS_KIND, KubernetesSettings, leader_endpoint, render_group
 from services.fleet.provisioner import GroupLaunch, GroupProcess
 
 
@@ -34,6 +37,9 @@ class Sink(Protocol):
 
     def delete(self, name: str, objects: list[dict]) -> None:
         """Remove what :meth:`apply` made for ``name``; a name it never applied is no error."""
+
+    def existing(self, fleet: str) -> list[str]:
+        """The groups of ``fleet`` that are applied now, whoever applied them."""
 
 
 class YamlDirectory:
@@ -54,6 +60,14 @@ class YamlDirectory:
 
     def delete(self, name: str, objects: list[dict]) -> None:
         self.path(name).unlink(missing_ok=True)
+
+    def existing(self, fleet: str) -> list[str]:
+        names = []
+        for path in sorted(self.directory.glob("*.yaml")):
+            for obj in yaml.safe_load_all(path.read_text()):
+                if obj and obj.get("kind") == LWS_KIND and obj["metadata"].get("labels", {}).get(LABEL_FLEET) == fleet:
+                    names.append(obj["metadata"]["name"])
+        return names
 
 
 class KubectlFailed(RuntimeError):
@@ -83,16 +97,24 @@ class Kubectl:
         targets = [f"{o['kind'].lower()}/{o['metadata']['name']}" for o in objects]
         return [*self.base, "delete", "--ignore-not-found", "--wait=false", *targets]
 
-    def _call(self, argv: list[str], stdin: str | None) -> None:
+    def list_command(self, fleet: str) -> list[str]:
+        return [*self.base, "get", LWS_KIND.lower(), "-l", f"{LABEL_FLEET}={fleet}", "-o",
+                "jsonpath={.items[*].metadata.name}"]
+
+    def _call(self, argv: list[str], stdin: str | None) -> str:
         done = self.run(argv, input=stdin, capture_output=True, text=True, timeout=self.timeout_s, check=False)
         if done.returncode != 0:
             raise KubectlFailed(f"{' '.join(argv)} exited with {done.returncode}: {(done.stderr or '').strip()}")
+        return done.stdout or ""
 
     def apply(self, name: str, objects: list[dict]) -> None:
         self._call(self.apply_command(), to_yaml(objects))
 
     def delete(self, name: str, objects: list[dict]) -> None:
         self._call(self.delete_command(objects), None)
+
+    def existing(self, fleet: str) -> list[str]:
+        return self._call(self.list_command(fleet), None).split()
 
 
 @dataclass(frozen=True)
@@ -104,9 +126,11 @@ class _Applied:
 class KubernetesProvisioner:
     """The :class:`services.fleet.provisioner.Provisioner` that makes each group a LeaderWorkerSet."""
 
-    def __init__(self, settings: KubernetesSettings, sink: Sink, *, delete_on_close: bool = True) -> None:
+    def __init__(self, settings: KubernetesSettings, sink: Sink, *, fleet: str | None = None,
+                 delete_on_close: bool = True) -> None:
         self.settings = settings
         self.sink = sink
+        self.fleet = fleet  # given: groups() also lists the fleet's groups this process did not apply
         # True as the provisioner interface says (close stops everything). A controller running
         # in the cluster passes False: its groups must outlive a restart of its own pod.
         self.delete_on_close = delete_on_close
@@ -128,10 +152,12 @@ class KubernetesProvisioner:
         self.sink.delete(name, objects)
 
     def groups(self) -> list[GroupProcess]:
-        """What this provisioner applied and has not stopped, with the address each driver
-        advertises; ``alive`` only says it was applied (the registry says whether it serves)."""
+        """What is applied and not stopped (by this provisioner, or found for its fleet), with the
+        address each driver advertises; ``alive`` only says it is applied (the registry says
+        whether it serves)."""
+        found = self.sink.existing(self.fleet) if self.fleet is not None else []
         with self._lock:
-            names = sorted(self._applied)
+            names = sorted({*self._applied, *found})
         return [GroupProcess(name, True, "", leader_endpoint(name, self.settings)) for name in names]
 
     def close(self) -> None:

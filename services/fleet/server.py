@@ -111,13 +111,15 @@ class Reconcilers:
             controller.provisioner.close()
 
 
-def provisioner_for(args: argparse.Namespace, supervisor: Supervisor, shared: list[str], url: str) -> Provisioner:
+def provisioner_for(args: argparse.Namespace, supervisor: Supervisor, shared: list[str], url: str,
+                    fleet: str) -> Provisioner:
     if args.provisioner == "local":
         return LocalProvisioner(supervisor, shared, args.log_dir)
     settings = KubernetesSettings(image=args.image, namespace=args.namespace, registry_url=url,
                                   redis_url=resolve("redis_url", args.redis_url, "") or None)
-    # its groups outlive a restart of the controller's pod: closing it deletes nothing
-    return KubernetesProvisioner(settings, Kubectl(args.namespace), delete_on_close=False)
+    # its groups outlive a restart of the controller's pod: closing it deletes nothing, and the
+    # restarted controller finds them by the fleet's label
+    return KubernetesProvisioner(settings, Kubectl(args.namespace), fleet=fleet, delete_on_close=False)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -147,7 +149,7 @@ def serve(args: argparse.Namespace) -> int:
     shared = worker_shared_flags(url, redis, telemetry, args.worker_flag)
     supervisor = Supervisor()
     try:
-        provisioners = [provisioner_for(args, supervisor, shared, url) for _ in fleets]
+        provisioners = [provisioner_for(args, supervisor, shared, url, fleet) for fleet in fleets]
     except FileNotFoundError as exc:  # no kubectl
         print(f"shardline serve fleet: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import kubernetes_validate
@@ -222,6 +223,31 @@ def test_kubectl_pipes_the_objects_to_apply_and_deletes_by_kind_and_name() -> No
     provisioner.stop(launch.name)
     assert calls[1] == (["/usr/bin/kubectl", "--namespace", "serving", "delete", "--ignore-not-found", "--wait=false",
                          f"leaderworkerset/{launch.name}"], None)
+
+
+def test_a_restarted_controller_finds_its_fleets_groups_through_the_sink(tmp_path: Path) -> None:
+    first = KubernetesProvisioner(SETTINGS, YamlDirectory(tmp_path), delete_on_close=False)
+    mine, other = _launch(1, 1, revision=1), replace(_launch(1, 1, revision=1), name="other-abc123", fleet="other")
+    first.start(mine)
+    first.start(other)
+    first.close()  # the controller's pod restarts: the groups stay
+    restarted = KubernetesProvisioner(SETTINGS, YamlDirectory(tmp_path), fleet=mine.fleet)
+    assert [(g.name, g.alive) for g in restarted.groups()] == [(mine.name, True)]
+    restarted.stop(mine.name)  # one it did not apply itself
+    assert restarted.groups() == [] and [p.name for p in tmp_path.iterdir()] == ["other-abc123.yaml"]
+
+
+def test_kubectl_lists_a_fleets_leaderworkersets_by_its_label() -> None:
+    calls: list[list[str]] = []
+
+    def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "smol-111111 smol-222222", "")
+
+    provisioner = KubernetesProvisioner(SETTINGS, Kubectl("serving", kubectl="kubectl", run=run), fleet="smol")
+    assert [g.name for g in provisioner.groups()] == ["smol-111111", "smol-222222"]
+    assert calls == [["kubectl", "--namespace", "serving", "get", "leaderworkerset", "-l", "shardline.dev/fleet=smol",
+                      "-o", "jsonpath={.items[*].metadata.name}"]]
 
 
 def test_kubectl_failure_names_the_command() -> None:
