@@ -15,6 +15,10 @@ C++ kernels; so do we, for the five pieces of a Llama layer that are not matmuls
   cached context, read in place through the block table (``cpu_attention.cpp``; the reference
   gathers the blocks into a padded batch and calls SDPA with a padding mask).
 
+:func:`dense_linear` is the model's dense bfloat16 matmul on CPU (``cpu_gemm.cpp``): batch-invariant,
+each output element summed the same way whatever the batch holds, so a sequence's logits do not
+depend on what it shares a step with; ``F.linear`` elsewhere.
+
 :func:`greedy_logsumexp` gives a sampler the greedy token and the logsumexp of every row of a
 step's logits in one pass each (``cpu_sampling.cpp``).
 
@@ -169,3 +173,23 @@ def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ids, lse
     values = logits.float()
     return values.max(dim=-1).indices, torch.logsumexp(values, dim=-1)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)``: ``x`` [..., K], ``w`` [N, K] → [..., N]. bfloat16 on CPU (kernels
+    enabled and built with AVX512-BF16, ``w`` contiguous): the C++ kernel, batch-invariant (row m
+    of the result has the same bits whatever the other rows are, and whatever M and the thread
+    count), float32 sums rounded once. Anything else (float32, other devices, no AVX512-BF16):
+    ``F.linear``."""
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.is_contiguous() and w.device == x.device:
+        module = _cpu_module(x.device)
+        if module is not None and module.dense_linear_vectorized():
+            lead, k = x.shape[:-1], x.shape[-1]
+            return module.dense_linear(x.reshape(-1, k), w).view(*lead, w.shape[0])
+    return F.linear(x, w)
+
+
+def dense_linear_vectorized() -> bool:
+    """Whether :func:`dense_linear` runs the C++ kernel on CPU here (built with AVX512-BF16, enabled)."""
+    module = _cpu_module("cpu")
+    return module is not None and module.dense_linear_vectorized()
