@@ -10,6 +10,7 @@ then each sequence's context is gathered block by block through its ``block_tabl
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,10 @@ class AttentionMetadata:
     @functools.cached_property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+
+# LayerOps.decode_attention: (q [B, heads, d], k_cache, v_cache, meta, scale) -> [B, heads, d]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
 def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:
@@ -101,14 +106,23 @@ def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, decode: DecodeAttention | None = None) -> torch.Tensor:
     """Each sequence's queries (``q``: [tokens, heads, d]) against its cached context, causally
     (caches: [blocks, block_size, kv_heads, d]): the prefill and mixed-step path. Decode-only
-    steps go through ``LayerOps.decode_attention``."""
+    steps go through ``LayerOps.decode_attention``; given it as ``decode``, so do the one-token
+    sequences of a mixed step, so that a decoding sequence's attention has the same bits whether or
+    not others prefill beside it (SDPA and the decode kernel sum in different orders)."""
     assert meta.block_tables is not None
     block_size = k_cache.shape[1]
-    outs, start = [], 0
+    outs: list[torch.Tensor | None] = []
+    decoding: list[int] = []  # sequences left to ``decode``
+    start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        if n == 1 and decode is not None:
+            decoding.append(i)
+            outs.append(None)
+            start += n
+            continue
         n_blocks = -(-ctx // block_size)
         table = meta.block_tables[i:i + 1, :n_blocks]
         keys = gather_blocks(k_cache, table)[:, :ctx].transpose(1, 2)  # [1, kv, ctx, d]
@@ -118,4 +132,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                              scale=scale, enable_gqa=True)
         outs.append(out[0].transpose(0, 1))
         start += n
-    return torch.cat(outs, dim=0)
+    if decoding:
+        rows = torch.tensor(decoding, device=q.device)
+        token_of = torch.tensor(meta.query_lens, device=q.device).cumsum(0) - 1  # a one-token sequence's row
+        sub = AttentionMetadata(query_lens=[1] * len(decoding),
+                                context_lens=[meta.context_lens[i] for i in decoding],
+                                block_tables=meta.block_tables.index_select(0, rows))
+        for i, out in zip(decoding, decode(q.index_select(0, token_of[rows]), k_cache, v_cache, sub, scale)):
+            outs[i] = out.unsqueeze(0)
+    return torch.cat(outs, dim=0)  # type: ignore[arg-type]

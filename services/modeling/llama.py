@@ -76,7 +76,7 @@ class LlamaAttention(nn.Module):
             if meta.is_decode:
                 out = ops.decode_attention(q, k_cache, v_cache, meta, self.scale)
             else:
-                out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+                out = paged_attention(q, k_cache, v_cache, meta, self.scale, decode=ops.decode_attention)
         return out.reshape(n, self.heads * self.head_dim)
 
 
