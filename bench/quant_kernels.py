@@ -78,7 +78,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, *, reps: int, budget_mb: f
     ref = F.linear(x.float(), dense[0].float())
 
     methods: list[tuple[str, str, Callable, list, int]] = [  # (dtype, method, fn, weights, weight bytes)
-        ("bf16", "F.linear (the model today)", lambda a, w: F.linear(a, w), dense, 2 * n * k),
+        ("bf16", "F.linear", lambda a, w: F.linear(a, w), dense, 2 * n * k),
         ("bf16", "oneDNN prepacked (reference)",
          lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), packed, 2 * n * k),
         ("int8", "torch._weight_int8pack_mm (W8A16)", lambda a, w: torch._weight_int8pack_mm(a, w[0], w[1]),

@@ -4,6 +4,9 @@
 // c10::BFloat16's own conversions test for NaN with a branch and std::exp is a libm call; either
 // one keeps a loop scalar, and a decode step spends most of its element-wise time in such loops
 // (SiLU over batch x intermediate, softmax in attention, logsumexp over the vocabulary).
+//
+// With AVX-512, the matmul kernels' shared pieces too (cpu_quant.cpp, cpu_gemm.cpp): reduce4 and
+// store4 for a tile's sums, and with AVX512-BF16 the bfloat16 dot-product tile.
 #pragma once
 
 #include <c10/util/BFloat16.h>
