@@ -21,7 +21,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <cstring>
 
 #include "cpu_vec.h"
 
