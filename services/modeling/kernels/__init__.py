@@ -183,7 +183,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ``F.linear``."""
     if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.is_contiguous() and w.device == x.device:
         module = _cpu_module(x.device)
-        if module is not None and module.dense_linear_vectorized():
+        if module is not None and _gemm_vectorized(module):
             lead, k = x.shape[:-1], x.shape[-1]
             return module.dense_linear(x.reshape(-1, k), w).view(*lead, w.shape[0])
     return F.linear(x, w)
@@ -192,4 +192,10 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def dense_linear_vectorized() -> bool:
     """Whether :func:`dense_linear` runs the C++ kernel on CPU here (built with AVX512-BF16, enabled)."""
     module = _cpu_module("cpu")
-    return module is not None and module.dense_linear_vectorized()
+    return module is not None and _gemm_vectorized(module)
+
+
+@functools.cache
+def _gemm_vectorized(module) -> bool:
+    """The built module's answer, asked once (each linear of every step would ask otherwise)."""
+    return bool(module.dense_linear_vectorized())
