@@ -3,14 +3,14 @@
 A step's tokens from every sequence are concatenated (``query_lens`` says how many belong to
 each). With a paged KV cache, new keys/values are written to their ``slot_mapping`` slots first,
 then each sequence's context is gathered block by block through its ``block_table``. This gather
-+ ``scaled_dot_product_attention`` is the CPU path; a paged-attention kernel can replace
-:func:`paged_attention` on GPU without touching the model.
++ ``scaled_dot_product_attention`` is the reference path (the CPU kernels read the blocks in place
+and take a prefill's tokens as decode rows, :attr:`AttentionMetadata.per_token`); a paged-attention
+kernel can replace :func:`paged_attention` on GPU without touching the model.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +55,20 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
-
-# LayerOps.decode_attention: (q [B, heads, d], k_cache, v_cache, meta, scale) -> [B, heads, d]
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+    @functools.cached_property
+    def per_token(self) -> AttentionMetadata:
+        """This step as a decode step of one-token rows, one per query token: token j of a
+        sequence with n new tokens and ctx in the cache sees its first ctx - n + j + 1 keys,
+        through the sequence's block table. Built once per step."""
+        assert self.block_tables is not None
+        lens: list[int] = []
+        for n, ctx in zip(self.query_lens, self.context_lens):
+            lens.extend(range(ctx - n + 1, ctx + 1))
+        device = self.block_tables.device
+        seqs = torch.repeat_interleave(torch.arange(len(self.query_lens), device=device),
+                                       torch.tensor(self.query_lens, device=device))
+        return AttentionMetadata(query_lens=[1] * len(lens), context_lens=lens,
+                                 block_tables=self.block_tables.index_select(0, seqs))
 
 
 def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:
@@ -106,23 +117,14 @@ def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, decode: DecodeAttention | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Each sequence's queries (``q``: [tokens, heads, d]) against its cached context, causally
     (caches: [blocks, block_size, kv_heads, d]): the prefill and mixed-step path. Decode-only
-    steps go through ``LayerOps.decode_attention``; given it as ``decode``, so do the one-token
-    sequences of a mixed step, so that a decoding sequence's attention has the same bits whether or
-    not others prefill beside it (SDPA and the decode kernel sum in different orders)."""
+    steps go through ``LayerOps.decode_attention``."""
     assert meta.block_tables is not None
     block_size = k_cache.shape[1]
-    outs: list[torch.Tensor | None] = []
-    decoding: list[int] = []  # sequences left to ``decode``
-    start = 0
+    outs, start = [], 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-        if n == 1 and decode is not None:
-            decoding.append(i)
-            outs.append(None)
-            start += n
-            continue
         n_blocks = -(-ctx // block_size)
         table = meta.block_tables[i:i + 1, :n_blocks]
         keys = gather_blocks(k_cache, table)[:, :ctx].transpose(1, 2)  # [1, kv, ctx, d]
@@ -132,12 +134,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                              scale=scale, enable_gqa=True)
         outs.append(out[0].transpose(0, 1))
         start += n
-    if decoding:
-        rows = torch.tensor(decoding, device=q.device)
-        token_of = torch.tensor(meta.query_lens, device=q.device).cumsum(0) - 1  # a one-token sequence's row
-        sub = AttentionMetadata(query_lens=[1] * len(decoding),
-                                context_lens=[meta.context_lens[i] for i in decoding],
-                                block_tables=meta.block_tables.index_select(0, rows))
-        for i, out in zip(decoding, decode(q.index_select(0, token_of[rows]), k_cache, v_cache, sub, scale)):
-            outs[i] = out.unsqueeze(0)
-    return torch.cat(outs, dim=0)  # type: ignore[arg-type]
+    return torch.cat(outs, dim=0)

@@ -122,6 +122,25 @@ def test_decode_attention_reads_blocks_in_place(cpp, dtype, context_lens, group,
         torch.testing.assert_close(got, want, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_takes_each_token_as_a_decode_row(cpp, dtype):
+    """A mixed step (a whole prompt, a decode, a second chunk) against SDPA per sequence; and a
+    token's result does not depend on the chunk it came in."""
+    context_lens, query_lens = [23, 40, 70], [23, 1, 30]
+    q, (k_cache, v_cache), meta = paged_batch(dtype, context_lens, seed=7)
+    q = torch.randn(sum(query_lens), *q.shape[1:]).to(dtype)
+    meta.query_lens = query_lens
+    got = cpp.prefill_attention(q, k_cache, v_cache, meta, 0.125)
+    want = REF.prefill_attention(q, k_cache, v_cache, meta, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # the third sequence's last 30 tokens as two chunks of 10 and 20
+    tail = q[24:]
+    for lo, hi in [(0, 10), (10, 30)]:
+        chunk = AttentionMetadata(query_lens=[hi - lo], context_lens=[40 + hi], block_tables=meta.block_tables[2:])
+        assert torch.equal(cpp.prefill_attention(tail[lo:hi], k_cache, v_cache, chunk, 0.125), got[24 + lo:24 + hi])
+
+
 def test_decode_attention_rejects_a_table_too_short(cpp):
     q, (k_cache, v_cache), meta = paged_batch(torch.float32, [20])
     meta.context_lens = [40]

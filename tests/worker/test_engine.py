@@ -70,16 +70,17 @@ def test_outputs_do_not_depend_on_batching(tiny_model_dir):
 @pytest.mark.parametrize("model", ["tiny_model_dir", pytest.param("smollm2_dir", marks=pytest.mark.slow)])
 def test_bfloat16_outputs_do_not_depend_on_batching(request, model):
     """bfloat16 on CPU, greedy: a prompt's logprobs have the same bits alone and among 15 others
-    in chunked, mixed prefill+decode steps (the dense matmuls are batch-invariant, and a decoding
-    sequence attends through the decode kernel in every step). ``F.linear`` is not, at SmolLM2's
-    shapes: there the logprobs differed from the first decode steps on."""
+    in chunked, mixed prefill+decode steps (the dense matmuls are batch-invariant, and every token
+    attends through the decode kernel, prefill chunks included). With ``F.linear`` SmolLM2's
+    logprobs differed from the first decode steps on; with SDPA for prefill and mixed steps, a
+    prompt prefilled over two chunks differed from its first token on."""
     if not dense_linear_vectorized():
         pytest.skip("no AVX512-BF16 here: the dense matmuls are F.linear")
     model_dir = request.getfixturevalue(model)
     prompts = prompts_of([3, 50, 9, 17, 120, 5, 33, 64, 12, 7, 90, 21, 40, 2, 75, 28], seed=3)
     greedy = replace(GREEDY, max_tokens=24)
     batched = generate(model_dir, prompts, greedy, max_batched_tokens=256, dtype="bfloat16")
-    for i in (4, 13):  # the longest prompt (prefilled over several steps) and a short one
+    for i in (4, 7, 13):  # the longest prompt, one split over two prefill chunks, a short one
         [alone] = generate(model_dir, [prompts[i]], greedy, dtype="bfloat16")
         assert batched[i].token_ids == alone.token_ids
         assert batched[i].logprobs == alone.logprobs  # bit for bit
