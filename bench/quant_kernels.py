@@ -1,8 +1,10 @@
-"""Quantized matmul candidates against the bfloat16 ``F.linear`` the model uses, at decode shapes.
+"""Quantized matmul candidates against bfloat16 ``F.linear``, at decode shapes.
 
 ``python -m bench.quant_kernels [--reps N] [--budget-mb MB]`` → ``bench/results/quant-kernels.md``.
 
-SmolLM2-135M's linear shapes at 1 and 16 rows. Each measurement cycles through enough distinct
+SmolLM2-135M's linear shapes at 1 and 16 rows. The bfloat16 rows: ``F.linear``, oneDNN on a
+prepacked weight, and the C++ ``cpu_gemm`` (the model's dense bfloat16 matmul on CPU where it is
+built with AVX512-BF16, batch-invariant). Each measurement cycles through enough distinct
 weights (``--budget-mb`` of bfloat16) that none stays in cache between its uses, as in a decode
 step; the figure is the median over ``--reps`` passes of the time per matmul. Every method of a
 shape runs in the same pass order, in the same process, so their ratios are comparable.
@@ -76,7 +78,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, *, reps: int, budget_mb: f
     ref = F.linear(x.float(), dense[0].float())
 
     methods: list[tuple[str, str, Callable, list, int]] = [  # (dtype, method, fn, weights, weight bytes)
-        ("bf16", "F.linear (the model today)", lambda a, w: F.linear(a, w), dense, 2 * n * k),
+        ("bf16", "F.linear", lambda a, w: F.linear(a, w), dense, 2 * n * k),
         ("bf16", "oneDNN prepacked (reference)",
          lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), packed, 2 * n * k),
         ("int8", "torch._weight_int8pack_mm (W8A16)", lambda a, w: torch._weight_int8pack_mm(a, w[0], w[1]),
@@ -85,6 +87,8 @@ def bench_shape(name: str, n: int, k: int, rows: int, *, reps: int, budget_mb: f
         ("fp8", "torch._scaled_mm, per-token e4m3 x", lambda a, w: scaled_mm_fp8(a, *w), fp8, n * k + 4 * n),
         ("fp8", "blocked dequant + F.linear (fallback)", lambda a, w: quant_linear_torch(a, *w), fp8, n * k + 4 * n),
     ]
+    if kernels is not None and kernels.dense_linear_vectorized():  # the model's bf16 matmul on CPU now
+        methods[2:2] = [("bf16", "C++ cpu_gemm (bf16)", lambda a, w: kernels.dense_linear(a, w), dense, 2 * n * k)]
     if kernels is not None:
         methods[2:2] = [("int8", "C++ cpu_quant (W8A16)", lambda a, w: kernels.quant_linear(a, *w), int8,
                          n * k + 4 * n)]

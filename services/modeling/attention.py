@@ -3,8 +3,9 @@
 A step's tokens from every sequence are concatenated (``query_lens`` says how many belong to
 each). With a paged KV cache, new keys/values are written to their ``slot_mapping`` slots first,
 then each sequence's context is gathered block by block through its ``block_table``. This gather
-+ ``scaled_dot_product_attention`` is the CPU path; a paged-attention kernel can replace
-:func:`paged_attention` on GPU without touching the model.
++ ``scaled_dot_product_attention`` is the reference path (the CPU kernels read the blocks in place
+and take a prefill's tokens as decode rows, :attr:`AttentionMetadata.per_token`); a paged-attention
+kernel can replace :func:`paged_attention` on GPU without touching the model.
 """
 
 from __future__ import annotations
@@ -53,6 +54,21 @@ class AttentionMetadata:
     @functools.cached_property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+    @functools.cached_property
+    def per_token(self) -> AttentionMetadata:
+        """This step as a decode step of one-token rows, one per query token: token j of a
+        sequence with n new tokens and ctx in the cache sees its first ctx - n + j + 1 keys,
+        through the sequence's block table. Built once per step."""
+        assert self.block_tables is not None
+        lens: list[int] = []
+        for n, ctx in zip(self.query_lens, self.context_lens):
+            lens.extend(range(ctx - n + 1, ctx + 1))
+        device = self.block_tables.device
+        seqs = torch.repeat_interleave(torch.arange(len(self.query_lens), device=device),
+                                       torch.tensor(self.query_lens, device=device))
+        return AttentionMetadata(query_lens=[1] * len(lens), context_lens=lens,
+                                 block_tables=self.block_tables.index_select(0, seqs))
 
 
 def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:

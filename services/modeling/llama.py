@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.modeling.attention import AttentionMetadata, attention_no_cache, paged_attention
+from services.modeling.attention import AttentionMetadata, attention_no_cache
 from services.modeling.config import ModelConfig
 from services.modeling.kernels import LayerOps, TorchOps, ops_for
 from services.modeling.parallel.coordinator import Coordinator
@@ -76,7 +76,7 @@ class LlamaAttention(nn.Module):
             if meta.is_decode:
                 out = ops.decode_attention(q, k_cache, v_cache, meta, self.scale)
             else:
-                out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+                out = ops.prefill_attention(q, k_cache, v_cache, meta, self.scale)
         return out.reshape(n, self.heads * self.head_dim)
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.modeling.attention import AttentionMetadata
-from services.modeling.kernels import TorchOps, cpu_kernels, greedy_logsumexp, ops_for
+from services.modeling.kernels import (TorchOps, cpu_kernels, dense_linear, dense_linear_vectorized,
+                                       greedy_logsumexp, ops_for)
 
 REF = TorchOps()
 
@@ -120,6 +122,25 @@ def test_decode_attention_reads_blocks_in_place(cpp, dtype, context_lens, group,
         torch.testing.assert_close(got, want, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_takes_each_token_as_a_decode_row(cpp, dtype):
+    """A mixed step (a whole prompt, a decode, a second chunk) against SDPA per sequence; and a
+    token's result does not depend on the chunk it came in."""
+    context_lens, query_lens = [23, 40, 70], [23, 1, 30]
+    q, (k_cache, v_cache), meta = paged_batch(dtype, context_lens, seed=7)
+    q = torch.randn(sum(query_lens), *q.shape[1:]).to(dtype)
+    meta.query_lens = query_lens
+    got = cpp.prefill_attention(q, k_cache, v_cache, meta, 0.125)
+    want = REF.prefill_attention(q, k_cache, v_cache, meta, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # the third sequence's last 30 tokens as two chunks of 10 and 20
+    tail = q[24:]
+    for lo, hi in [(0, 10), (10, 30)]:
+        chunk = AttentionMetadata(query_lens=[hi - lo], context_lens=[40 + hi], block_tables=meta.block_tables[2:])
+        assert torch.equal(cpp.prefill_attention(tail[lo:hi], k_cache, v_cache, chunk, 0.125), got[24 + lo:24 + hi])
+
+
 def test_decode_attention_rejects_a_table_too_short(cpp):
     q, (k_cache, v_cache), meta = paged_batch(torch.float32, [20])
     meta.context_lens = [40]
@@ -154,3 +175,63 @@ def test_greedy_logsumexp_nan_row_is_reported_not_hidden(cpp):
 def test_reference_can_be_forced(monkeypatch):
     monkeypatch.setenv("SHARDLINE_CPU_KERNELS", "0")
     assert isinstance(ops_for("cpu"), TorchOps)
+
+
+@pytest.fixture()
+def gemm(cpp):
+    if not dense_linear_vectorized():
+        pytest.skip("no AVX512-BF16 here: dense_linear is F.linear")
+
+
+def _dense(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=gen).bfloat16(), (0.05 * torch.randn(n, k, generator=gen)).bfloat16())
+
+
+# K not a multiple of 32 (a zero-filled last chunk), N not a multiple of 4 or 8, M across the tiles
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 9, 31), (3, 7, 33), (5, 13, 100), (17, 577, 1536),
+                                   (300, 36, 64), (64, 3, 576), (130, 49, 1000)])
+def test_dense_linear_matches_the_float32_product(gemm, m, n, k):
+    x, w = _dense(m, n, k, seed=m * n + k)
+    close(dense_linear(x, w), F.linear(x.float(), w.float()).bfloat16())
+
+
+def test_dense_linear_strided_x_and_leading_dims(gemm):
+    x, w = _dense(12, 40, 200, seed=1)
+    wide = torch.zeros(12, 400, dtype=torch.bfloat16)
+    wide[:, ::2] = x
+    strided = wide[:, ::2]  # the same values, not contiguous
+    assert torch.equal(dense_linear(strided, w), dense_linear(x, w))
+    assert torch.equal(dense_linear(x.view(3, 4, 200), w), dense_linear(x, w).view(3, 4, 40))
+    close(dense_linear(x.t().contiguous().t(), w), F.linear(x.float(), w.float()).bfloat16())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(963, 576), (37, 100)])
+def test_dense_linear_is_batch_invariant(gemm, threads, n, k):
+    """Row i of the result has the same bits alone, in any slice, next to other rows and with any
+    thread count: one order of summation per element."""
+    x, w = _dense(64, n, k, seed=n)
+    full = dense_linear(x, w)  # the default thread count
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(dense_linear(x, w), full)
+        for i in range(64):
+            assert torch.equal(dense_linear(x[i:i + 1], w)[0], full[i]), i
+        for a, b in [(0, 2), (0, 4), (3, 20), (7, 8), (1, 50), (10, 64), (5, 9)]:
+            assert torch.equal(dense_linear(x[a:b], w), full[a:b]), (a, b)
+        other = x.clone()
+        other[5:] = torch.randn(59, k).bfloat16()  # different neighbours
+        assert torch.equal(dense_linear(other, w)[:5], full[:5])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_dense_linear_uses_f_linear_otherwise(cpp, monkeypatch):
+    x, w = _dense(6, 20, 64, seed=2)
+    assert torch.equal(dense_linear(x.float(), w.float()), F.linear(x.float(), w.float()))  # float32 plans
+    monkeypatch.setenv("SHARDLINE_CPU_KERNELS", "0")
+    assert not dense_linear_vectorized()
+    assert torch.equal(dense_linear(x, w), F.linear(x, w))
+

@@ -10,6 +10,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
+from services.modeling.kernels import dense_linear_vectorized
 from services.worker.engine.bootstrap import generate_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.launch import run_replica_group
@@ -20,9 +21,9 @@ from tests.worker.test_parallel_parity import ENGLISH
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def generate(model_dir, prompts, params, *, tp=1, pp=1, cache=None, max_batched_tokens=2048):
+def generate(model_dir, prompts, params, *, tp=1, pp=1, cache=None, max_batched_tokens=2048, dtype=None):
     spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, cache=cache or CacheConfig(kv_cache_bytes=64 << 20),
-                    max_batched_tokens=max_batched_tokens)
+                    max_batched_tokens=max_batched_tokens, dtype=dtype)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     return run_replica_group(tp * pp, generate_rank, spec, prompts, params)
@@ -64,6 +65,25 @@ def test_outputs_do_not_depend_on_batching(tiny_model_dir):
     assert batched[5].token_ids == alone_seeded.token_ids
     again = generate(tiny_model_dir, [prompts[5]], seeded)[0]
     assert again.token_ids == alone_seeded.token_ids
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", pytest.param("smollm2_dir", marks=pytest.mark.slow)])
+def test_bfloat16_outputs_do_not_depend_on_batching(request, model):
+    """bfloat16 on CPU, greedy: a prompt's logprobs have the same bits alone and among 15 others
+    in chunked, mixed prefill+decode steps (the dense matmuls are batch-invariant, and every token
+    attends through the decode kernel, prefill chunks included). With ``F.linear`` SmolLM2's
+    logprobs differed from the first decode steps on; with SDPA for prefill and mixed steps, a
+    prompt prefilled over two chunks differed from its first token on."""
+    if not dense_linear_vectorized():
+        pytest.skip("no AVX512-BF16 here: the dense matmuls are F.linear")
+    model_dir = request.getfixturevalue(model)
+    prompts = prompts_of([3, 50, 9, 17, 120, 5, 33, 64, 12, 7, 90, 21, 40, 2, 75, 28], seed=3)
+    greedy = replace(GREEDY, max_tokens=24)
+    batched = generate(model_dir, prompts, greedy, max_batched_tokens=256, dtype="bfloat16")
+    for i in (4, 7, 13):  # the longest prompt, one split over two prefill chunks, a short one
+        [alone] = generate(model_dir, [prompts[i]], greedy, dtype="bfloat16")
+        assert batched[i].token_ids == alone.token_ids
+        assert batched[i].logprobs == alone.logprobs  # bit for bit
 
 
 def test_a_continuation_with_first_step_resumes_the_seeded_stream(tiny_model_dir):

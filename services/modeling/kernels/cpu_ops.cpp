@@ -159,12 +159,14 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   }
 }
 
-// cpu_attention.cpp, cpu_sampling.cpp, cpu_quant.cpp
+// cpu_attention.cpp, cpu_sampling.cpp, cpu_quant.cpp, cpu_gemm.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor tables, torch::Tensor context_lens, double scale, bool vectorized);
 std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale);
 bool quant_linear_vectorized();
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w);
+bool dense_linear_vectorized();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
@@ -177,4 +179,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_logsumexp", &greedy_logsumexp);
   m.def("quant_linear", &quant_linear);
   m.def("quant_linear_vectorized", &quant_linear_vectorized);
+  m.def("dense_linear", &dense_linear);
+  m.def("dense_linear_vectorized", &dense_linear_vectorized);
 }

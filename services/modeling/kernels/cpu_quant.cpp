@@ -26,12 +26,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "cpu_vec.h"
+
+#ifdef SHARDLINE_AVX512
 #define SHARDLINE_QUANT_AVX512 1
 #endif
-
-#include "cpu_vec.h"
 
 using shardline::Elem;
 
@@ -96,26 +95,10 @@ constexpr int64_t kPrefetchBytes = SHARDLINE_QUANT_PREFETCH;  // how far ahead i
 
 template <Kind kind> constexpr float unit() { return kind == kFp8 ? 256.0f : 1.0f; }
 
-// The sums of four accumulators at once, {Σa, Σb, Σc, Σd}: 13 shuffles and adds instead of four
-// full reductions (~36); at K = 576 the reductions were a fifth of a 16-row tile's work.
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // per 128-bit group g: ab = {a0+a2, b0+b2, a1+a3, b1+b3}, cd likewise
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // per group: {a_g, b_g, c_g, d_g}, each the sum of that group's four elements
-  const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m512 r1 = _mm512_add_ps(r, _mm512_shuffle_f32x4(r, r, 0x4E));  // + the other 256-bit half
-  const __m512 r2 = _mm512_add_ps(r1, _mm512_shuffle_f32x4(r1, r1, 0xB1));  // + the neighbouring group
-  return _mm512_castps512_ps128(r2);
-}
-
 // y[0..3] = sums * scale[0..3] * unit, rounded to T
 template <typename T>
-inline void store4(T* y, __m128 sums, const float* scale, float unit) {
-  alignas(16) float v[4];
-  _mm_store_ps(v, _mm_mul_ps(sums, _mm_mul_ps(_mm_loadu_ps(scale), _mm_set1_ps(unit))));
-  for (int j = 0; j < 4; ++j) Elem<T>::store(y + j, v[j]);
+inline void store_scaled4(T* y, __m128 sums, const float* scale, float unit) {
+  shardline::store4(y, _mm_mul_ps(sums, _mm_mul_ps(_mm_loadu_ps(scale), _mm_set1_ps(unit))));
 }
 
 // float32 path: y[m0:m0+MB, n0:n0+NB] for K a multiple of 16, weights dequantized in registers
@@ -140,8 +123,9 @@ inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y,
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; j += 4)
-      store4(y + (m0 + i) * N + n0 + j, reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]),
-             scale + n0 + j, unit<kind>());
+      store_scaled4(y + (m0 + i) * N + n0 + j,
+                    shardline::reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]), scale + n0 + j,
+                    unit<kind>());
 }
 
 template <Kind kind, typename T>
@@ -204,18 +188,10 @@ template <int MB>
 inline void tile_bf16(const uint16_t* x, const uint16_t* w0, const float* scale, float unit, c10::BFloat16* y,
                       int64_t K, int64_t N, int64_t m0, int64_t n0) {
   __m512 acc[MB][4];
+  shardline::dot_tile_bf16<MB, 4>(x + m0 * K, K, w0, K, K, 0, acc);
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh w[4];
-    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(w0 + j * K + k);
-    for (int i = 0; i < MB; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    store4(y + (m0 + i) * N + n0, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), scale + n0, unit);
+    store_scaled4(y + (m0 + i) * N + n0, shardline::reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]),
+                  scale + n0, unit);
 }
 
 template <Kind kind>

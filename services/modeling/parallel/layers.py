@@ -18,6 +18,9 @@ With ``p`` TP ranks and ``X`` the input rows:
 
 (PyTorch stores ``A`` transposed, ``weight = A^T``, so column-parallel slices weight *rows*.)
 
+Dense weights multiply through :func:`~services.modeling.kernels.dense_linear` (``F.linear``, or in
+bfloat16 on CPU a batch-invariant C++ kernel: a sequence's rows get the same bits in any batch).
+
 Quantized (``quant=`` a :class:`~services.modeling.quant.QuantScheme`): a linear layer holds
 ``weight`` in the scheme's dtype and ``weight_scale`` (float32, one per local output row), and
 multiplies through :func:`~services.modeling.quant.quant_linear`. The loaders quantize on the way
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.modeling.kernels import dense_linear
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.quant import QuantScheme, channel_scales, quant_linear, quantize_with_scales
 
@@ -110,7 +114,7 @@ class LinearBase(TPLayer):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
-            return F.linear(x, self.weight)
+            return dense_linear(x, self.weight)
         return quant_linear(x, self.weight, self.weight_scale)
 
 
