@@ -48,8 +48,8 @@ from services.modeling.attention import AttentionMetadata, gather_decode_attenti
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_sampling.cpp",
-                                                             "cpu_quant.cpp", "cpu_gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_ops.cpp", "cpu_attention.cpp",
+                                                        "cpu_sampling.cpp", "cpu_quant.cpp", "cpu_gemm.cpp")]
 
 
 class LayerOps(Protocol):

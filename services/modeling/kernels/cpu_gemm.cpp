@@ -18,7 +18,9 @@
 // Built without AVX512-BF16 (another machine), dense_linear is torch's own linear and
 // dense_linear_vectorized() says false: callers use F.linear themselves then.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 
@@ -101,7 +103,7 @@ void channels(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t M,
 }  // namespace
 
 // x [M, K] bfloat16 (any strides: made contiguous), w [N, K] bfloat16 contiguous -> y [M, N] bfloat16
-torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w) {
+at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "dense_linear: CPU tensors");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_linear: x [M, K] and w [N, K], got ",
               x.sizes(), " and ", w.sizes());
@@ -109,9 +111,9 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w) {
               "dense_linear: bfloat16 x and w, got ", x.scalar_type(), " and ", w.scalar_type());
   TORCH_CHECK(w.is_contiguous(), "dense_linear: w must be contiguous");
 #ifdef SHARDLINE_GEMM_BF16
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
   const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());

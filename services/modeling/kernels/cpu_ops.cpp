@@ -6,7 +6,10 @@
 // Rows are independent; large row counts run in parallel (at::parallel_for). Inner loops are
 // written to vectorise (cpu_vec.h; `omp simd` lets a sum be split across lanes).
 
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 
@@ -20,7 +23,7 @@ namespace {
 
 constexpr int64_t kGrain = 16;  // rows per task
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
@@ -39,10 +42,10 @@ SHARDLINE_SIMD
 }  // namespace
 
 // y = w * (x / sqrt(mean(x^2) + eps)), statistics in float32
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_rows(x, "x");
   const int64_t d = x.size(-1), n = x.numel() / d;
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -56,7 +59,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 // In place, as vLLM's fused_add_rms_norm: residual <- x + residual, x <- rms_norm(residual, w).
 // Both are this step's own activations, so nothing is allocated per layer.
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
@@ -79,7 +82,7 @@ SHARDLINE_SIMD
 
 // In place on the first `heads` heads of qkv [n, total_heads, d] (NeoX half-split layout):
 // [x1, x2] -> [x1*c - x2*s, x2*c + x1*s] with cos/sin [n, d/2] (already in qkv's dtype)
-void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+void rotary_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads) {
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
@@ -111,12 +114,12 @@ SHARDLINE_SIMD
 }
 
 // gate_up [n, 2I] -> silu(gate) * up [n, I]
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t two_i = gate_up.size(-1), inter = two_i / 2, n = gate_up.numel() / two_i;
   auto sizes = gate_up.sizes().vec();
   sizes.back() = inter;
-  auto out = torch::empty(sizes, gate_up.options());
+  auto out = at::empty(sizes, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -140,8 +143,8 @@ SHARDLINE_SIMD
 
 // Write this step's keys and values ([n, kv_heads, d], any row stride) into the paged caches
 // ([blocks * block_size, kv_heads, d] viewed flat) at their slots.
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
-              torch::Tensor slots) {
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v,
+              at::Tensor slots) {
   TORCH_CHECK(slots.scalar_type() == at::kLong, "slots must be int64");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "k/v rows must be [kv_heads, d] contiguous");
@@ -157,28 +160,4 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
     std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
     std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
   }
-}
-
-// cpu_attention.cpp, cpu_sampling.cpp, cpu_quant.cpp, cpu_gemm.cpp
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor tables, torch::Tensor context_lens, double scale, bool vectorized);
-std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale);
-bool quant_linear_vectorized();
-torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w);
-bool dense_linear_vectorized();
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm_", &add_rms_norm_);
-  m.def("rotary_", &rotary_);
-  m.def("silu_and_mul", &silu_and_mul);
-  m.def("write_kv", &write_kv);
-  m.def("decode_attention", &decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"), py::arg("vectorized") = true);
-  m.def("greedy_logsumexp", &greedy_logsumexp);
-  m.def("quant_linear", &quant_linear);
-  m.def("quant_linear_vectorized", &quant_linear_vectorized);
-  m.def("dense_linear", &dense_linear);
-  m.def("dense_linear_vectorized", &dense_linear_vectorized);
 }

@@ -18,7 +18,8 @@
 // and folds the 2^8 into the channel's scale. (e4m3fn's NaN, 0x7f, would become a finite float16;
 // quantize never writes it.)
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <cmath>
@@ -222,18 +223,18 @@ void rows_bf16(const uint16_t* x, const uint8_t* q, const float* scale, c10::BFl
 constexpr int64_t kBf16MinRows = 4;
 
 template <typename T>
-void run(const torch::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N,
+void run(const at::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N,
          Kind kind) {
   // activations as float32 for the float32 and portable paths (small: M x K). A tensor (64-byte
   // aligned, whole cache lines), not a std::vector: every thread reads it at every step, and with
   // a malloc'd buffer 3072x576 ran 3x slower than at neighbouring shapes (measured; likely a
   // line shared with memory another thread writes)
-  torch::Tensor xf_store;
+  at::Tensor xf_store;
   const float* xf = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     xf = x.data_ptr<float>();
   } else {
-    xf_store = torch::empty({M * K + 16}, x.options().dtype(at::kFloat));
+    xf_store = at::empty({M * K + 16}, x.options().dtype(at::kFloat));
     float* dst = xf_store.data_ptr<float>();
     const T* xs = x.data_ptr<T>();
 SHARDLINE_SIMD
@@ -268,7 +269,7 @@ SHARDLINE_SIMD
 }  // namespace
 
 // x [M, K] float32 or bfloat16; q [N, K] int8 or float8_e4m3fn; scale [N] float32 -> y [M, N] in x's dtype
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale) {
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "quant_linear: CPU tensors");
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "quant_linear: x [M, K] and q [N, K], got ",
               x.sizes(), " and ", q.sizes());
@@ -281,9 +282,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   else TORCH_CHECK(false, "quant_linear: q must be int8 or float8_e4m3fn, got ", q.scalar_type());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
-  torch::Tensor xc = x.contiguous();
+  at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* sp = scale.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) run<float>(xc, qp, sp, y.data_ptr<float>(), M, K, N, kind);
