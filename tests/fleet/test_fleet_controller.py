@@ -1,7 +1,7 @@
 """The fleet controller on real processes: a router discovering groups in a PostgreSQL registry,
 ``shardline serve fleet`` with the local provisioner, Redis as the health store, and 8 greedy
 streams looping through the ``openai`` client, every completion checked against its fault-free
-text. One stack for the module, one fleet through four scenarios in order:
+text. One stack for the module, one fleet through five scenarios in order:
 
 1. heal: SIGKILL the worker process of one of two groups; nothing fails, and a new group of the
    same plan is in rotation within collective timeout + start-up + 10 s, the old one dead with why;
@@ -9,7 +9,9 @@ text. One stack for the module, one fleet through four scenarios in order:
    rotation (the router's view), identical outputs, the gate's figures per new group;
 3. a rollout whose candidate fails the gate (weights with planted noise) ends ``failed``, the
    groups of the serving revision still serving;
-4. autoscaling (min 1, max 3): streams that fill the KV cache add groups; without them it scales
+4. a rollout to int8 weights under load: nothing fails, never fewer than 2 groups in rotation,
+   each new group's gate figures recorded;
+5. autoscaling (min 1, max 3): streams that fill the KV cache add groups; without them it scales
    back to 1, draining without a failed request.
 """
 
@@ -42,7 +44,8 @@ KV_CACHE_GB = 1 / 1024
 
 def spec(**overrides):
     """The fleet's spec, kept short for the suite: a gate of 4 x 128 tokens, 5 s drains."""
-    return fleet_spec(FLEET, overrides.pop("model_dir"), dtype=DTYPE, gate_chunk_tokens=128, drain_deadline_s=5.0,
+    return fleet_spec(FLEET, overrides.pop("model_dir"), dtype=overrides.pop("dtype", DTYPE), gate_chunk_tokens=128,
+                      drain_deadline_s=5.0,
                       kv_cache_cap_gb=KV_CACHE_GB, **overrides)
 
 
@@ -153,12 +156,42 @@ def test_a_candidate_failing_the_gate_ends_the_rollout_failed_and_the_fleet_serv
     assert len(stack.rotation()) == 2
 
 
+def test_a_rolling_requantization_to_int8_loses_nothing_and_records_each_gate(
+        stack: FleetStack, tiny_model_dir: Path) -> None:
+    """bfloat16 -> int8 weights (the same PP2 layout): the texts change with the weights, so the
+    check is that no request fails or breaks, rotation never drops below 2, and every new group's
+    gate figures are in the rollout."""
+    monitor = RotationMonitor(stack).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
+    print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, dtype="int8")))
+
+    def rolled() -> bool:
+        rollout = stack.status()["rollout"]
+        return rollout is not None and rollout["to_revision"] == stack.status()["revision"] and \
+            rollout["status"] in ("succeeded", "failed")
+
+    stack.wait(rolled, 150, "the rollout to int8 to end")
+    time.sleep(1.0)
+    outcomes, samples = load.stop(), monitor.stop()
+    failed = [o for o in outcomes if not o.ok]
+    assert outcomes and not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
+    rollout = stack.rollout()
+    assert rollout["status"] == "succeeded", rollout
+    assert min(n for _, n, _ in samples) >= 2, f"fewer than 2 groups in rotation: {[n for _, n, _ in samples]}"
+    groups = live_groups(stack)
+    assert len(groups) == 2 and {g["plan"] for g in groups.values()} == {"TP1 x PP2 int8"}, groups
+    gates = [e for e in rollout["events"] if e["event"] == "gate-passed"]
+    assert {e["group"] for e in gates} == set(groups), gates
+    assert all("perplexity_delta_pct" in e and "top1_agreement" in e for e in gates), gates
+    print(f"{len(outcomes)} requests, rotation min {min(n for _, n, _ in samples)}, gates {gates}")
+
+
 def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
         stack: FleetStack, tiny_model_dir: Path) -> None:
     scaling = {"min_replicas": 1, "max_replicas": 3, "scale_out_threshold": 80, "scale_in_threshold": 35,
                "window_s": 1.5, "cooldown_s": 3}
-    # the serving plan (PP2) again, so no rollout: only the count is the autoscaler's now
-    print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, replicas=2, autoscaling=scaling)))
+    # the serving plan (PP2 int8) again, so no rollout: only the count is the autoscaler's now
+    print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, dtype="int8", replicas=2, autoscaling=scaling)))
     stack.wait(lambda: stack.status()["in_rotation"] == 1, 60, "scale-in to 1 without load")
     monitor = RotationMonitor(stack).start()
     # each request's KV estimate (prompt + 230 tokens) is near a quarter of a PP2 group's 1024: the
