@@ -25,14 +25,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
-from services.common.health import make_health_store
 from services.common.registry import IN_ROTATION, ShardRegistry, to_registry_dtype
 from services.common.supervisor import StackError, Supervisor
 from services.fleet.controller import FleetController
 from services.fleet.load_signal import RouterUtilization
 from services.fleet.local import LocalProvisioner
-from services.fleet.paging import telemetry_pager
-from services.fleet.server import Reconcilers, worker_shared_flags
+from services.fleet.server import Reconcilers, controller_signals, worker_shared_flags
 from services.fleet.spec import FleetSpec, GroupPlan, InvalidFleetSpec
 
 
@@ -81,8 +79,7 @@ class UpFleets:
         utilization = RouterUtilization([router], api_key=api_key)
         self.controllers = [FleetController(self.registry, LocalProvisioner(supervisor, shared, log_dir), spec.name,
                                             registry_url=registry_url, utilization=utilization,
-                                            health=make_health_store(redis_url) if redis_url else None,
-                                            page=telemetry_pager(telemetry) if telemetry else None,
+                                            **controller_signals(redis_url, telemetry),
                                             say=lambda line: say(f"shardline up: {line}"))
                             for spec in specs]
         self.reconcilers = Reconcilers(self.controllers, interval_s=1.0)

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from services.common.config import resolve
 from services.common.grpc_server import GrpcServer, serve_service
@@ -79,6 +80,13 @@ def worker_shared_flags(registry: str, redis: str, telemetry: str, extra: list[s
     if telemetry:
         flags += ["--telemetry", telemetry]
     return flags + list(extra)
+
+
+def controller_signals(redis: str | None, telemetry: str | None) -> dict[str, Any]:
+    """The controller's ``health`` (the ranks' health in Redis) and ``page`` (alerts through
+    telemetry), each None without its service."""
+    return {"health": make_health_store(redis) if redis else None,
+            "page": telemetry_pager(telemetry) if telemetry else None}
 
 
 class Reconcilers:
@@ -158,8 +166,7 @@ def serve(args: argparse.Namespace) -> int:
                                    startup_timeout_s=args.startup_timeout,
                                    utilization=(RouterUtilization(args.router, api_key=resolve(
                                        "api_key", args.router_api_key, "") or None) if args.router else None),
-                                   health=make_health_store(redis) if redis else None,
-                                   page=telemetry_pager(telemetry) if telemetry else None,
+                                   **controller_signals(redis, telemetry),
                                    say=lambda line: print(f"{time.time():.3f} {line}", flush=True))
                    for fleet, provisioner in zip(fleets, provisioners, strict=True)]
     reconcilers = Reconcilers(controllers, args.interval)

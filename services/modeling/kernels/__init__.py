@@ -197,11 +197,10 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     of the result has the same bits whatever the other rows are, and whatever M and the thread
     count), float32 sums rounded once. Anything else (float32, other devices, no AVX512-BF16):
     ``F.linear``."""
-    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.is_contiguous() and w.device == x.device:
-        module = _cpu_module(x.device)
-        if module is not None and _gemm_vectorized(module):
-            lead, k = x.shape[:-1], x.shape[-1]
-            return module.dense_linear(x.reshape(-1, k), w).view(*lead, w.shape[0])
+    if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu" == w.device.type
+            and w.is_contiguous() and dense_linear_vectorized()):
+        lead, k = x.shape[:-1], x.shape[-1]
+        return cpu_kernels().dense_linear(x.reshape(-1, k), w).view(*lead, w.shape[0])
     return F.linear(x, w)
 
 
