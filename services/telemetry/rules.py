@@ -30,8 +30,10 @@ is *elevated* when ``p99 > k * B`` and ``p99 - B > min_excess_ms``. Who is to bl
 - An all-reduce finishes for everyone when the last rank arrives, so a straggler (a slow GPU, a
   rank sleeping before its collective) shows as long waits on its *peers* and a short wait on
   itself. When every rank of a TP group but one is elevated, the one left out is the slow rank.
-- Otherwise (every rank elevated: a slow link; or a single elevated rank among three or more)
-  the elevated rank with the highest p99 is named.
+- When every rank is elevated but one still waits far less than all its peers (each of them
+  elevated against *its* p99: on a busy host the straggler's own waits rise too), it is the slow rank.
+- Otherwise (every rank elevated alike: a slow link; or a single elevated rank among three or
+  more) the elevated rank with the highest p99 is named.
 
 The same rank named in ``sustain_windows`` consecutive windows with traffic raises SLOW_RANK and
 moves the group to ``degraded``; once it has been clean for as many windows, a SLOW_RANK alert
@@ -253,26 +255,33 @@ class RuleEngine:
         return self._track(replica_group_id, state, verdict, window_end_ms)
 
     def _blame(self, p99: dict[str, float], reference: float) -> _Verdict | None:
-        cfg = self.config
         by_stage: dict[object, list[str]] = {}
         for gpu in p99:
             coords = gpu_coords(gpu)
             by_stage.setdefault(coords[0] if coords else None, []).append(gpu)
         worst: _Verdict | None = None
         for members in by_stage.values():
-            elevated = [g for g in members
-                        if p99[g] > cfg.slow_k * reference and p99[g] - reference > cfg.min_excess_ms]
+            elevated = [g for g in members if self._elevated(p99[g], reference)]
             if not elevated:
                 continue
             calm = [g for g in members if g not in elevated]
             top = max(elevated, key=p99.__getitem__)
+            fastest = min(members, key=p99.__getitem__)
             if len(members) >= 2 and len(calm) == 1:
                 verdict = _Verdict(calm[0], p99[top], reference, straggler=True)
+            elif len(members) >= 2 and not calm and all(self._elevated(p99[g], p99[fastest])
+                                                        for g in members if g != fastest):
+                # every rank is elevated, but one waits far less than all its peers: still a straggler
+                # (on a busy host its own waits on the others rise above the baseline too)
+                verdict = _Verdict(fastest, p99[top], reference, straggler=True)
             else:
                 verdict = _Verdict(top, p99[top], reference, straggler=False)
             if worst is None or verdict.observed_ms > worst.observed_ms:
                 worst = verdict
         return worst
+
+    def _elevated(self, p99_ms: float, reference_ms: float) -> bool:
+        return p99_ms > self.config.slow_k * reference_ms and p99_ms - reference_ms > self.config.min_excess_ms
 
     def _learn(self, state: _SlowState, pooled_p99: float, *, flagged: bool) -> None:
         cfg = self.config

@@ -71,6 +71,17 @@ def test_a_straggler_is_named_after_sustained_windows_and_recovers():
     assert [(a.gpu_id, a.new_status) for a in recovered] == [("rg:pp0-tp1", GroupStatus.HEALTHY)]
 
 
+def test_a_straggler_whose_own_waits_rise_too_is_still_named():
+    clock, rng = Clock(), random.Random(4)
+    pipeline = make_pipeline(clock)
+    run_windows(pipeline, clock, "rg", {}, 0, 4, rng)
+    # pp0-tp1 sleeps 60 ms before its all-reduces, and on a busy host it also waits ~8 ms on pp0-tp0:
+    # both are elevated against the baseline, but pp0-tp1 waits far less than its peer
+    alerts = run_windows(pipeline, clock, "rg", {(0, 0): 60.0, (0, 1): 8.0}, 4, 7, rng)
+    assert [(a.kind, a.gpu_id) for a in alerts] == [(AlertKind.SLOW_RANK, "rg:pp0-tp1")]
+    assert "its TP peers wait on it" in alerts[0].message
+
+
 def test_not_sustained_long_enough_raises_nothing():
     clock, rng = Clock(), random.Random(1)
     pipeline = make_pipeline(clock, sustain_windows=3)
