@@ -143,8 +143,30 @@ class LlamaModel(nn.Module):
         })
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
         self.ops: LayerOps = ops_for(device)
+        # whole layers on this rank (no all-reduce inside one): the C++ kernels may run them in one
+        # call (False: the Python loop, layer by layer; the tests compare the two)
+        self.fused_layers = groups.tp_degree == 1
+        self._attns = [layer.self_attn for layer in self.layers.values()]
+        self._weights: list[torch.Tensor] | None = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       scaling=cfg.rope_scaling, device=device)
+
+    def _stage_weights(self) -> list[torch.Tensor]:
+        """Ten tensors per layer for ``decoder_layers``: each norm's weight, and each linear's
+        weight and scales (an empty tensor for a dense weight). Taken once: weights are loaded in
+        place, so the tensors stay the model's own."""
+        if self._weights is None:
+            none = torch.empty(0)
+            scales = lambda linear: linear.weight_scale if linear.weight_scale is not None else none  # noqa: E731
+            weights = []
+            for layer in self.layers.values():
+                attn, mlp = layer.self_attn, layer.mlp
+                weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, scales(attn.qkv_proj),
+                            attn.o_proj.weight, scales(attn.o_proj), layer.post_attention_layernorm.weight,
+                            mlp.gate_up_proj.weight, scales(mlp.gate_up_proj), mlp.down_proj.weight,
+                            scales(mlp.down_proj)]
+            self._weights = weights
+        return self._weights
 
     def forward(self, positions: torch.Tensor, meta: AttentionMetadata, *,
                 input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,8 +179,18 @@ class LlamaModel(nn.Module):
         rope = self.rotary.tables(positions, h.dtype)
         residual = None
         ops = self.ops
-        for layer in self.layers.values():
-            h, residual = layer.forward(h, residual, rope, meta, ops)  # no hooks: skip __call__
+        if self.fused_layers and self.layers and meta.slot_mapping is not None and hasattr(ops, "decoder_layers"):
+            # the same kernels as the loop below, called from C++: no interpreter between them
+            attns = self._attns
+            if all(a.kv_cache is not None for a in attns):
+                first = self.layers[next(iter(self.layers))]
+                h, residual = ops.decoder_layers(
+                    h.contiguous(), None, self._stage_weights(), [a.kv_cache[0] for a in attns],
+                    [a.kv_cache[1] for a in attns], rope, meta, first.input_layernorm.eps, attns[0].scale,
+                    attns[0].heads, attns[0].kv_heads, attns[0].head_dim)
+        if residual is None:
+            for layer in self.layers.values():
+                h, residual = layer.forward(h, residual, rope, meta, ops)  # no hooks: skip __call__
         if residual is None:  # a stage without layers
             return self.norm(h) if self.is_last else h
         if self.is_last:

@@ -11,8 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from services.modeling.attention import AttentionMetadata
-from services.modeling.kernels import (TorchOps, cpu_kernels, dense_linear, dense_linear_vectorized,
-                                       greedy_logsumexp, ops_for)
+from services.modeling.kernels import (
+    TorchOps,
+    cpu_kernels,
+    dense_linear,
+    dense_linear_vectorized,
+    greedy_logsumexp,
+    ops_for,
+)
 
 REF = TorchOps()
 

@@ -49,7 +49,8 @@ from services.modeling.attention import AttentionMetadata, gather_decode_attenti
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_ops.cpp", "cpu_attention.cpp",
-                                                        "cpu_sampling.cpp", "cpu_quant.cpp", "cpu_gemm.cpp")]
+                                                        "cpu_sampling.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
+                                                        "cpu_layers.cpp")]
 
 
 class LayerOps(Protocol):
@@ -130,6 +131,9 @@ def cpu_kernels():
         return None
 
 
+_NONE = torch.empty(0)  # an absent tensor argument of a C++ kernel (no residual, a dense weight's scale)
+
+
 class _CppOps:
     """The C++ kernels behind the :class:`LayerOps` interface (contiguity made explicit)."""
 
@@ -161,6 +165,18 @@ class _CppOps:
         # per sequence gave a prompt prefilled in two chunks other bits than in one). Faster than
         # SDPA per sequence, too: a 1024-token SmolLM2 prefill took 0.83-0.92 s instead of 1.07 s.
         return self.decode_attention(q, k_cache, v_cache, meta.per_token, scale)
+
+    def decoder_layers(self, h, residual, weights, k_caches, v_caches, rope, meta, eps, scale, heads, kv_heads,
+                       head_dim):
+        """A stage's layers in one call (``cpu_layers.cpp``): the same kernels, in the order
+        ``LlamaDecoderLayer.forward`` calls them, for a rank with whole layers (TP = 1).
+        ``weights``: ten per layer (see the C++ file); returns ``(h, residual)``."""
+        rows = meta if meta.is_decode else meta.per_token
+        h, residual = self._m.decoder_layers(h, residual if residual is not None else _NONE, weights, k_caches,
+                                             v_caches, rope[0], rope[1], meta.slot_mapping, rows.block_tables,
+                                             rows.context_lens_tensor(h.device), eps, scale, heads, kv_heads,
+                                             head_dim)
+        return h, residual
 
 
 def kernels_enabled() -> bool:

@@ -23,6 +23,12 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale);
 bool quant_linear_vectorized();
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);
 bool dense_linear_vectorized();
+// cpu_layers.cpp
+std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const std::vector<at::Tensor>& weights,
+                                       const std::vector<at::Tensor>& k_caches,
+                                       const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,
+                                       at::Tensor slots, at::Tensor tables, at::Tensor context_lens, double eps,
+                                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
@@ -37,4 +43,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_vectorized", &quant_linear_vectorized);
   m.def("dense_linear", &dense_linear);
   m.def("dense_linear_vectorized", &dense_linear_vectorized);
+  m.def("decoder_layers", &decoder_layers);
 }

@@ -1,0 +1,50 @@
+"""The C++ stage kernel (``decoder_layers``) against the Python loop over the same layers: the
+same kernels in the same order, so a served request's tokens and logprobs have the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.sampling import SamplingParams
+from services.modeling.kernels import cpu_kernels
+from services.worker.engine.bootstrap import build_engine, start_rank
+from services.worker.engine.engine import FinishEvent, TokenEvent
+from services.worker.engine.kv_cache import CacheConfig
+from services.worker.runtime import RankSpec
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels did not build here")
+
+
+def served(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    handles = [engine.submit(p, params) for p in prompts]
+    engine.run_until_done()
+    out = []
+    for handle in handles:
+        events = []
+        while not handle.events.empty():
+            events.append(handle.events.get_nowait())
+        assert isinstance(events[-1], FinishEvent), events[-1]
+        out.append([(e.token_id, e.logprob, tuple(e.top_logprobs)) for e in events if isinstance(e, TokenEvent)])
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8"])
+def test_the_stage_kernel_serves_the_bits_of_the_python_loop(tiny_model_dir, dtype):
+    spec = RankSpec(str(tiny_model_dir), dtype=dtype, cache=CacheConfig(kv_cache_bytes=16 << 20),
+                    max_batched_tokens=48)  # prompts split over prefill chunks, mixed with decodes
+    runner, layout = start_rank(spec, 0)
+    engine = build_engine(spec, runner, layout)
+    model = runner.rt.model.model
+    assert model.fused_layers  # TP = 1
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (5, 70, 19, 33)]
+    try:
+        fused = served(engine, prompts, 12)
+        model.fused_layers = False
+        loop = served(engine, prompts, 12)
+    finally:
+        engine.shutdown()
+    assert all(len(tokens) == 12 for tokens in fused)
+    assert fused == loop
