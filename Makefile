@@ -52,10 +52,10 @@ system-deps:
 	fi
 
 # Starts a throw-away PostgreSQL and Redis on loopback, runs the whole suite on TEST_WORKERS
-# workers, whole files per worker, stops them whatever happens.
+# workers, whole files per worker, stops them whatever happens; the 15 slowest tests are listed.
 # One file: make test PYTEST_ARGS="tests/router/test_up.py"; the quick tier: PYTEST_ARGS='-m "not slow"'.
 test: setup system-deps
-	$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # The whole suite, recording each file's seconds in tests/file_seconds.json: `make test` starts the
 # longest files first. Run it on a quiet machine when files were added or grew, and commit the file.
