@@ -31,17 +31,22 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const 
                                        double scale, int64_t heads, int64_t kv_heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released while a matmul, attention or a stage of layers runs, so that a worker's
+  // gRPC threads serve meanwhile; not for the short element-wise kernels, where handing it over
+  // would cost more than they take.
+  using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv", &write_kv);
   m.def("decode_attention", &decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"), py::arg("vectorized") = true);
-  m.def("greedy_logsumexp", &greedy_logsumexp);
-  m.def("quant_linear", &quant_linear);
+        py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("vectorized") = true, nogil());
+  m.def("greedy_logsumexp", &greedy_logsumexp, nogil());
+  m.def("quant_linear", &quant_linear, nogil());
   m.def("quant_linear_vectorized", &quant_linear_vectorized);
-  m.def("dense_linear", &dense_linear);
+  m.def("dense_linear", &dense_linear, nogil());
   m.def("dense_linear_vectorized", &dense_linear_vectorized);
-  m.def("decoder_layers", &decoder_layers);
+  m.def("decoder_layers", &decoder_layers, nogil());
 }
