@@ -147,9 +147,11 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_cell(row['median_tpot_ms'], 2)} | {_cell(row['p99_tpot_ms'], 2)} | "
                          f"{_cell(row['median_ttft_ms'], 1)} | {_cell(row['p99_itl_ms'], 2)} | {row['failed']} |")
     lines += ["", f"- `tpot_c1_vs_best_peer` = **{_cell(rat['tpot_c1_vs_best_peer'], 3)}** "
-                  f"(ours / {rat['tpot_c1_best_peer']}'s median TPOT at c=1; below 1 is faster)",
+                  f"(ours / {rat['tpot_c1_best_peer'] or 'no peer'}'s median TPOT at c=1; below 1 is faster)",
               f"- `tok_s_c16_vs_best_peer` = **{_cell(rat['tok_s_c16_vs_best_peer'], 3)}** "
-              f"(ours / {rat['tok_s_c16_best_peer']}'s output tok/s at c=16; above 1 is faster)", ""]
+              f"(ours / {rat['tok_s_c16_best_peer'] or 'no peer'}'s output tok/s at c=16; above 1 is faster)", ""]
+    for error in result.get("errors", []):
+        lines.append(f"- error: {error.splitlines()[0][:300]}")
     starts = result.get("startup_s", {})
     if starts:
         lines += ["Startup (seconds until `/health` answered 200, median): "
