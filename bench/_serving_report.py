@@ -28,7 +28,7 @@ def run_figures(raw: dict[str, Any]) -> dict[str, Any]:
     failed = raw.get("failed")
     if failed is None:
         failed = int(raw.get("num_prompts", completed)) - completed
-    out.update(completed=completed, failed=int(failed))
+    out.update(completed=completed, failed=int(failed), output_tokens=int(raw.get("total_output_tokens", 0)))
     return out
 
 
@@ -52,9 +52,14 @@ def _median(values: list[Any]) -> float | None:
     return round(statistics.median(present), 3) if present else None
 
 
-def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, Any]]]:
+def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]],
+              output_len: int | None = None) -> dict[str, dict[str, dict[str, Any]]]:
     """Per server and concurrency (``"c1"``, ``"c16"``): the median across rounds of each metric,
-    the failed requests summed over the rounds, and how many rounds there were."""
+    the failed requests summed over the rounds, and how many rounds there were. With
+    ``output_len`` (every request generates that many: ``--ignore-eos``), ``tokens_counted`` is
+    the share of them the client counted: it takes the count from a ``usage`` chunk without
+    choices, else re-tokenizes the streamed text, which can come out shorter (llama-server puts
+    ``usage`` on its last chunk with choices); its tok/s and TPOT are computed on that count."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for server, by_c in runs.items():
         for c, rounds in sorted(by_c.items()):
@@ -62,6 +67,9 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, dic
             row["failed"] = sum(r["failed"] for r in rounds)
             row["completed"] = sum(r["completed"] for r in rounds)
             row["rounds"] = len(rounds)
+            if output_len and row["completed"]:
+                row["tokens_counted"] = round(sum(r["output_tokens"] for r in rounds)
+                                              / (row["completed"] * output_len), 4)
             out.setdefault(server, {})[f"c{c}"] = row
     return out
 
@@ -152,6 +160,12 @@ def markdown(result: dict[str, Any]) -> str:
               f"(ours / {rat['tok_s_c16_best_peer'] or 'no peer'}'s output tok/s at c=16; above 1 is faster)", ""]
     for error in result.get("errors", []):
         lines.append(f"- error: {error.splitlines()[0][:300]}")
+    undercounted = [f"- {server} at {c}: the client counted {row['tokens_counted']:.1%} of the "
+                    f"{cfg['output_len']} tokens per request (no `usage` chunk of its own: it re-tokenized the text), "
+                    f"so its tok/s reads low and its TPOT high by about {1 / row['tokens_counted'] - 1:.1%}"
+                    for server in result["servers"] for c, row in summary.get(server, {}).items()
+                    if row.get("tokens_counted") is not None and row["tokens_counted"] < 0.999]
+    lines += [*undercounted, ""] if undercounted else []
     starts = result.get("startup_s", {})
     if starts:
         lines += ["Startup (seconds until `/health` answered 200, median): "

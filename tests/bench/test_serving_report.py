@@ -45,6 +45,16 @@ def test_medians_across_rounds_and_ratios_against_the_best_peer(tmp_path):
     assert ratios["tok_s_c16_best_peer"] == "llama.cpp" and ratios["tok_s_c16_vs_best_peer"] == round(750 / 600, 3)
 
 
+def test_tokens_counted_is_the_share_of_the_generated_tokens_the_client_saw(tmp_path):
+    short = {**bench_file(12.0, 80.0, completed=8), "total_output_tokens": 8 * 61}
+    write_runs(tmp_path, {("llama.cpp", 1, 0): short,
+                          ("vllm", 1, 0): {**bench_file(15.0, 60.0, completed=8), "total_output_tokens": 8 * 64}})
+    summary = report.summarize(report.load_runs(tmp_path), output_len=64)
+    assert summary["llama.cpp"]["c1"]["tokens_counted"] == round(61 / 64, 4)
+    assert summary["vllm"]["c1"]["tokens_counted"] == 1.0
+    assert "tokens_counted" not in report.summarize(report.load_runs(tmp_path))["vllm"]["c1"]
+
+
 def test_failed_requests_counted_from_prompts_when_the_file_has_no_count():
     figures = report.run_figures(bench_file(10.0, 50.0, completed=14, failed=None, num_prompts=16))
     assert figures["failed"] == 2 and figures["completed"] == 14
@@ -89,3 +99,6 @@ def test_markdown_has_the_table_the_ratios_and_the_commands(tmp_path):
     assert "`tpot_c1_vs_best_peer` = **0.600**" in md and "`tok_s_c16_vs_best_peer` = **1.400**" in md
     assert "Some CPU, 2 cores" in md and "python -m bench.serving --rounds 1" in md
     assert "- vllm: 1/2 tokens" in md
+    assert "the client counted" not in md
+    summary["vllm"]["c16"]["tokens_counted"] = 0.95
+    assert "- vllm at c16: the client counted 95.0% of the 64 tokens" in report.markdown(result)
