@@ -4,7 +4,8 @@ Pure functions from JSON bodies to the router's :class:`GenerationRequest` and f
 events back to OpenAI's objects (``text_completion``, ``chat.completion``, their streaming
 chunks, ``usage``, ``logprobs``) and error bodies. No web framework here (``http_api.py``).
 
-Extensions vLLM users expect are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``. Every
+Extensions vLLM users expect are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``
+(``repetition_penalty`` only as 1, off: what ``vllm bench serve`` sends). Every
 response also carries ``replica_group_id``, the group that served it.
 """
 
@@ -101,6 +102,9 @@ def _reject_unsupported(body: dict[str, Any], *, echo: bool = False) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise BadRequest(f"{name} is not supported (only 0), got {body.get(name)!r}", name)
+    penalty = body.get("repetition_penalty")  # vLLM's; its bench client sends 1.0 (off)
+    if penalty is not None and (isinstance(penalty, bool) or penalty != 1):
+        raise BadRequest(f"repetition_penalty is not supported (only 1), got {penalty!r}", "repetition_penalty")
     if body.get("logit_bias"):
         raise BadRequest("logit_bias is not supported", "logit_bias")
     if body.get("echo") and not echo:

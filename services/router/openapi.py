@@ -54,6 +54,7 @@ _SAMPLING: dict[str, Any] = {
     "n": _nullable({"const": 1}),
     "presence_penalty": _nullable({"const": 0}),
     "frequency_penalty": _nullable({"const": 0}),
+    "repetition_penalty": _nullable({"const": 1, "description": "vLLM's; only 1 (off)"}),
     "user": _nullable(_STR),
 }
 

@@ -100,6 +100,9 @@ def test_several_completions_response_has_a_choice_per_prompt():
     ({"prompt": "a", "n": 2}, "n", "n must be 1 (one choice per request), got 2"),
     ({"prompt": "a", "stop": 3}, "stop", "stop must be a string or a list of strings, got 3"),
     ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature must be int or float, got 'hot'"),
+    ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty",
+     "repetition_penalty is not supported (only 1), got 1.2"),
+    ({"prompt": "a", "repetition_penalty": True}, "repetition_penalty", "repetition_penalty is not supported"),
 ])
 def test_bad_fields_give_400_with_the_param(tiny, body, param, message):
     with pytest.raises(InvalidArgument) as caught:
@@ -107,6 +110,20 @@ def test_bad_fields_give_400_with_the_param(tiny, body, param, message):
     status, error = oa.error_body(caught.value)
     assert status == 400 and error["error"]["param"] == param and error["error"]["message"].startswith(message)
     assert error["error"]["type"] == "invalid_request_error"
+
+
+def test_the_body_vllm_bench_serve_sends_is_a_greedy_stream_with_usage(tiny):
+    """What `vllm bench serve --backend vllm --ignore-eos --temperature 0` posts to /v1/completions
+    (vLLM 0.32's request function, its sampling flags merged in)."""
+    body = {"model": "tiny", "prompt": "some random words", "repetition_penalty": 1.0, "max_tokens": 64,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "temperature": 0}
+    parsed = oa.parse_completion(body, tiny)
+    assert parsed.stream and parsed.include_usage and not parsed.want_logprobs and not parsed.echo
+    sampling = parsed.request.sampling
+    assert sampling.ignore_eos and sampling.max_tokens == 64 and sampling.temperature == 0
+    assert oa.parse_completion({**body, "repetition_penalty": 1}, tiny).request.sampling == sampling
+    assert oa.parse_completion({**body, "repetition_penalty": None}, tiny).request.sampling == sampling
 
 
 @pytest.mark.parametrize(("exc", "status", "code"), [

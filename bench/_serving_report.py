@@ -1,0 +1,211 @@
+"""The pure half of ``bench.serving``: ``vllm bench serve`` result files into the summary, the
+ratios against the best peer, the greedy agreement, the Markdown note and the plot."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+OURS = "shardline"
+# our name -> the key in a `vllm bench serve --save-result` file
+METRICS = {"output_tok_s": "output_throughput", "median_tpot_ms": "median_tpot_ms", "p99_tpot_ms": "p99_tpot_ms",
+           "median_ttft_ms": "median_ttft_ms", "p99_itl_ms": "p99_itl_ms"}
+RESULT_NAME = re.compile(r"^(?P<server>.+)_c(?P<c>\d+)_r(?P<round>\d+)\.json$")
+
+
+def result_name(server: str, concurrency: int, round_: int) -> str:
+    return f"{server}_c{concurrency}_r{round_}.json"
+
+
+def run_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """One bench run's figures. ``failed`` is the file's own count where it has one, else the
+    prompts sent less those completed."""
+    out: dict[str, Any] = {name: raw.get(key) for name, key in METRICS.items()}
+    completed = int(raw.get("completed", 0))
+    failed = raw.get("failed")
+    if failed is None:
+        failed = int(raw.get("num_prompts", completed)) - completed
+    out.update(completed=completed, failed=int(failed), output_tokens=int(raw.get("total_output_tokens", 0)))
+    return out
+
+
+def load_runs(result_dir: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """server -> concurrency -> one figures dict per round (in round order), from the files
+    named by :func:`result_name` in ``result_dir``."""
+    found: list[tuple[str, int, int, dict[str, Any]]] = []
+    for path in sorted(result_dir.glob("*.json")):
+        match = RESULT_NAME.match(path.name)
+        if match:
+            found.append((match["server"], int(match["c"]), int(match["round"]),
+                          run_figures(json.loads(path.read_text()))))
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for server, c, _round, figures in sorted(found, key=lambda f: (f[0], f[1], f[2])):
+        runs.setdefault(server, {}).setdefault(c, []).append(figures)
+    return runs
+
+
+def _median(values: list[Any]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
+
+
+def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]],
+              output_len: int | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per server and concurrency (``"c1"``, ``"c16"``): the median across rounds of each metric,
+    the failed requests summed over the rounds, and how many rounds there were. With
+    ``output_len`` (every request generates that many: ``--ignore-eos``), ``tokens_counted`` is
+    the share of them the client counted: it takes the count from a ``usage`` chunk without
+    choices, else re-tokenizes the streamed text, which can come out shorter (llama-server puts
+    ``usage`` on its last chunk with choices); its tok/s and TPOT are computed on that count."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for server, by_c in runs.items():
+        for c, rounds in sorted(by_c.items()):
+            row: dict[str, Any] = {name: _median([r[name] for r in rounds]) for name in METRICS}
+            row["failed"] = sum(r["failed"] for r in rounds)
+            row["completed"] = sum(r["completed"] for r in rounds)
+            row["rounds"] = len(rounds)
+            if output_len and row["completed"]:
+                row["tokens_counted"] = round(sum(r["output_tokens"] for r in rounds)
+                                              / (row["completed"] * output_len), 4)
+            out.setdefault(server, {})[f"c{c}"] = row
+    return out
+
+
+def ratios(summary: dict[str, dict[str, dict[str, Any]]], ours: str = OURS) -> dict[str, Any]:
+    """``tpot_c1_vs_best_peer``: our median TPOT at c=1 over the lowest peer's (below 1: we are
+    faster); ``tok_s_c16_vs_best_peer``: our output tok/s at c=16 over the highest peer's (above
+    1: we are faster). None where we or every peer lack the figure."""
+    def figure(server: str, c: str, name: str) -> float | None:
+        return summary.get(server, {}).get(c, {}).get(name)
+
+    peers = [s for s in summary if s != ours]
+    tpots = {p: figure(p, "c1", "median_tpot_ms") for p in peers}
+    tpots = {p: v for p, v in tpots.items() if v}
+    rates = {p: figure(p, "c16", "output_tok_s") for p in peers}
+    rates = {p: v for p, v in rates.items() if v}
+    best_tpot = min(tpots, key=tpots.__getitem__) if tpots else None
+    best_rate = max(rates, key=rates.__getitem__) if rates else None
+    our_tpot, our_rate = figure(ours, "c1", "median_tpot_ms"), figure(ours, "c16", "output_tok_s")
+    return {
+        "tpot_c1_vs_best_peer": round(our_tpot / tpots[best_tpot], 3) if our_tpot and best_tpot else None,
+        "tpot_c1_best_peer": best_tpot,
+        "tok_s_c16_vs_best_peer": round(our_rate / rates[best_rate], 3) if our_rate and best_rate else None,
+        "tok_s_c16_best_peer": best_rate,
+    }
+
+
+def common_prefix(a: list[int] | str, b: list[int] | str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(texts: dict[str, list[str]], encode, ours: str = OURS) -> dict[str, Any]:
+    """Greedy texts per server (one per prompt) against ours: per peer and prompt, the matching
+    prefix in tokens (each text encoded with the model's tokenizer, ``encode``) and in
+    characters, and whether the whole texts are equal."""
+    out: dict[str, Any] = {}
+    reference = texts.get(ours)
+    if reference is None:
+        return out
+    ours_ids = [encode(t) for t in reference]
+    for peer, peer_texts in texts.items():
+        if peer == ours:
+            continue
+        rows = []
+        for i, (mine, theirs) in enumerate(zip(reference, peer_texts)):
+            theirs_ids = encode(theirs)
+            rows.append({"prompt": i, "prefix_tokens": common_prefix(ours_ids[i], theirs_ids),
+                         "tokens": max(len(ours_ids[i]), len(theirs_ids)), "prefix_chars": common_prefix(mine, theirs),
+                         "equal": mine == theirs})
+        out[peer] = {"all_equal": all(r["equal"] for r in rows), "prompts": rows}
+    return out
+
+
+# ---- the note and the plot ------------------------------------------------------------------
+
+def _cell(value: Any, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    cfg, summary, rat = result["config"], result["summary"], result["ratios"]
+    lines = [f"# Serving: shardline vs vLLM (CPU) vs llama.cpp, `vllm bench serve` (`{result['name']}`)", "",
+             f"Machine: {result['machine']['line']}", "",
+             f"SmolLM2-135M-Instruct, {cfg['dtype']}; random dataset, {cfg['input_len']} input / "
+             f"{cfg['output_len']} output tokens, `--ignore-eos`, temperature 0; {cfg['rounds']} round(s), "
+             f"server order alternating, one server running at a time; medians across rounds "
+             f"(failed: summed).", "",
+             "| server | concurrency | prompts | output tok/s | median TPOT ms | p99 TPOT ms | median TTFT ms "
+             "| p99 ITL ms | failed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for server in result["servers"]:
+        for c in ("c1", "c16"):
+            row = summary.get(server, {}).get(c)
+            if row is None:
+                continue
+            prompts = cfg["prompts"][c]
+            lines.append(f"| {server} | {c[1:]} | {prompts} | {_cell(row['output_tok_s'])} | "
+                         f"{_cell(row['median_tpot_ms'], 2)} | {_cell(row['p99_tpot_ms'], 2)} | "
+                         f"{_cell(row['median_ttft_ms'], 1)} | {_cell(row['p99_itl_ms'], 2)} | {row['failed']} |")
+    lines += ["", f"- `tpot_c1_vs_best_peer` = **{_cell(rat['tpot_c1_vs_best_peer'], 3)}** "
+                  f"(ours / {rat['tpot_c1_best_peer'] or 'no peer'}'s median TPOT at c=1; below 1 is faster)",
+              f"- `tok_s_c16_vs_best_peer` = **{_cell(rat['tok_s_c16_vs_best_peer'], 3)}** "
+              f"(ours / {rat['tok_s_c16_best_peer'] or 'no peer'}'s output tok/s at c=16; above 1 is faster)", ""]
+    for error in result.get("errors", []):
+        lines.append(f"- error: {error.splitlines()[0][:300]}")
+    undercounted = [f"- {server} at {c}: the client counted {row['tokens_counted']:.1%} of the "
+                    f"{cfg['output_len']} tokens per request (no `usage` chunk of its own: it re-tokenized the text), "
+                    f"so its tok/s reads low and its TPOT high by about {1 / row['tokens_counted'] - 1:.1%}"
+                    for server in result["servers"] for c, row in summary.get(server, {}).items()
+                    if row.get("tokens_counted") is not None and row["tokens_counted"] < 0.999]
+    lines += [*undercounted, ""] if undercounted else []
+    starts = result.get("startup_s", {})
+    if starts:
+        lines += ["Startup (seconds until `/health` answered 200, median): "
+                  + ", ".join(f"{s} {statistics.median(v):.0f}" for s, v in starts.items() if v), ""]
+    agree = result.get("agreement")
+    if agree:
+        lines += [f"## Greedy agreement (float32, {agree['max_tokens']} tokens, matching prefix vs shardline)", ""]
+        for peer, rows in agree.get("peers", {}).items():
+            cells = ", ".join(f"{r['prefix_tokens']}/{r['tokens']}" for r in rows["prompts"])
+            lines.append(f"- {peer}: {cells} tokens{' (all equal)' if rows['all_equal'] else ''}")
+        for error in agree.get("errors", []):
+            lines.append(f"- error: {error}")
+        lines.append("")
+    lines += ["## Commands", "", "```", *result["commands"], "```", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Bars of c=1 median TPOT and c=16 output tok/s per server; False without matplotlib."""
+    try:
+        import matplotlib  # the bench extra
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = [s for s in result["servers"] if s in result["summary"]]
+    summary = result["summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    colors = ["#2a6f97" if s == OURS else "#999999" for s in servers]
+    for ax, c, name, title in ((left, "c1", "median_tpot_ms", "median TPOT at concurrency 1 (ms, lower is better)"),
+                               (right, "c16", "output_tok_s", "output tok/s at concurrency 16 (higher is better)")):
+        values = [summary[s].get(c, {}).get(name) or 0.0 for s in servers]
+        bars = ax.bar(servers, values, color=colors)
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_title(title, fontsize=9)
+        ax.margins(y=0.15)
+    fig.suptitle(f"vllm bench serve, SmolLM2-135M {result['config']['dtype']}, {result['machine']['line']}",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
