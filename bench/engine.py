@@ -5,7 +5,9 @@ the memory roofline, plus TP/PP step times with the share spent in collectives.
 
 Writes bench/results/engine.json (top-level ratios for bfloat16: tpot_vs_hf_bs1,
 throughput_vs_hf_sequential, throughput_vs_hf_batched, step_vs_floor) and engine.md.
-Everything is measured in one run on one machine, same dtype, same prompts.
+Everything is measured in one run on one machine, same dtype, same prompts. step/roofline bs1:
+each batch-1 decode step followed by a streaming read (torch's sum) of as many bytes as the step's
+weights, the median of the pairs' ratios.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from bench.common import machine, median_time, smollm2_dir, write_results
+from bench.common import machine, smollm2_dir, write_results
 from services.common.sampling import SamplingParams
 from services.modeling.kernels import TorchOps
 from services.worker.engine.bootstrap import build_engine, start_rank
@@ -128,13 +130,14 @@ def floor_loop(model, batch: int, dtype: torch.dtype, context: int):
     return loop
 
 
-def paired_steps(engine, prompts, steps: int) -> dict:
+def paired_steps(engine, prompts, steps: int, other=None) -> dict:
     """Decode steps of a full batch, each followed by one floor loop at the same batch and mean
-    context: the step/floor ratio is taken pair by pair, so a machine whose speed drifts (shared
-    cores) moves both sides of each ratio alike."""
+    context (or by ``other``): the step/floor ratio is taken pair by pair, so a machine whose
+    speed drifts (shared cores, a memory bus shared with other machines) moves both sides of each
+    ratio alike."""
     model = engine.runner.rt.model
     context = round(statistics.mean(map(len, prompts)) + 4 + steps / 2)
-    loop = floor_loop(model, len(prompts), engine.runner.rt.plan.torch_dtype, context)
+    loop = other or floor_loop(model, len(prompts), engine.runner.rt.plan.torch_dtype, context)
     params = SamplingParams(temperature=0, max_tokens=steps + 6, ignore_eos=True)
     for p in prompts:
         engine.submit(p, params)
@@ -153,10 +156,11 @@ def paired_steps(engine, prompts, steps: int) -> dict:
             "ratio": statistics.median(p[0] / p[1] for p in pairs), "context": context}
 
 
-def read_bandwidth(dtype: torch.dtype) -> float:
-    big = torch.ones(256 << 20, dtype=dtype)  # 512 MB in 16-bit, 1 GB in fp32
-    seconds = median_time(lambda: big.sum(), reps=5)
-    return big.numel() * big.element_size() / seconds
+def weight_read(nbytes: int, dtype: torch.dtype):
+    """A streaming read of ``nbytes`` (torch's own ``sum`` over a tensor of that size, far larger
+    than the caches): the memory roofline of a step that reads that many bytes of weights."""
+    big = torch.ones(nbytes // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
+    return lambda: big.sum()
 
 
 def weight_bytes(model) -> int:
@@ -224,19 +228,22 @@ def bench_dtype(model_dir, tokenizer, dtype: str, *, quick: bool) -> dict:
                        f"bs{n_req}": paired_steps(engine, prompts, steps)}
     layers.ops = kernels
     tdtype = runner.rt.plan.torch_dtype
-    bw = read_bandwidth(tdtype)
     wbytes = weight_bytes(runner.rt.model)
+    # each batch-1 step against a streaming read of the step's weight bytes right after it
+    roofline = paired_steps(engine, prompts[:1], steps, weight_read(wbytes, tdtype))
+    bw = wbytes / roofline["floor_s"]
     ours = floor["kernels"]
     out = {
         "requests": n_req, "new_tokens": max_tokens, "rounds": rounds, "per_round": per_round, "medians": med,
         "layer_ops": type(kernels).__name__, "floor_pairs": floor,
-        "roofline": {"weight_bytes": wbytes, "read_bandwidth_bytes_per_s": bw, "roofline_s": wbytes / bw},
+        "roofline": {"weight_bytes": wbytes, "read_bandwidth_bytes_per_s": bw, "roofline_s": roofline["floor_s"],
+                     "step_s": roofline["step_s"]},
         "tpot_vs_hf_bs1": ratio("ours_tpot_s", "hf_tpot_s"),
         "throughput_vs_hf_sequential": ratio("ours_tok_s", "hf_sequential_tok_s"),
         "throughput_vs_hf_batched": ratio("ours_tok_s", "hf_batched_tok_s"),
         "step_vs_floor_bs1": ours["bs1"]["ratio"],
         f"step_vs_floor_bs{n_req}": ours[f"bs{n_req}"]["ratio"],
-        "step_vs_roofline_bs1": ours["bs1"]["step_s"] / (wbytes / bw),
+        "step_vs_roofline_bs1": roofline["ratio"],
     }
     out["step_vs_floor"] = max(out["step_vs_floor_bs1"], out[f"step_vs_floor_bs{n_req}"])
     return out
@@ -274,14 +281,22 @@ def markdown(payload: dict) -> str:
     lines += ["", f"Ratios are medians of per-round ratios ({first['rounds']} rounds; ours and HF alternate within "
               f"each round), so a drift in machine speed moves both sides of a ratio alike. Batch: {n} requests "
               f"x {first['new_tokens']} new tokens submitted together; HF sequential: one request at a time; HF "
-              "batched: all padded into one generate() call.", "",
-              "Decode step vs floor, pair by pair (each engine step followed by one floor loop at the same batch "
+              "batched: all padded into one generate() call.", ""]
+    for dtype, r in payload["dtypes"].items():
+        roof = r["roofline"]
+        lines += [f"Roofline, {dtype}: each batch-1 step ({roof['step_s'] * 1e3:.2f} ms, median) followed by a "
+                  f"streaming read of its {roof['weight_bytes'] / 1e6:.0f} MB of weights "
+                  f"({roof['roofline_s'] * 1e3:.2f} ms, {roof['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s): "
+                  "step/roofline "
+                  f"{r['step_vs_roofline_bs1']:.2f}, the median of the pairs' ratios.", ""]
+    lines += ["Decode step vs floor, pair by pair (each engine step followed by one floor loop at the same batch "
               "and mean context). The floor is a bare loop of the decode step's matmuls: every layer's four "
               "weight matmuls, the attention q·kᵀ and p·v, lm_head. \"kernels\" is the engine as it serves (the "
               "layers' element-wise work and decode attention in C++ kernels, services/modeling/kernels); "
               "\"torch ops\" is the same engine with the layers' work as plain PyTorch ops (attention: gather "
               "the blocks + SDPA; the sampler's kernel stays):", "",
-              "| dtype | layer ops | batch | step | floor | step/floor (median of pairs) |", "|---|---|---|---|---|---|"]
+              "| dtype | layer ops | batch | step | floor | step/floor (median of pairs) |",
+              "|---|---|---|---|---|---|"]
     for dtype, r in payload["dtypes"].items():
         for ops_name, by_batch in r["floor_pairs"].items():
             for batch, f in by_batch.items():
