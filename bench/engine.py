@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from bench.common import machine, smollm2_dir, write_results
+from bench.common import machine, median_time, smollm2_dir, write_results
 from services.common.sampling import SamplingParams
 from services.modeling.kernels import TorchOps
 from services.worker.engine.bootstrap import build_engine, start_rank
@@ -161,6 +161,11 @@ def weight_read(nbytes: int, dtype: torch.dtype):
     than the caches): the memory roofline of a step that reads that many bytes of weights."""
     big = torch.ones(nbytes // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
     return lambda: big.sum()
+
+
+def read_bandwidth(dtype: torch.dtype, nbytes: int = 512 << 20) -> float:
+    """Bytes per second of :func:`weight_read` over ``nbytes`` (the median of five)."""
+    return nbytes / median_time(weight_read(nbytes, dtype), reps=5)
 
 
 def weight_bytes(model) -> int:
