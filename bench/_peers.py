@@ -29,8 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
+from bench.common import wait_http_health
 from bench.soak import REPO, descendants
 
 VLLM_VERSION = "0.32.0"
@@ -216,19 +215,13 @@ class Server:
             out.flush()
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
                                          start_new_session=True)
-        with httpx.Client(timeout=5) as http:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-                if time.monotonic() - t0 > timeout_s:
-                    self.stop()
-                    raise RuntimeError(f"{self.name} was not ready within {timeout_s:.0f} s:\n{self.tail()}")
-                try:
-                    if http.get(f"{self.base_url}/health").status_code == 200:
-                        return time.monotonic() - t0
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+        started = time.monotonic() - t0
+        try:
+            return started + wait_http_health(self.proc, f"{self.base_url}/health", timeout_s - started, self.name,
+                                              self.tail, poll_s=0.5)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""

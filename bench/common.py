@@ -49,3 +49,24 @@ def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     md_path.write_text(markdown)
     return json_path, md_path
+
+
+def wait_http_health(proc, url: str, timeout_s: float, name: str, tail: Callable[[], str], *,
+                     poll_s: float = 0.25) -> float:
+    """Seconds from now until ``GET url`` answers 200 while ``proc`` (a started Popen) runs;
+    RuntimeError with the log's ``tail()`` if it exits first or ``timeout_s`` passes."""
+    import httpx  # deferred: the benches that start no server do not need it
+
+    t0 = time.monotonic()
+    with httpx.Client(timeout=5) as http:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail()}")
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{name} was not healthy within {timeout_s:.0f} s:\n{tail()}")
+            try:
+                if http.get(url).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)

@@ -1,6 +1,6 @@
 """Quantized weights against the bfloat16 plan: memory, decode speed, quality, replica density.
 
-    python -m bench.quant [--quick] [--rounds 3] [--chunks 32]   (also: shardline bench quant)
+    python -m bench.quant [--quick] [--rounds 3] [--chunks 32] [--engine-only]   (also: shardline bench quant)
 
 SmolLM2-135M, TP1, one run: for bfloat16, int8 and fp8 (activations bfloat16) the weight bytes a
 rank holds (from its loaded tensors, scales included), TPOT at batch 1 and tokens/s at 16
@@ -137,8 +137,9 @@ def bench_quality(model_dir, *, chunks: int, chunk_tokens: int) -> dict:
     return out
 
 
-def markdown(payload: dict) -> str:
-    e, q = payload["engine"], payload["quality"]
+def engine_markdown(payload: dict) -> str:
+    """The title and the engine table: bytes, TPOT, tok/s at 16 streams, density per dtype."""
+    e = payload["engine"]
     lines = ["# Quantized weights vs the bfloat16 plan (SmolLM2-135M, TP1)", "",
              f"Machine: {payload['machine']}. Command: `{payload['command']}`. Engine figures: medians of "
              f"{len(e['rounds'])} rounds in which the dtypes alternate; ratios are per-round ratios' medians.", "",
@@ -149,6 +150,12 @@ def markdown(payload: dict) -> str:
         lines.append(f"| {dtype} | {d['weight_bytes']:,} | {d['weight_bytes_vs_bf16']:.3f} | {d['tpot_s'] * 1e3:.2f} "
                      f"| {d['tpot_vs_bf16']:.3f} | {d['tok_s']:.0f} | {d['tok_s_vs_bf16']:.3f} "
                      f"| {d['step_vs_roofline']:.2f} | {d['replica_groups_in_budget']} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(payload: dict) -> str:
+    e, q = payload["engine"], payload["quality"]
+    lines = engine_markdown(payload).rstrip("\n").split("\n")
     lines += ["", f"Golden set: {q['chunks']} chunks x {q['chunk_tokens']} tokens = {q['scored_tokens']} scored "
                   f"positions (text {q['text_fingerprint']}); float32 perplexity {q['float32_perplexity']:.4f}.", "",
               "| plan | weight bytes/rank | perplexity | Δ vs bf16 | Δ vs fp32 | top-1 vs bf16 | top-1 vs fp32 "
@@ -178,10 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one round, 8 chunks of the golden set")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=32, help="golden-set chunks of 512 tokens (default 32)")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="bytes and speed only, no golden set: writes bench/results/quant-engine.*")
     args = parser.parse_args(argv)
     model_dir = smollm2_dir()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     rounds, chunks = (1, 8) if args.quick else (args.rounds, args.chunks)
+    if args.engine_only:
+        payload = {"machine": machine(), "command": "python -m bench.quant " + " ".join(argv or sys.argv[1:]),
+                   "engine": bench_engines(model_dir, tokenizer, rounds=rounds, max_tokens=32, streams=16)}
+        text = engine_markdown(payload)
+        json_path, md_path = write_results("quant-engine", payload, text)
+        print(text)
+        print(f"wrote {json_path} and {md_path}")
+        return 0
     payload = {"machine": machine(), "command": "python -m bench.quant " + " ".join(argv or sys.argv[1:]),
                "engine": bench_engines(model_dir, tokenizer, rounds=rounds, max_tokens=32, streams=16),
                "quality": bench_quality(model_dir, chunks=chunks, chunk_tokens=512)}

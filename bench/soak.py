@@ -41,6 +41,7 @@ import httpx
 
 from bench._soak_clients import Load, Stats
 from bench._soak_report import markdown, plot_rss, verdict
+from bench.common import wait_http_health
 from services.common.ports import free_port_run
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -205,19 +206,9 @@ class Stack:
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        deadline = t0 + timeout_s
-        with httpx.Client(timeout=5) as http:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"shardline up exited with {self.proc.returncode}:\n{self.tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the stack was not healthy within {timeout_s:.0f} s:\n{self.tail()}")
-                try:
-                    if http.get(f"http://127.0.0.1:{self.ports['http']}/health").status_code == 200:
-                        return time.monotonic() - t0
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
+        started = time.monotonic() - t0
+        return started + wait_http_health(self.proc, f"http://127.0.0.1:{self.ports['http']}/health",
+                                          timeout_s - started, "shardline up", self.tail)
 
     def drained(self, replicas: int, timeout_s: float = 20.0) -> dict[str, dict[str, Any]]:
         """Each worker's queues and KV blocks once the clients are gone (waits up to ``timeout_s``

@@ -15,16 +15,7 @@
 #include <ATen/ops/linear.h>
 #include <vector>
 
-// cpu_ops.cpp, cpu_attention.cpp, cpu_quant.cpp, cpu_gemm.cpp
-at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
-void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor w, double eps);
-void rotary_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads);
-at::Tensor silu_and_mul(at::Tensor gate_up);
-void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v, at::Tensor slots);
-at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                            at::Tensor tables, at::Tensor context_lens, double scale, bool vectorized);
-at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale);
-at::Tensor dense_linear(at::Tensor x, at::Tensor w);
+#include "cpu_kernels.h"
 
 namespace {
 
