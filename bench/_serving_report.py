@@ -185,12 +185,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Bars of c=1 median TPOT and c=16 output tok/s per server; False without matplotlib."""
-    try:
-        import matplotlib  # the bench extra
+    try:  # deferred: matplotlib is the optional bench extra; without it there is no plot
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     except ImportError:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     servers = [s for s in result["servers"] if s in result["summary"]]
     summary = result["summary"]

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tokenizers import Tokenizer
 
 from bench import _serving_report as report
 from bench._peers import SERVED_NAME, Cache, Server, llama_server, run_logged, shardline_server, vllm_server
@@ -109,8 +110,6 @@ def bench_argv(cache: Cache, server: Server, model_dir: Path, concurrency: int, 
 
 def check_agreement(servers: list[str], cache: Cache, model_dir: Path, max_tokens: int,
                     startup: dict[str, list[float]]) -> dict[str, Any]:
-    from tokenizers import Tokenizer  # shardline's own tokenizer library
-
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     texts: dict[str, list[str]] = {}
     errors: list[str] = []
