@@ -19,7 +19,7 @@ from torch import nn
 
 from services.modeling.attention import AttentionMetadata, attention_no_cache
 from services.modeling.config import ModelConfig
-from services.modeling.kernels import LayerOps, TorchOps, ops_for
+from services.modeling.kernels import LayerOps, TorchOps, ops_for, stage_weights
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.parallel.layers import (
     MergedColumnParallelLinear,
@@ -147,26 +147,29 @@ class LlamaModel(nn.Module):
         # call (False: the Python loop, layer by layer; the tests compare the two)
         self.fused_layers = groups.tp_degree == 1
         self._attns = [layer.self_attn for layer in self.layers.values()]
-        self._weights: list[torch.Tensor] | None = None
+        self._stage_args: tuple | None = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       scaling=cfg.rope_scaling, device=device)
 
-    def _stage_weights(self) -> list[torch.Tensor]:
-        """Ten tensors per layer for ``decoder_layers``: each norm's weight, and each linear's
-        weight and scales (an empty tensor for a dense weight). Taken once: weights are loaded in
-        place, so the tensors stay the model's own."""
-        if self._weights is None:
-            none = torch.empty(0)
-            scales = lambda linear: linear.weight_scale if linear.weight_scale is not None else none  # noqa: E731
-            weights = []
-            for layer in self.layers.values():
-                attn, mlp = layer.self_attn, layer.mlp
-                weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, scales(attn.qkv_proj),
-                            attn.o_proj.weight, scales(attn.o_proj), layer.post_attention_layernorm.weight,
-                            mlp.gate_up_proj.weight, scales(mlp.gate_up_proj), mlp.down_proj.weight,
-                            scales(mlp.down_proj)]
-            self._weights = weights
-        return self._weights
+    def _stage(self) -> tuple | None:
+        """``decoder_layers``' per-stage arguments while every layer has its KV cache (None
+        otherwise). Taken again only when the caches change (allocated or freed: every layer's at
+        once); the weights are loaded in place, so they stay the model's own."""
+        caches = self._attns[0].kv_cache
+        if self._stage_args is not None and self._stage_args[1][0] is not (caches or (None,))[0]:
+            self._stage_args = None
+        if self._stage_args is None and all(a.kv_cache is not None for a in self._attns):
+            layers = list(self.layers.values())
+            weights = stage_weights(
+                (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.weight_scale,
+                 layer.self_attn.o_proj.weight, layer.self_attn.o_proj.weight_scale,
+                 layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
+                 layer.mlp.gate_up_proj.weight_scale, layer.mlp.down_proj.weight, layer.mlp.down_proj.weight_scale)
+                for layer in layers)
+            a = self._attns[0]
+            self._stage_args = (weights, [a.kv_cache[0] for a in self._attns], [a.kv_cache[1] for a in self._attns],
+                                layers[0].input_layernorm.eps, a.scale, a.heads, a.kv_heads, a.head_dim)
+        return self._stage_args
 
     def forward(self, positions: torch.Tensor, meta: AttentionMetadata, *,
                 input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,16 +182,14 @@ class LlamaModel(nn.Module):
         rope = self.rotary.tables(positions, h.dtype)
         residual = None
         ops = self.ops
-        if self.fused_layers and self.layers and meta.slot_mapping is not None and hasattr(ops, "decoder_layers"):
+        stage = (self._stage() if self.fused_layers and self.layers and meta.slot_mapping is not None
+                 and hasattr(ops, "decoder_layers") else None)
+        if stage is not None:
             # the same kernels as the loop below, called from C++: no interpreter between them
-            attns = self._attns
-            if all(a.kv_cache is not None for a in attns):
-                first = self.layers[next(iter(self.layers))]
-                h, residual = ops.decoder_layers(
-                    h.contiguous(), None, self._stage_weights(), [a.kv_cache[0] for a in attns],
-                    [a.kv_cache[1] for a in attns], rope, meta, first.input_layernorm.eps, attns[0].scale,
-                    attns[0].heads, attns[0].kv_heads, attns[0].head_dim)
-        if residual is None:
+            weights, k_caches, v_caches, eps, scale, heads, kv_heads, head_dim = stage
+            h, residual = ops.decoder_layers(h.contiguous(), None, weights, k_caches, v_caches, rope, meta, eps,
+                                             scale, heads, kv_heads, head_dim)
+        else:
             for layer in self.layers.values():
                 h, residual = layer.forward(h, residual, rope, meta, ops)  # no hooks: skip __call__
         if residual is None:  # a stage without layers

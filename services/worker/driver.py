@@ -1,10 +1,11 @@
 """A serving replica group on this machine: the driver (this process, rank 0) and its followers.
 
 Start-up loads every rank (followers in forked processes), builds the engine on the driver's
-engine-loop thread and runs its loop there. While it serves, a heartbeat thread reports each rank and the KV
-utilization to the health store and the registry (a silent rank's entry expires). When a collective fails
-the engine stops, the group is marked unhealthy in the health store and dead in the registry,
-and open streams end with UNAVAILABLE carrying the tokens already produced.
+engine-loop thread and runs its loop there. While it serves, a heartbeat thread reports each
+rank and the KV utilization to the health store and the registry (a silent rank's entry
+expires). When a collective fails the engine stops, the group is marked unhealthy in the health
+store and dead in the registry, and open streams end with UNAVAILABLE carrying the tokens
+already produced.
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ class ReplicaDriver:
             loop.join()
             raise outcome[0]
         runner, self.engine = outcome[0]
-        instrument_engine(self.engine, self.replica_group_id, self.shipper)
-        self._register(runner.rt.loaded_bytes)
+        try:
+            instrument_engine(self.engine, self.replica_group_id, self.shipper)
+            self._register(runner.rt.loaded_bytes)
+        except BaseException:
+            self._stop.set()  # the loop thread, waiting for _ready, ends instead
+            raise
         self._ready.set()  # the loop starts serving once the engine is instrumented and registered
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._threads = [loop, beat]

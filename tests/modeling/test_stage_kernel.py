@@ -13,7 +13,7 @@ from services.worker.engine.engine import FinishEvent, TokenEvent
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.runtime import RankSpec
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels did not build here")
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ toolchain here: the CPU kernels did not build")
 
 
 def served(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:

@@ -134,6 +134,13 @@ def cpu_kernels():
 _NONE = torch.empty(0)  # an absent tensor argument of a C++ kernel (no residual, a dense weight's scale)
 
 
+def stage_weights(layers) -> list[torch.Tensor]:
+    """``decoder_layers``' weight list from each layer's ``(input norm, qkv, qkv scale, o, o scale,
+    post-attention norm, gate_up, gate_up scale, down, down scale)``; a dense weight's scale is
+    None."""
+    return [t if t is not None else _NONE for layer in layers for t in layer]
+
+
 class _CppOps:
     """The C++ kernels behind the :class:`LayerOps` interface (contiguity made explicit)."""
 
