@@ -6,6 +6,8 @@ norm (a sum taken in a different order) lands on the other side of a rounding bo
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -194,9 +196,12 @@ def _dense(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return (torch.randn(m, k, generator=gen).bfloat16(), (0.05 * torch.randn(n, k, generator=gen)).bfloat16())
 
 
-# K not a multiple of 32 (a zero-filled last chunk), N not a multiple of 4 or 8, M across the tiles
+# K not a multiple of 32 (a zero-filled last chunk), N not a multiple of 4 or 8, M across the tiles;
+# on a machine with AMX the shapes with K % 32 == 0 and N % 16 == 0 take the tile kernel, M across
+# its row blocks (16 rows, then M % 16)
 @pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 9, 31), (3, 7, 33), (5, 13, 100), (17, 577, 1536),
-                                   (300, 36, 64), (64, 3, 576), (130, 49, 1000)])
+                                   (300, 36, 64), (64, 3, 576), (130, 49, 1000), (2, 48, 1536), (33, 80, 64),
+                                   (16, 3072, 576), (250, 112, 96)])
 def test_dense_linear_matches_the_float32_product(gemm, m, n, k):
     x, w = _dense(m, n, k, seed=m * n + k)
     close(dense_linear(x, w), F.linear(x.float(), w.float()).bfloat16())
@@ -213,7 +218,7 @@ def test_dense_linear_strided_x_and_leading_dims(gemm):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n,k", [(963, 576), (37, 100)])
+@pytest.mark.parametrize("n,k", [(963, 576), (37, 100), (960, 576), (80, 64)])  # the last two: AMX tiles where there are
 def test_dense_linear_is_batch_invariant(gemm, threads, n, k):
     """Row i of the result has the same bits alone, in any slice, next to other rows and with any
     thread count: one order of summation per element."""
@@ -232,6 +237,16 @@ def test_dense_linear_is_batch_invariant(gemm, threads, n, k):
         assert torch.equal(dense_linear(other, w)[:5], full[:5])
     finally:
         torch.set_num_threads(before)
+
+
+def test_amx_tiles_are_used_where_the_machine_has_them(cpp):
+    """-march=native compiles the tile kernel in where the CPU has AMX-BF16; the kernel then asks
+    Linux for the tile state, which it grants from 5.16 on."""
+    with open("/proc/cpuinfo") as f:
+        has_amx = " amx_bf16" in f.read()
+    if os.environ.get("SHARDLINE_AMX") in ("0", "false"):
+        has_amx = False
+    assert cpu_kernels().amx_ready() == has_amx
 
 
 def test_dense_linear_uses_f_linear_otherwise(cpp, monkeypatch):

@@ -111,7 +111,7 @@ SHAPES = [(96, 576), (40, 48), (22, 40)]
 
 @pytest.mark.parametrize("scheme", [INT8, FP8], ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17, 33])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_matches_the_float_product(kernels, scheme, dtype, rows, shape):
     n, k = shape

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_ops.cpp", "cpu_attention.cpp",
                                                         "cpu_sampling.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
-                                                        "cpu_layers.cpp")]
+                                                        "cpu_amx.cpp", "cpu_layers.cpp")]
 
 
 class LayerOps(Protocol):

@@ -6,6 +6,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include "cpu_amx.h"
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,5 +27,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_vectorized", &quant_linear_vectorized);
   m.def("dense_linear", &dense_linear, nogil());
   m.def("dense_linear_vectorized", &dense_linear_vectorized);
+  m.def("amx_ready", &shardline::amx::ready);
   m.def("decoder_layers", &decoder_layers, nogil());
 }

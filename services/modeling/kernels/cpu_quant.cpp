@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_vec.h"
 
 #ifdef SHARDLINE_AVX512
@@ -230,6 +231,24 @@ void rows_bf16(const uint16_t* x, const uint8_t* q, const float* scale, c10::BFl
     }
   }
 }
+
+// The same on AMX tiles: each block of 16 weight rows converted to bfloat16 as above, then the
+// tile kernel multiplies it with every activation row (x packed once by the caller) and scales
+// each channel. Blocks [b0, b1) of 16 channels.
+template <Kind kind>
+void blocks_amx(const uint16_t* xp, const uint8_t* q, const float* scale, c10::BFloat16* y, int64_t M, int64_t K,
+                int64_t N, int64_t b0, int64_t b1) {
+  std::vector<uint16_t> scratch(kBlockRows * K);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n = b * kBlockRows;
+    block_to_bf16<kind>(q + n * K, scratch.data(), kBlockRows, K);
+    if (b + 1 < b1)
+      for (int64_t i = 0; i < kBlockRows * K; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (n + kBlockRows) * K + i), _MM_HINT_T0);
+    shardline::amx::channels(scratch.data(), K, xp, M, K, scale, 1.0f, y, N, n, 1);
+  }
+  shardline::amx::end();
+}
 #endif  // __AVX512BF16__
 #endif  // SHARDLINE_QUANT_AVX512
 
@@ -240,6 +259,20 @@ constexpr int64_t kBf16MinRows = 4;
 template <typename T>
 void run(const at::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N,
          Kind kind) {
+#ifdef SHARDLINE_QUANT_BF16DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (M >= kBf16MinRows && shardline::amx::ready() && shardline::amx::fits(K, N)) {
+      at::Tensor packed = at::empty({M * K}, x.options());
+      uint16_t* pp = static_cast<uint16_t*>(packed.data_ptr());
+      shardline::amx::pack(static_cast<const uint16_t*>(x.data_ptr()), pp, M, K);
+      at::parallel_for(0, N / kBlockRows, kRowsPerTask / kBlockRows, [&](int64_t b0, int64_t b1) {
+        if (kind == kInt8) blocks_amx<kInt8>(pp, qp, sp, yp, M, K, N, b0, b1);
+        else blocks_amx<kFp8>(pp, qp, sp, yp, M, K, N, b0, b1);
+      });
+      return;
+    }
+  }
+#endif
   // activations as float32 for the float32 and portable paths (small: M x K). A tensor (64-byte
   // aligned, whole cache lines), not a std::vector: every thread reads it at every step, and with
   // a malloc'd buffer 3072x576 ran 3x slower than at neighbouring shapes (measured; likely a

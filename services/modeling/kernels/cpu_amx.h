@@ -1,0 +1,41 @@
+// bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later), shared by the dense kernel
+// (cpu_gemm.cpp) and the quantized kernel's bfloat16 path (cpu_quant.cpp).
+//
+// The product is computed transposed, y^T = w x^T: the weight [N, K] is the tile multiply's left
+// operand as it lies in memory (16 output channels x 32 k per tile, rows K apart), and the
+// activations are the right operand, packed once per call into the pairs-of-k layout the
+// instruction wants (amx::pack). So no weight is repacked or copied: the weights stay the layout
+// the model, the checkpoint and every other kernel use.
+//
+// Batch-invariant as the AVX-512 kernel is: every output element is the sum over k in 32-wide
+// chunks, in order, each chunk summed by one tile instruction, whatever M is or what the other
+// rows hold. Whether this kernel runs depends only on the machine and the weight's shape
+// (amx::fits), never on M.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <cstdint>
+
+namespace shardline::amx {
+
+// compiled with AMX-BF16, the kernel granted this process the tile state, SHARDLINE_AMX not 0
+bool ready();
+
+// the shapes this kernel takes: K in whole 32-element chunks, N in whole 16-channel tiles
+inline bool fits(int64_t K, int64_t N) { return K > 0 && K % 32 == 0 && N % 16 == 0; }
+
+// x [M, K] (contiguous bfloat16 bits) -> out (M x K elements): per block of 16 rows, the block's
+// (row, k-pair) matrix transposed, so that a tile's row is one k-pair for each of the block's rows
+void pack(const uint16_t* x, uint16_t* out, int64_t M, int64_t K);
+
+// y[m, n] = scale[n] * unit * sum_k x[m, k] w[n, k] for every row m < M and channels
+// [n0, n0 + 16 * blocks), rounded to bfloat16 (scale null: no scaling). w: channel n0's row
+// (rows ldw elements apart); xp: pack's output. Called inside a parallel task; end() after the
+// task's last call.
+void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int64_t K, const float* scale,
+              float unit, c10::BFloat16* y, int64_t N, int64_t n0, int64_t blocks);
+
+// the task's tiles released (the thread's tile state off again)
+void end();
+
+}  // namespace shardline::amx
