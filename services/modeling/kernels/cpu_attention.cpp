@@ -258,9 +258,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    // below ~1k cached rows in all (a few tens of microseconds) waking the other threads costs more
-    const int64_t grain = B * KV * max_ctx < 1024 ? B * KV : 1;
-    at::parallel_for(0, B * KV, grain, [&](int64_t begin, int64_t end) {
+    auto run = [&](int64_t begin, int64_t end) {
       const int64_t padded = (max_ctx + 15) / 16 * 16;
       std::vector<float> buf(2 * G * d + d + G * padded);
       std::vector<int64_t> off(max_ctx);
@@ -290,7 +288,28 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
         }
 #endif
       }
-    });
+    };
+    // Tasks split between the threads by their rows, not their count: a prefill's rows are its
+    // tokens, each over its own prefix, so the last half of a prompt holds three quarters of
+    // the work and an even split of tasks left one thread waiting on the other.
+    const int64_t tasks = B * KV;
+    std::vector<int64_t> cost(tasks + 1, 0);  // cost[i]: rows of tasks [0, i), plus 16 for each task's setup
+    for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + lp[i / KV] + 16;
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+    // below ~1k cached rows in all (a few tens of microseconds) waking the other threads costs more
+    if (threads <= 1 || cost[tasks] < 1024 + 16 * tasks) {
+      run(0, tasks);
+    } else {
+      auto bound = [&](int64_t t) {  // the first task of thread t's share
+        return std::lower_bound(cost.begin(), cost.end(), cost[tasks] * t / threads) - cost.begin();
+      };
+      at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t begin = bound(t), end = t + 1 == threads ? tasks : bound(t + 1);
+          if (begin < end) run(begin, end);
+        }
+      });
+    }
   });
   return out;
 }

@@ -12,6 +12,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 
 #include "cpu_vec.h"
 
@@ -38,6 +39,32 @@ SHARDLINE_SIMD_SUM(ss)
 SHARDLINE_SIMD
   for (int64_t i = 0; i < d; ++i) E::store(out + i, round_to<T>(E::load(x + i) * r) * E::load(w + i));
 }
+
+#if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
+#define SHARDLINE_ROTARY_BF16 1
+// rotary_'s loop for one bfloat16 token, 16 lanes at a time, with the same roundings (each
+// product rounded to bfloat16, as the reference materialises it, then the sum rounded on store);
+// vcvtneps2bf16 rounds to nearest even as Elem::store does. What the compiler made of the
+// portable loop took ~5 ns per pair of elements (a third of a 16-row decode step's element-wise
+// time); this takes well under one.
+inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 rounded(__m512 v) { return bf16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
+inline __m512 load_bf16(const uint16_t* p) { return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v)); }
+
+void rotary_bf16(uint16_t* q, const uint16_t* c, const uint16_t* s, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 ci = load_bf16(c + i), si = load_bf16(s + i);
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* x = q + h * d;
+      const __m512 x1 = load_bf16(x + i), x2 = load_bf16(x + i + half);
+      store_bf16(x + i, _mm512_sub_ps(rounded(_mm512_mul_ps(x1, ci)), rounded(_mm512_mul_ps(x2, si))));
+      store_bf16(x + i + half, _mm512_add_ps(rounded(_mm512_mul_ps(x2, ci)), rounded(_mm512_mul_ps(x1, si))));
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -97,6 +124,15 @@ void rotary_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads) {
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* c = cp + t * half;
         const scalar_t* s = sp + t * half;
+#ifdef SHARDLINE_ROTARY_BF16
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (half % 16 == 0) {
+            rotary_bf16(reinterpret_cast<uint16_t*>(qp + t * total * d), reinterpret_cast<const uint16_t*>(c),
+                        reinterpret_cast<const uint16_t*>(s), heads, d);
+            continue;
+          }
+        }
+#endif
         for (int64_t h = 0; h < heads; ++h) {
           scalar_t* x = qp + (t * total + h) * d;
 SHARDLINE_SIMD
