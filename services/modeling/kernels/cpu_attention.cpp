@@ -110,6 +110,12 @@ inline __m512 sum16x16(__m512* v) {
   return v[0];
 }
 
+// rows asked for this many tokens ahead of their use: a sequence's rows are scattered in blocks
+// over the cache and, after a step's weights have streamed through, mostly in memory (SmolLM2 at
+// 16 sequences of ~140 tokens: 5.5 ms of attention per decode step without, 3.7 ms at 16 ahead,
+// 3.5 ms at 48; the whole-sequence prefetch below alone had not moved it)
+constexpr int64_t kAhead = 48;
+
 // scores[g][t] = scale * q_g . k_t for kG heads; kC = d / 16
 template <typename T, int kC, int kG>
 void head_scores(const T* q, int64_t q_head_stride, const T* k, const int64_t* off, int64_t ctx, float scale,
@@ -126,6 +132,11 @@ void head_scores(const T* q, int64_t q_head_stride, const T* k, const int64_t* o
         continue;
       }
       const T* kr = k + off[t0 + j];
+      if (t0 + j + kAhead < ctx) {
+        const char* ahead = reinterpret_cast<const char*>(k + off[t0 + j + kAhead]);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        if (sizeof(T) * 16 * kC > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      }
       __m512 kv[kC];
       for (int c = 0; c < kC; ++c) kv[c] = load16(kr + 16 * c);
       for (int g = 0; g < kG; ++g) {
@@ -146,6 +157,11 @@ void head_values(const T* v, const int64_t* off, int64_t ctx, const float* p, in
     for (int c = 0; c < kC; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
     const T* vr = v + off[t];
+    if (t + kAhead < ctx) {
+      const char* ahead = reinterpret_cast<const char*>(v + off[t + kAhead]);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if (sizeof(T) * 16 * kC > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    }
     __m512 vv[kC];
     for (int c = 0; c < kC; ++c) vv[c] = load16(vr + 16 * c);
     for (int g = 0; g < kG; ++g) {
