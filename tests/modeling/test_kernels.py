@@ -78,6 +78,19 @@ def test_rotary_in_place_on_q_and_k_only(cpp, dtype, d):
     assert torch.equal(got[:, 12:], qkv[:, 12:])  # v untouched
 
 
+def test_silu_and_mul_16_lanes_give_the_scalar_loops_bits(cpp):
+    """A bfloat16 row runs 16 lanes at a time and its last inter % 16 elements in the scalar loop:
+    each value gets the same bits in a lane as in the tail."""
+    gen = torch.Generator().manual_seed(3)
+    values = (4 * torch.randn(2, 16, generator=gen)).bfloat16()  # gate, up
+    values[0, :4] = torch.tensor([0.0, -0.0, 87.0, -90.0])
+    gate_up = torch.zeros(17, 2 * 17, dtype=torch.bfloat16)
+    gate_up[0, :16], gate_up[0, 17:33] = values[0], values[1]  # row 0: the lanes
+    gate_up[1:, 16], gate_up[1:, 33] = values[0], values[1]  # row j: value j - 1 in the tail
+    out = cpp.silu_and_mul(gate_up)
+    assert torch.equal(out[0, :16], out[1:, 16])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(cpp, dtype):
     gate_up = (3 * torch.randn(20, 2 * 1536, generator=torch.Generator().manual_seed(2))).to(dtype)

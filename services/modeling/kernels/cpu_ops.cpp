@@ -41,7 +41,7 @@ SHARDLINE_SIMD
 }
 
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
-#define SHARDLINE_ROTARY_BF16 1
+#define SHARDLINE_ROTARY_BF16 1  // and silu_and_mul's
 // rotary_'s loop for one bfloat16 token, 16 lanes at a time, with the same roundings (each
 // product rounded to bfloat16, as the reference materialises it, then the sum rounded on store);
 // vcvtneps2bf16 rounds to nearest even as Elem::store does. What the compiler made of the
@@ -51,6 +51,40 @@ inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_ep
 inline __m512 rounded(__m512 v) { return bf16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
 inline __m512 load_bf16(const uint16_t* p) { return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v)); }
+
+// fast_exp (cpu_vec.h) on 16 lanes, op for op, so that each lane has the scalar function's bits
+inline __m512 fast_exp16(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 scale = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(_mm512_mul_ps(y, scale), nan, x);
+}
+
+// silu_and_mul's loop for one bfloat16 row, 16 lanes at a time (the rest: the scalar loop), with
+// the scalar loop's arithmetic and roundings
+int64_t silu_and_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t inter) {
+  int64_t i = 0;
+  for (; i + 16 <= inter; i += 16) {
+    const __m512 x = load_bf16(g + i);
+    const __m512 e = fast_exp16(_mm512_castsi512_ps(  // -x: the sign bit flipped
+        _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
+    const __m512 act = rounded(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    store_bf16(o + i, _mm512_mul_ps(act, load_bf16(u + i)));
+  }
+  return i;
+}
 
 void rotary_bf16(uint16_t* q, const uint16_t* c, const uint16_t* s, int64_t heads, int64_t d) {
   const int64_t half = d / 2;
@@ -165,8 +199,14 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
         const scalar_t* g = gp + r * two_i;
         const scalar_t* u = g + inter;
         scalar_t* o = op + r * inter;
+        int64_t start = 0;
+#ifdef SHARDLINE_ROTARY_BF16
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+          start = silu_and_mul_bf16(reinterpret_cast<const uint16_t*>(g), reinterpret_cast<const uint16_t*>(u),
+                                    reinterpret_cast<uint16_t*>(o), inter);
+#endif
 SHARDLINE_SIMD
-        for (int64_t i = 0; i < inter; ++i) {
+        for (int64_t i = start; i < inter; ++i) {
           const float x = E::load(g + i);
           const float act = round_to<scalar_t>(x / (1.0f + fast_exp(-x)));
           E::store(o + i, act * E::load(u + i));
