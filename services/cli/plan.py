@@ -96,7 +96,7 @@ def _search_args(p: argparse.ArgumentParser) -> None:
                    help="balanced: TPOT tolerance over the best, as a fraction (default 0.10)")
     g.add_argument("--tp", type=int, default=None, help="fix the TP degree")
     g.add_argument("--pp", type=int, default=None, help="fix the PP degree")
-    g.add_argument("--max-nodes", type=int, default=1, help="nodes one replica group may span (default 1)")
+    g.add_argument("--max-nodes", "--nodes", type=int, default=1, help="nodes one replica group may span (default 1)")
     g.add_argument("--allow-cross-node-tp", action="store_true", help="let a TP group leave the NVLink domain")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling floor to write")
     g.add_argument("--max-replicas", type=int, default=None, help="autoscaling ceiling to write")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.modeling.parallel.placement import node_of
 from services.planner.topology import Topology
 
 
@@ -75,8 +76,8 @@ def inter_node_link(topology: Topology) -> Link:
 
 def _domain(topology: Topology, rank: int) -> tuple[int, int]:
     """(node, NVLink domain inside the node) of a global rank."""
-    node, local = divmod(rank, topology.gpus_per_node)
-    return node, local // topology.nvlink_domain_size
+    node = node_of(rank, topology.gpus_per_node)
+    return node, (rank - node * topology.gpus_per_node) // topology.nvlink_domain_size
 
 
 def tp_links(topology: Topology, tp: int, pp: int) -> list[Link]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from services.modeling.parallel.placement import placement, tp_split_across_nodes
 from services.planner.capacity import AutoscalingPolicy, CapacityPlan
 from services.planner.cost_model import Candidate, CostEstimate, Workload
 from services.planner.search import Assessment, PlanRequest, PlanResult, explanation_order
@@ -204,6 +205,8 @@ def shard_plan_dict(
             },
         },
         "autoscaling": autoscaling_dict(autoscaling),
+        # which node runs which ranks: what `serve worker --nnodes` checks its launch against
+        "placement": placement_dicts(candidate.tp, candidate.pp, topology.gpus_per_node),
         "predicted": {
             "topology": topology.name,
             "stage_layers": [s.layers for s in est.stages],
@@ -340,11 +343,25 @@ def plan_table(result: PlanResult) -> str:
         )
         + f"Blast radius {ce.blast_radius_gpus} GPU(s)."
     )
+    lines += placement_lines(chosen.candidate.tp, chosen.candidate.pp, t.gpus_per_node)
     lines.append("Why the others lost:")
     for a in ordered:
         if not a.chosen:
             lines.append(f"  {a.candidate.label}: {a.verdict}")
     return "\n".join(lines) + "\n"
+
+
+def placement_lines(tp: int, pp: int, gpus_per_node: int) -> list[str]:
+    """``Placement:`` and one line per node: which ranks (stage and TP rank) each node runs."""
+    nodes = placement(tp, pp, gpus_per_node)
+    head = (f"Placement: {len(nodes)} node(s) of {gpus_per_node} GPUs, rank = pp_stage × {tp} + tp_rank"
+            + ("; a TP group spans nodes" if tp_split_across_nodes(tp, pp, gpus_per_node) else "") + ":")
+    return [head, *(f"  {n.describe(tp)}" for n in nodes)]
+
+
+def placement_dicts(tp: int, pp: int, gpus_per_node: int) -> list[dict[str, Any]]:
+    return [{"node": n.node, "ranks": list(n.ranks), "pp_stages": list(n.stages)}
+            for n in placement(tp, pp, gpus_per_node)]
 
 
 def capacity_table(cap: CapacityPlan, model: ModelSpec, topology: Topology) -> str:

@@ -11,6 +11,7 @@ already produced.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class ServingOptions:
     # a fleet controller made the group's registry row and puts it in rotation itself (after
     # its checks): the group registers its shards and stays ``provisioning`` until then
     await_rotation: bool = False
+    # the other ranks were started by torchrun (on this host or others) and join the env://
+    # rendezvous themselves: the driver spawns none
+    external_followers: bool = False
 
 
 class ReplicaDriver:
@@ -76,7 +80,7 @@ class ReplicaDriver:
         threads stop spinning and sleep between regions. A model loaded on the main thread and
         served from another made every batch-1 SmolLM2 step take 14-15 ms instead of 7.5."""
         plan = self.spec.plan
-        if plan.world_size > 1:
+        if plan.world_size > 1 and not self.options.external_followers:
             self.followers = Followers(plan.world_size, follower_rank, self.spec, self.options.telemetry)
         if self.options.telemetry is not None:
             self.shipper = TelemetryShipper(self.options.telemetry)
@@ -107,7 +111,8 @@ class ReplicaDriver:
 
     def _run_engine(self, built: threading.Event, outcome: list) -> None:
         try:
-            torch.set_num_threads(threads_per_rank(self.spec.plan.world_size))
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if self.options.external_followers else 0
+            torch.set_num_threads(threads_per_rank(local or self.spec.plan.world_size))
             runner, layout = start_rank(self.spec, 0, sink=self.shipper)
             outcome.append((runner, build_engine(self.spec, runner, layout)))
         except BaseException as exc:  # noqa: BLE001 - start() re-raises it on the caller's thread

@@ -26,9 +26,11 @@ from services.common.grpc_server import GrpcServer, ServiceBinding, serve_servic
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import FINISH_REASON_TO_PB, dtype_to_pb, sampling_from_pb
 from services.common.transport_security import TransportSecurity
+from services.modeling.parallel.placement import PlacementError
 from services.telemetry.client import ShipperConfig
 from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
+from services.worker import multinode
 from services.worker.driver import ReplicaDriver, ServingOptions
 from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
 from services.worker.options import add_engine_arguments, add_layout_arguments, engine_spec
@@ -217,18 +219,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-op sampling of shipped events, e.g. broadcast=0.1; timeouts are always kept "
                              "(env SHARDLINE_TELEMETRY_SAMPLE; default: every event)")
     add_metrics_arguments(parser)
+    multinode.add_arguments(parser)
 
 
 def serve(args: argparse.Namespace) -> int:
+    if multinode.wants_launch(args):
+        return multinode.launch(args)  # becomes torchrun, which runs this command once per local rank
     rank = os.environ.get("RANK", "0") or "0"
-    if rank != "0":
-        # A worker is its group's driver (rank 0) and starts its follower ranks itself, on this
-        # host. Serving as rank N of a group whose driver is elsewhere would start a second driver
-        # under the same group id: refuse instead (a follower pod of a multi-host group lands here).
+    external = multinode.under_launch()
+    if external:
+        try:
+            multinode.check(args)
+        except PlacementError as exc:
+            print(f"shardline serve worker: refused: {exc}", flush=True)
+            return 2
+    elif rank != "0":
+        # Outside torchrun a worker is its group's driver (rank 0) and starts its follower ranks
+        # itself, on this host. Serving as rank N of a group whose driver is elsewhere would start
+        # a second driver under the same group id: refuse instead.
         print(f"shardline serve worker: RANK={rank} of WORLD_SIZE={os.environ.get('WORLD_SIZE', '?')} "
-              f"(MASTER_ADDR={os.environ.get('MASTER_ADDR', '?')}): a worker serves only as its group's rank 0 "
-              f"and spawns its followers on its own host; follower ranks on other hosts are not supported yet",
-              flush=True)
+              f"(MASTER_ADDR={os.environ.get('MASTER_ADDR', '?')}) outside torchrun: a worker serves as its group's "
+              f"rank 0 and spawns its followers on its own host; for ranks on several hosts, start each host with "
+              f"--nnodes N --node-rank R --rdzv-endpoint HOST:PORT (or under torchrun)", flush=True)
         return 2
     args.model = resolve("model", args.model, "") or None
     args.checkpoint = resolve("checkpoint", args.checkpoint, "") or None
@@ -247,12 +259,16 @@ def serve(args: argparse.Namespace) -> int:
         print(f"shardline serve worker: {exc}", flush=True)
         return 2
 
+    if external and rank != "0":
+        return _exit(multinode.run_follower(int(rank), spec, telemetry))
+
     def on_started(server: GrpcServer) -> None:
         options = ServingOptions(registry_url=resolve("registry_url", args.registry_url, "") or None,
                                  health_url=resolve("redis_url", args.redis_url, "") or None,
                                  endpoint=resolve("advertise_address", args.advertise_address, "") or server.address,
                                  model_name=args.served_model_name or "",
-                                 telemetry=telemetry, await_rotation=args.await_rotation)
+                                 telemetry=telemetry, await_rotation=args.await_rotation,
+                                 external_followers=external)
         setup_observability(args, SERVICE)
         servicer.driver = ReplicaDriver(spec, options)
         servicer.driver.start()
@@ -272,9 +288,13 @@ def serve(args: argparse.Namespace) -> int:
     except Exception:  # noqa: BLE001 - loading failed (a bad shard, a rank that died): say why, exit 1
         log.exception("worker %s failed to start", args.replica_group_id)
         code = 1
-    # The group is stopped and its followers joined. A process group whose peer died still holds
-    # gloo work that its destructor would wait on forever at interpreter exit, and a telemetry
-    # stream still open keeps gRPC's threads busy: leave now.
+    return _exit(code)
+
+
+def _exit(code: int) -> int:
+    """The group is stopped and its followers joined. A process group whose peer died still holds
+    gloo work that its destructor would wait on forever at interpreter exit, and a telemetry
+    stream still open keeps gRPC's threads busy: leave now."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,5 +1,6 @@
-"""A worker serves only as its group's driver: started as a follower rank of a group whose driver is
-on another host (a multi-host LeaderWorkerSet's worker pod), it refuses before loading anything."""
+"""Outside torchrun a worker serves only as its group's driver: started as a follower rank of a group
+whose driver is elsewhere, without torchrun's launch, it refuses before loading anything and says how
+a multi-node group is started (test_multinode.py runs one)."""
 
 from __future__ import annotations
 
@@ -18,4 +19,4 @@ def test_a_worker_with_a_nonzero_rank_refuses_to_serve(monkeypatch: pytest.Monke
     assert server.serve(args) == 2
     out = capsys.readouterr().out
     assert "RANK=3 of WORLD_SIZE=4 (MASTER_ADDR=g-0.g.serving)" in out
-    assert "follower ranks on other hosts are not supported yet" in out
+    assert "outside torchrun" in out and "--nnodes N --node-rank R --rdzv-endpoint HOST:PORT" in out
