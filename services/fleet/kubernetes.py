@@ -13,12 +13,10 @@ pod joins one env:// rendezvous, torchrun's variables: ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR = LWS_LEADER_ADDRESS`` (the leader pod's stable DNS name) and ``MASTER_PORT``,
 where rank 0's TCP store listens.
 
-Not yet runnable for TP x PP > 1: today a serving driver spawns its follower ranks itself, on its
-own host (``services.worker.launch.Followers`` points the rendezvous at loopback), and no
-``shardline`` command runs a follower rank that joins a driver on another host. Until the
-multi-host serving work adds that, a follower pod rendered here exits at start-up with that
-message (``shardline serve worker`` refuses a non-zero ``RANK``), so such a group never comes up
-half-made. A TP x PP = 1 group (size 1, a leader alone) runs as rendered.
+``LOCAL_WORLD_SIZE = 1`` and ``GROUP_RANK = RANK`` complete torchrun's variables, so
+``shardline serve worker`` runs each pod as torchrun would run one rank of a multi-node group
+(services/worker/multinode.py): it checks the placement, the leader serves as a driver whose
+followers join by themselves, and a worker pod runs the follower loop.
 
 Everything here is pure: dicts in the shape ``kubectl apply`` takes, no cluster access.
 """
@@ -160,6 +158,7 @@ def _rank_env(launch: GroupLaunch, settings: KubernetesSettings, rank: str) -> l
     LWS_WORKER_INDEX first in every container's env, so ``$(...)`` here can refer to them."""
     return [env_var("RANK", rank), env_var("WORLD_SIZE", str(launch.plan.world_size)),
             env_var("LOCAL_RANK", "0"),  # the pod's only rank: its first visible GPU
+            env_var("LOCAL_WORLD_SIZE", "1"), env_var("GROUP_RANK", rank),  # a pod is a node of one rank
             env_var("MASTER_ADDR", "$(LWS_LEADER_ADDRESS)"), env_var("MASTER_PORT", str(settings.rendezvous_port)),
             env_var("SHARDLINE_TELEMETRY_ADDR", settings.telemetry_address)]
 
@@ -167,6 +166,9 @@ def _rank_env(launch: GroupLaunch, settings: KubernetesSettings, rank: str) -> l
 def _rank_pod(launch: GroupLaunch, settings: KubernetesSettings, *, leader: bool) -> dict:
     role = "driver" if leader else "follower"
     args = ["serve", "worker", "--port", str(settings.worker_port), *launch.worker_flags()]
+    if launch.plan.tp_degree > 1:
+        # one rank per pod, and the scheduler may put a TP group's pods on different machines
+        args.append("--allow-cross-node-tp")
     ports = [{"name": "rendezvous", "containerPort": settings.rendezvous_port, "protocol": "TCP"}]
     container: dict = {
         "name": "worker",
@@ -189,8 +191,7 @@ def _rank_pod(launch: GroupLaunch, settings: KubernetesSettings, *, leader: bool
         # liveness (a liveness kill would recreate the whole group mid-load).
         container["readinessProbe"] = grpc_probe(settings.worker_port)
     # A follower gets the driver's flags: it builds the same RankSpec (layout, dtype, weights, KV
-    # cache) and takes its rank from RANK. No command runs a follower on its own host yet:
-    # `shardline serve worker` refuses RANK != 0, so this pod exits saying so.
+    # cache), takes its rank from RANK and runs the follower loop.
     volumes, mounts = model_volume(settings)
     volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}}, *volumes]
     container["volumeMounts"] = [{"name": "shm", "mountPath": SHM_PATH}, *mounts]

@@ -12,7 +12,11 @@ The static rendezvous keeps the node ranks as given, so global rank 0 (the drive
 that serves gRPC and registers the group) is on node 0, where ``HOST`` must point. Under
 torchrun each rank checks the placement again from torchrun's variables; rank 0 serves as a
 driver whose followers joined by themselves, every other rank runs the follower loop and exits
-when the driver stops the group or its collectives time out.
+when the driver stops the group or its collectives time out. A LeaderWorkerSet pod (one rank per
+pod, services/fleet/kubernetes.py) sets the same variables in its manifest and runs the same way.
+
+On hosts with several interfaces, tell gloo which one reaches the other hosts
+(``GLOO_SOCKET_IFNAME``) and torchrun which address to advertise (``--local-addr``).
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def under_launch() -> bool:
-    """Started by torchrun as one rank of a group of several."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Started as one rank of a group of several by a launcher that set torchrun's variables:
+    torchrun itself, or a LeaderWorkerSet pod (one rank per pod, the variables in its manifest)."""
+    env = os.environ
+    return (all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE"))
+            and int(env["WORLD_SIZE"]) > 1)
 
 
 def wants_launch(args: argparse.Namespace) -> bool:
@@ -74,10 +81,11 @@ def run_follower(rank: int, spec: RankSpec, telemetry: ShipperConfig | None) -> 
 def check(args: argparse.Namespace) -> NodeRanks:
     """This host's ranks for the flags (before the launch) or torchrun's variables (under it)."""
     tp, pp = args.tp, args.pp
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if under_launch():
         world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-        return check_launch(tp, pp, nnodes=world // max(1, local), node_rank=int(os.environ.get("GROUP_RANK", 0)),
-                            local_world_size=local, world_size=world, allow_cross_node_tp=args.allow_cross_node_tp)
+        node = int(os.environ.get("GROUP_RANK", int(os.environ["RANK"]) // max(1, local)))
+        return check_launch(tp, pp, nnodes=world // max(1, local), node_rank=node, local_world_size=local,
+                            world_size=world, allow_cross_node_tp=args.allow_cross_node_tp)
     nnodes = args.nnodes
     if nnodes < 1:
         raise PlacementError(f"--nnodes must be >= 1, got {nnodes}")

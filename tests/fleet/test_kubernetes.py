@@ -110,7 +110,7 @@ def test_the_leader_is_the_driver_and_serves_where_it_advertises() -> None:
     assert container["command"] == ["shardline"]
     port = DEFAULT_PORTS["worker"]
     assert container["args"] == ["serve", "worker", "--port", str(port), *launch.worker_flags(),
-                                 "--advertise-address", f"$(LWS_LEADER_ADDRESS):{port}"]
+                                 "--allow-cross-node-tp", "--advertise-address", f"$(LWS_LEADER_ADDRESS):{port}"]
     grpc = next(p for p in container["ports"] if p["name"] == "grpc")
     assert container["readinessProbe"]["grpc"]["port"] == grpc["containerPort"] == port
     assert "livenessProbe" not in container  # a liveness kill would recreate the group mid-load
@@ -135,7 +135,11 @@ def test_a_follower_joins_the_leaders_rendezvous_at_its_worker_index() -> None:
     env = _env(follower)
     assert env["RANK"] == "$(LWS_WORKER_INDEX)" and env["WORLD_SIZE"] == "4"
     assert env["MASTER_ADDR"] == "$(LWS_LEADER_ADDRESS)" and env["MASTER_PORT"] == "29500"
-    assert follower["args"] == ["serve", "worker", "--port", str(DEFAULT_PORTS["worker"]), *launch.worker_flags()]
+    # torchrun's variables for a node of one rank: the worker runs as a torchrun-launched rank
+    assert env["LOCAL_WORLD_SIZE"] == "1" and env["GROUP_RANK"] == "$(LWS_WORKER_INDEX)"
+    # a TP group's pods may land on different machines: the placement check is told so
+    assert follower["args"] == ["serve", "worker", "--port", str(DEFAULT_PORTS["worker"]), *launch.worker_flags(),
+                                "--allow-cross-node-tp"]
     assert "readinessProbe" not in follower  # only the driver serves gRPC
 
 

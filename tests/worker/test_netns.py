@@ -1,0 +1,132 @@
+"""A replica group across two hosts with network stacks of their own: two network namespaces joined
+by a veth pair (10.200.x.1/30 and .2, inside the namespaces only), node 0's ranks in the first and
+node 1's in the second, started by `shardline serve worker --nnodes 2` (torchrun, static
+rendezvous at node 0's address). The driver's gRPC is reached from inside namespace 0. Needs root
+(`ip netns`); skipped with the reason where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.worker.oracle import reference_greedy
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = [5, 80, 200, 31, 7, 99]
+COLLECTIVE_TIMEOUT_S = 2.0
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+class Hosts:
+    """Two namespaces and the veth between them; ``run`` starts a command in one."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 10000}{random.randrange(100)}"
+        self.ns = [f"sl{tag}a", f"sl{tag}b"]
+        self.dev = [f"v{tag}a", f"v{tag}b"]
+        subnet = random.randrange(0, 63) * 4
+        self.addr = [f"10.200.{subnet // 256}.{subnet % 256 + 1}", f"10.200.{subnet // 256}.{subnet % 256 + 2}"]
+
+    def up(self) -> str | None:
+        """None, or why the namespaces could not be made."""
+        for ns in self.ns:
+            done = _ip("netns", "add", ns)
+            if done.returncode:
+                return f"ip netns add: {done.stderr.strip() or done.returncode}"
+        steps = [("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])]
+        for i in (0, 1):
+            steps += [("link", "set", self.dev[i], "netns", self.ns[i]),
+                      ("-n", self.ns[i], "addr", "add", f"{self.addr[i]}/30", "dev", self.dev[i]),
+                      ("-n", self.ns[i], "link", "set", self.dev[i], "up"),
+                      ("-n", self.ns[i], "link", "set", "lo", "up")]
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode:
+                return f"ip {' '.join(step)}: {done.stderr.strip()}"
+        return None
+
+    def down(self) -> None:
+        for ns in self.ns:
+            for pid in self.pids(ns):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _ip("netns", "del", ns)
+
+    def pids(self, ns: str) -> list[int]:
+        return [int(p) for p in _ip("netns", "pids", ns).stdout.split()]
+
+    def run(self, node: int, argv: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen:
+        out = log.open("wb") if log else subprocess.PIPE
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[node], "env", *(f"{k}={v}" for k, v in env.items()),
+                                 *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT if log else None)
+
+    def client(self, *args: str, timeout_s: float = 120) -> dict:
+        proc = self.run(0, [sys.executable, "-m", "tests.worker.netns_client", *args], {})
+        out, _ = proc.communicate(timeout=timeout_s)
+        return json.loads(out.decode().strip().splitlines()[-1])
+
+
+@pytest.fixture()
+def hosts() -> Iterator[Hosts]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    h = Hosts()
+    problem = h.up()
+    if problem:
+        h.down()
+        pytest.skip(f"network namespaces not permitted here: {problem}")
+    yield h
+    h.down()
+
+
+def _start(hosts: Hosts, model_dir: Path, tp: int, pp: int, tmp_path: Path) -> str:
+    rdzv, port = f"{hosts.addr[0]}:29{random.randrange(100, 999)}", 50051
+    for node in (0, 1):
+        argv = [sys.executable, "-m", "services.cli", "serve", "worker", "--model", str(model_dir), "--tp", str(tp),
+                "--pp", str(pp), "--dtype", "float32", "--port", str(port), "--collective-timeout",
+                str(COLLECTIVE_TIMEOUT_S), "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", rdzv,
+                "--local-addr", hosts.addr[node]]
+        # gloo picks the interface its pairs listen on: the veth, the namespace's only way out
+        env = {"GLOO_SOCKET_IFNAME": hosts.dev[node], "SHARDLINE_HOST": "0.0.0.0", "PYTHONPATH": str(REPO)}
+        hosts.run(node, argv, env, tmp_path / f"node{node}.log")
+    return f"127.0.0.1:{port}"
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("node*.log")))
+
+
+# SIGKILL: node 1's sockets close and the next collective fails at once; SIGSTOP: its ranks hang
+# and the next collective times out
+@pytest.mark.parametrize("tp,pp,sig", [(1, 2, signal.SIGKILL), (2, 2, signal.SIGSTOP)], ids=["tp1-pp2-kill",
+                                                                                            "tp2-pp2-stop"])
+def test_a_group_across_two_network_namespaces_matches_and_fails_with_its_host(hosts, tiny_model_dir, tmp_path,
+                                                                              tp, pp, sig) -> None:
+    address = _start(hosts, tiny_model_dir, tp, pp, tmp_path)
+    assert hosts.client("wait", address, "150")["status"] == "SERVING", _logs(tmp_path)
+    got = hosts.client("generate", address, ",".join(map(str, PROMPT)), "16")["ids"]
+    assert got == reference_greedy(tiny_model_dir, PROMPT, 16), _logs(tmp_path)
+
+    t0 = time.monotonic()
+    for pid in hosts.pids(hosts.ns[1]):  # every rank (and the launcher) of node 1
+        os.kill(pid, sig)
+    down = hosts.client("until-down", address, "20")
+    elapsed = time.monotonic() - t0
+    assert down["status"] != "SERVING", _logs(tmp_path)
+    # noticed by the idle heartbeat's collective (every 0.5 s): within its timeout + 1 s, plus the
+    # check client's own start-up in namespace 0
+    assert elapsed < COLLECTIVE_TIMEOUT_S + 1.0 + 1.5, (elapsed, _logs(tmp_path))
