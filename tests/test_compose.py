@@ -16,6 +16,7 @@ from services.common.config import DEFAULT_PORTS
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDLINE_SERVICES = ("planner", "loader", "worker", "router", "telemetry")
+PP_NODES = ("worker-pp-node0", "worker-pp-node1")  # one replica group, a pipeline stage per container
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_the_internal_token_is_required_and_reaches_every_service(compose: dict)
 
 
 def test_all_seven_services_exist(compose: dict) -> None:
-    assert set(compose["services"]) == {"postgres", "redis", *SHARDLINE_SERVICES}
+    assert set(compose["services"]) == {"postgres", "redis", *SHARDLINE_SERVICES, *PP_NODES}
     assert compose["services"]["postgres"]["image"] == "postgres:15"
     assert compose["services"]["redis"]["image"] == "redis:7"
 
@@ -85,3 +86,18 @@ def test_dockerfile_entrypoint_and_codegen_step() -> None:
     assert "-c constraints.txt" in dockerfile
     assert "python -m services.common.protogen" in dockerfile
     assert 'ENTRYPOINT ["shardline"]' in dockerfile
+
+
+def test_a_two_node_group_meets_at_node_0_and_the_router_dials_its_driver(compose: dict) -> None:
+    nodes = [compose["services"][name] for name in PP_NODES]
+    for rank, node in enumerate(nodes):
+        command = node["command"]
+        assert command[:2] == ["serve", "worker"]
+        flags = dict(zip(command[2::2], command[3::2]))
+        assert (flags["--pp"], flags["--nnodes"], flags["--node-rank"]) == ("2", "2", str(rank))
+        assert flags["--rdzv-endpoint"] == "worker-pp-node0:29500"
+    assert "healthcheck" in nodes[0] and "healthcheck" not in nodes[1]  # only the driver serves gRPC
+    assert "--advertise-address" in nodes[0]["command"] and "--advertise-address" not in nodes[1]["command"]
+    router = compose["services"]["router"]["command"]
+    assert [router[i + 1] for i, a in enumerate(router) if a == "--worker"] == ["worker:50052",
+                                                                                 "worker-pp-node0:50052"]
