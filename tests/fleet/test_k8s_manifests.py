@@ -45,7 +45,8 @@ def objects() -> list[dict]:
 
 def test_every_built_in_object_validates(objects: list[dict]) -> None:
     built_in = [o for o in objects if o["kind"] != "LeaderWorkerSet"]
-    assert {"Deployment", "Service", "ConfigMap", "Role", "RoleBinding", "ServiceAccount"} <= {o["kind"] for o in built_in}
+    kinds = {o["kind"] for o in built_in}
+    assert {"Deployment", "Service", "ConfigMap", "Role", "RoleBinding", "ServiceAccount"} <= kinds
     for obj in built_in:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
