@@ -95,7 +95,7 @@ class ReplicaDriver:
         runner, self.engine = outcome[0]
         try:
             instrument_engine(self.engine, self.replica_group_id, self.shipper)
-            self._register(runner.rt.loaded_bytes)
+            self._register(runner.rt.loaded_bytes, runner.rt.node_ids)
         except BaseException:
             self._stop.set()  # the loop thread, waiting for _ready, ends instead
             raise
@@ -132,7 +132,7 @@ class ReplicaDriver:
         plan = self.spec.plan
         return {rank_field(tp, pp): status for pp in range(plan.pp_degree) for tp in range(plan.tp_degree)}
 
-    def _register(self, weight_bytes: int) -> None:
+    def _register(self, weight_bytes: int, node_ids: tuple[str, ...] = ()) -> None:
         opts = self.options
         if opts.health_url:
             self.health = make_health_store(opts.health_url)
@@ -150,9 +150,10 @@ class ReplicaDriver:
             self.registry.create_replica_group(model_name, plan.tp_degree, plan.pp_degree, plan.dtype, capacity,
                                                name=self.replica_group_id, endpoint=opts.endpoint,
                                                replica_group_id=group_uuid)
-        node = socket.gethostname()
         for pp in range(plan.pp_degree):
             for tp in range(plan.tp_degree):
+                rank = pp * plan.tp_degree + tp
+                node = node_ids[rank] if rank < len(node_ids) else socket.gethostname()
                 self.registry.register_shard(group_uuid, f"{self.replica_group_id}:pp{pp}-tp{tp}", node, tp, pp,
                                              weight_bytes)
         if not opts.await_rotation:

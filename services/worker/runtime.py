@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from services.common.collective_events import EventSink, RingBufferSink
 from services.loader.layout import model_fingerprint
@@ -16,6 +17,7 @@ from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
 from services.modeling.parallel.faults import WEIGHT_NOISE_ENV, NoisyCheckpoint, weight_noise_from_env
 from services.modeling.parallel.groups import ParallelGroups, init_parallel_groups
+from services.modeling.parallel.placement import node_id
 from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import CheckpointReader, load_weights
 from services.worker.engine.kv_cache import CacheConfig
@@ -89,6 +91,7 @@ class RankRuntime:
     loaded_bytes: int
     load_peak_rss_delta_bytes: int  # peak RSS while building + loading, minus the RSS before
     events: EventSink = field(repr=False, default_factory=RingBufferSink)
+    node_ids: tuple[str, ...] = ()  # every global rank's node (placement.node_id), gathered at start
 
     @property
     def device(self) -> torch.device:
@@ -122,7 +125,11 @@ class RankRuntime:
         model.eval()
         peak_delta = _peak_rss_bytes() - rss_before
         coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
-        return cls(plan, groups, coordinator, model, loaded, peak_delta, sink)
+        nodes = [node_id()]
+        if plan.world_size > 1:  # every rank's node, for the driver's registry rows
+            nodes = [None] * plan.world_size
+            dist.all_gather_object(nodes, node_id(), group=groups.control_group)
+        return cls(plan, groups, coordinator, model, loaded, peak_delta, sink, tuple(nodes))
 
 
 def _status_kib(field: str) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 
 from services.common.healthcheck import check, wait_serving
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.registry import ShardRegistry, registry_group_id
 from services.modeling.parallel.placement import PlacementError, check_launch, placement
 from tests.stack import free_port
 from tests.worker.oracle import reference_greedy
@@ -64,12 +66,12 @@ def test_the_worker_refuses_a_contradicting_launch_before_loading(tiny_model_dir
     assert "refused" in done.stdout and "splits a TP group across nodes" in done.stdout
 
 
-def _node(model_dir: Path, rank: int, rdzv: str, port: int, log: Path) -> subprocess.Popen:
+def _node(model_dir: Path, rank: int, rdzv: str, port: int, log: Path, *flags: str) -> subprocess.Popen:
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", "worker", "--model", str(model_dir), "--pp", "2",
              "--dtype", "float32", "--port", str(port), "--collective-timeout", "2", "--nnodes", "2",
-             "--node-rank", str(rank), "--rdzv-endpoint", rdzv],
+             "--node-rank", str(rank), "--rdzv-endpoint", rdzv, *flags],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "SHARDLINE_HOST": "127.0.0.1"})
 
 
@@ -108,9 +110,12 @@ def _status(address: str) -> str:
         return "GONE"
 
 
-def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_model_dir, tmp_path) -> None:
+def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_model_dir, tmp_path,
+                                                                      postgres_url) -> None:
     rdzv, port = f"127.0.0.1:{free_port()}", free_port()
-    nodes = [_node(tiny_model_dir, r, rdzv, port, tmp_path / f"node{r}.log") for r in (0, 1)]
+    name = f"rg-twonode-{os.getpid()}-{port}"
+    flags = ("--registry-url", postgres_url, "--replica-group-id", name)
+    nodes = [_node(tiny_model_dir, r, rdzv, port, tmp_path / f"node{r}.log", *flags) for r in (0, 1)]
     try:
         address = f"127.0.0.1:{port}"
         problem = wait_serving(nodes[0], address, timeout_s=120)
@@ -126,6 +131,12 @@ def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_mode
         assert ids == reference_greedy(tiny_model_dir, prompt, 16), logs()
         stats = stub.Stats(worker_pb2.StatsRequest())
         assert (stats.layout.tp_degree, stats.layout.pp_degree) == (1, 2)
+        # the driver registered each stage's shard with the node its rank runs on
+        registry = ShardRegistry(postgres_url)
+        group = registry_group_id(name)
+        host = socket.gethostname()
+        assert {s.gpu_id: s.node_id for s in registry.shards_of(group)} == {
+            f"{name}:pp0-tp0": f"{host}-node0", f"{name}:pp1-tp0": f"{host}-node1"}
 
         _kill_node(nodes[1])  # every process of node 1: its torchrun and its rank
         t0 = time.monotonic()
@@ -134,6 +145,10 @@ def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_mode
         assert _status(address) != "SERVING", logs()
         # the idle heartbeat's collective notices within its timeout (2 s) plus the idle period
         assert time.monotonic() - t0 < 2 + 1 + 3, logs()
+        deadline = time.monotonic() + 10
+        while registry.get_group(group).status != "dead" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert registry.get_group(group).status == "dead", logs()
         channel.close()
     finally:
         for proc in nodes:

@@ -10,6 +10,8 @@ nodes checks its launch against it before it loads anything.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 
@@ -19,6 +21,19 @@ class PlacementError(ValueError):
 
 def node_of(rank: int, ranks_per_node: int) -> int:
     return rank // ranks_per_node
+
+
+def node_id() -> str:
+    """This rank's node as the registry records it (``gpu_shards.node_id``): ``SHARDLINE_NODE_ID``
+    if set, else the host name, with ``-node<R>`` (torchrun's node rank) in a group launched on
+    several nodes, so that two nodes with one host name (containers, namespaces) stay apart."""
+    if explicit := os.environ.get("SHARDLINE_NODE_ID"):
+        return explicit
+    host = socket.gethostname()
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local and local < world and "GROUP_RANK" in os.environ:
+        return f"{host}-node{os.environ['GROUP_RANK']}"
+    return host
 
 
 @dataclass(frozen=True)
