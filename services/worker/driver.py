@@ -23,10 +23,12 @@ from services.common.health.base import HealthStore, rank_field
 from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
+from services.worker import node_health
 from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.runner import StageRunner, follower_loop
 from services.worker.launch import Followers, threads_per_rank
+from services.worker.node_health import rank_fields_of
 from services.worker.runtime import RankSpec
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class ReplicaDriver:
         self.registry: ShardRegistry | None = None
         self.health: HealthStore | None = None
         self.shipper: TelemetryShipper | None = None
+        self._node_ids: tuple[str, ...] = ()
 
     def start(self) -> LLMEngine:
         """Load rank 0 and build the engine on the engine-loop thread, which then runs it.
@@ -93,6 +96,7 @@ class ReplicaDriver:
             loop.join()
             raise outcome[0]
         runner, self.engine = outcome[0]
+        self._node_ids = runner.rt.node_ids
         try:
             instrument_engine(self.engine, self.replica_group_id, self.shipper)
             self._register(runner.rt.loaded_bytes, runner.rt.node_ids)
@@ -179,6 +183,11 @@ class ReplicaDriver:
 
     def _beat_health(self, util: float) -> None:
         assert self.health is not None
+        if self.options.external_followers:  # every node beats for its own ranks
+            own = [r for r, node in enumerate(self._node_ids) if node == self._node_ids[0]]
+            node_health.beat(self.health, self.replica_group_id, rank_fields_of(own, self.spec.plan.tp_degree))
+            self.health.set_kv_utilization(self.replica_group_id, util)
+            return
         # keep what others judged (telemetry marks a slow rank degraded): a heartbeat refreshes
         # liveness, it does not overrule a diagnosis
         current = self.health.group_health(self.replica_group_id)
@@ -201,9 +210,19 @@ class ReplicaDriver:
                 self.health.mark_group(self.replica_group_id, "unhealthy")
             except Exception as report_exc:
                 log.warning("could not record the failure in the health store: %s", report_exc)
+        reason = str(exc)
+        if self.health is not None and self.options.external_followers and self._node_ids:
+            try:  # which node stopped: its ranks' entries run out within a few seconds
+                lost = node_health.failed_nodes(self.health, self.replica_group_id, self._node_ids,
+                                                self.spec.plan.tp_degree)
+                if lost:
+                    reason = f"node {', '.join(lost)} stopped reporting; {reason}"
+                    log.error("replica group %s lost node %s", self.replica_group_id, ", ".join(lost))
+            except Exception as report_exc:
+                log.warning("could not tell which node failed: %s", report_exc)
         if self.registry is not None:
             try:
-                self.registry.set_status(registry_group_id(self.replica_group_id), "dead", reason=str(exc)[:500])
+                self.registry.set_status(registry_group_id(self.replica_group_id), "dead", reason=reason[:500])
             except Exception as report_exc:
                 log.warning("could not record the failure in the registry: %s", report_exc)
 

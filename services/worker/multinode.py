@@ -28,10 +28,12 @@ import sys
 
 import torch
 
+from services.common.health import make_health_store
 from services.modeling.parallel.placement import NodeRanks, PlacementError, check_launch
 from services.telemetry.client import ShipperConfig
 from services.worker.driver import follower_rank
 from services.worker.launch import threads_per_rank
+from services.worker.node_health import RankHeartbeat, rank_fields_of
 from services.worker.runtime import RankSpec
 
 log = logging.getLogger(__name__)
@@ -66,15 +68,23 @@ def wants_launch(args: argparse.Namespace) -> bool:
     return args.nnodes is not None and "TORCHELASTIC_RUN_ID" not in os.environ
 
 
-def run_follower(rank: int, spec: RankSpec, telemetry: ShipperConfig | None) -> int:
+def run_follower(rank: int, spec: RankSpec, telemetry: ShipperConfig | None, health_url: str | None = None) -> int:
     """Rank ``rank`` of a torchrun-launched group: load this rank's shards, run the follower loop
-    until the driver stops the group (0) or the group fails (1)."""
+    until the driver stops the group (0) or the group fails (1). With a health store, the rank
+    beats for itself (services/worker/node_health.py)."""
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    heartbeat = None
+    if health_url:
+        heartbeat = RankHeartbeat(make_health_store(health_url), spec.replica_group_id,
+                                  rank_fields_of([rank], spec.plan.tp_degree))
     try:
         follower_rank(rank, int(os.environ["WORLD_SIZE"]), spec, telemetry)
     except Exception:  # noqa: BLE001 - a collective timed out, a peer died, a shard failed to load
         log.exception("rank %d of replica group %s failed", rank, spec.replica_group_id)
         return 1
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
     return 0
 
 

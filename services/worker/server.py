@@ -260,7 +260,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     if external and rank != "0":
-        return _exit(multinode.run_follower(int(rank), spec, telemetry))
+        health_url = resolve("redis_url", args.redis_url, "") or None
+        return _exit(multinode.run_follower(int(rank), spec, telemetry, health_url))
 
     def on_started(server: GrpcServer) -> None:
         options = ServingOptions(registry_url=resolve("registry_url", args.registry_url, "") or None,

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.health import make_health_store
 from services.common.healthcheck import check, wait_serving
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
@@ -111,10 +112,10 @@ def _status(address: str) -> str:
 
 
 def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_model_dir, tmp_path,
-                                                                      postgres_url) -> None:
+                                                                      postgres_url, redis_url) -> None:
     rdzv, port = f"127.0.0.1:{free_port()}", free_port()
     name = f"rg-twonode-{os.getpid()}-{port}"
-    flags = ("--registry-url", postgres_url, "--replica-group-id", name)
+    flags = ("--registry-url", postgres_url, "--redis-url", redis_url, "--replica-group-id", name)
     nodes = [_node(tiny_model_dir, r, rdzv, port, tmp_path / f"node{r}.log", *flags) for r in (0, 1)]
     try:
         address = f"127.0.0.1:{port}"
@@ -131,6 +132,11 @@ def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_mode
         assert ids == reference_greedy(tiny_model_dir, prompt, 16), logs()
         stats = stub.Stats(worker_pb2.StatsRequest())
         assert (stats.layout.tp_degree, stats.layout.pp_degree) == (1, 2)
+        health = make_health_store(redis_url)
+        deadline = time.monotonic() + 5  # each node beats for its own rank
+        while set(health.group_health(name)) != {"pp0_tp0", "pp1_tp0"} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health.group_health(name) == {"pp0_tp0": "healthy", "pp1_tp0": "healthy"}
         # the driver registered each stage's shard with the node its rank runs on
         registry = ShardRegistry(postgres_url)
         group = registry_group_id(name)
@@ -148,7 +154,10 @@ def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_mode
         deadline = time.monotonic() + 10
         while registry.get_group(group).status != "dead" and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert registry.get_group(group).status == "dead", logs()
+        record = registry.get_group(group)
+        assert record.status == "dead", logs()
+        # node 1's rank stopped renewing its health entry: the reason names that node
+        assert record.status_reason.startswith(f"node {host}-node1 stopped reporting;"), record.status_reason
         channel.close()
     finally:
         for proc in nodes:

@@ -1,0 +1,70 @@
+"""Health heartbeats of a group that spans nodes, and which node a failure lost.
+
+A driver that spawned its followers beats for every rank: they live and die with its host. When
+the ranks are on several nodes, each rank beats for itself with a short TTL (NODE_TTL_S), and the
+driver for its own node's ranks, so a node that dies or hangs stops renewing its ranks' entries.
+When the driver's collectives fail, the group is marked unhealthy at once; the ranks whose
+entries then run out name the node(s) that stopped (:func:`failed_nodes`), and the registry's
+``status_reason`` says which.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from services.common.health.base import HealthStore, rank_field
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+NODE_TTL_S = 3.0  # a rank's entry outlives its last beat by this much
+
+
+def rank_fields_of(ranks: Sequence[int], tp: int) -> list[str]:
+    return [rank_field(r % tp, r // tp) for r in ranks]
+
+
+def beat(health: HealthStore, group_id: str, fields: Sequence[str]) -> None:
+    """Renew ``fields`` (NODE_TTL_S), keeping what others judged (degraded, unhealthy)."""
+    current = health.group_health(group_id)
+    health.heartbeat(group_id, {f: current.get(f, "healthy") for f in fields}, ttl_s=NODE_TTL_S)
+
+
+class RankHeartbeat:
+    """A follower rank's own heartbeat, on a thread, until :meth:`stop`."""
+
+    def __init__(self, health: HealthStore, group_id: str, fields: Sequence[str]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(health, group_id, list(fields)),
+                                        name="rank-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, health: HealthStore, group_id: str, fields: list[str]) -> None:
+        while True:
+            try:
+                beat(health, group_id, fields)
+            except Exception as exc:  # the store restarting: the next beat retries
+                log.warning("rank heartbeat failed: %s", exc)
+            if self._stop.wait(HEARTBEAT_S):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def failed_nodes(health: HealthStore, group_id: str, node_ids: Sequence[str], tp: int,
+                 wait_s: float = NODE_TTL_S + HEARTBEAT_S) -> list[str]:
+    """The nodes with a rank whose entry has run out, waiting up to ``wait_s`` for one to (an
+    entry lives NODE_TTL_S past its node's last beat); [] when every node still reports."""
+    fields = rank_fields_of(range(len(node_ids)), tp)
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = health.group_health(group_id)
+        missing = [node_ids[r] for r, f in enumerate(fields) if f not in live]
+        if missing or time.monotonic() >= deadline:
+            return sorted(set(missing))
+        time.sleep(0.2)
