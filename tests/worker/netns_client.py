@@ -1,5 +1,6 @@
 """Run inside a test's network namespace (``ip netns exec NS python -m tests.worker.netns_client``):
-a driver's health, or one greedy completion from it, printed as one JSON line."""
+a driver's health, one greedy completion from it, or a telemetry service's windows of a group,
+printed as one JSON line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import grpc
 
 from services.common.healthcheck import check
-from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.proto import common_pb2, telemetry_pb2, telemetry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 def status(address: str) -> str:
@@ -36,6 +37,11 @@ def main(argv: list[str]) -> int:
                 sampling=common_pb2.SamplingParameters(temperature=0, max_tokens=n, ignore_eos=True)), timeout=60)
             ids = [e.token.token_id for e in events if e.WhichOneof("event") == "token"]
         print(json.dumps({"ids": ids}))
+    elif command == "events":  # the telemetry service's windows of one group: [gpu_id, op_type, count]
+        with grpc.insecure_channel(address) as channel:
+            reply = telemetry_pb2_grpc.TelemetryServiceStub(channel).Query(
+                telemetry_pb2.QueryRequest(replica_group_id=argv[2]), timeout=10)
+        print(json.dumps({"windows": [[w.gpu_id, w.op_type, w.count] for w in reply.windows]}))
     elif command == "until-down":  # seconds until it stops saying SERVING (or the deadline)
         t0, deadline = time.monotonic(), time.monotonic() + float(argv[2])
         while (state := status(address)) == "SERVING" and time.monotonic() < deadline:

@@ -22,7 +22,7 @@ from tests.worker.oracle import reference_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [5, 80, 200, 31, 7, 99]
-COLLECTIVE_TIMEOUT_S = 2.0
+COLLECTIVE_TIMEOUT_S = 3.0
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -75,9 +75,12 @@ class Hosts:
                                  *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT if log else None)
 
     def client(self, *args: str, timeout_s: float = 120) -> dict:
-        proc = self.run(0, [sys.executable, "-m", "tests.worker.netns_client", *args], {})
-        out, _ = proc.communicate(timeout=timeout_s)
-        return json.loads(out.decode().strip().splitlines()[-1])
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns[0], sys.executable, "-m", "tests.worker.netns_client",
+                                 *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=timeout_s)
+        lines = out.decode().strip().splitlines()
+        assert proc.returncode == 0 and lines, f"netns_client {args}: exit {proc.returncode}\n{err.decode()[-2000:]}"
+        return json.loads(lines[-1])
 
 
 @pytest.fixture()
@@ -93,13 +96,21 @@ def hosts() -> Iterator[Hosts]:
     h.down()
 
 
+GROUP = "rg-netns"
+TELEMETRY_PORT = 50055
+
+
 def _start(hosts: Hosts, model_dir: Path, tp: int, pp: int, tmp_path: Path) -> str:
     rdzv, port = f"{hosts.addr[0]}:29{random.randrange(100, 999)}", 50051
+    # a telemetry service on node 0: node 1's ranks ship their collective events to it over the veth
+    hosts.run(0, [sys.executable, "-m", "services.cli", "serve", "telemetry", "--port", str(TELEMETRY_PORT)],
+              {"SHARDLINE_HOST": "0.0.0.0", "PYTHONPATH": str(REPO)}, tmp_path / "telemetry.log")
     for node in (0, 1):
         argv = [sys.executable, "-m", "services.cli", "serve", "worker", "--model", str(model_dir), "--tp", str(tp),
                 "--pp", str(pp), "--dtype", "float32", "--port", str(port), "--collective-timeout",
                 str(COLLECTIVE_TIMEOUT_S), "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", rdzv,
-                "--local-addr", hosts.addr[node]]
+                "--local-addr", hosts.addr[node], "--replica-group-id", GROUP,
+                "--telemetry", f"{hosts.addr[0]}:{TELEMETRY_PORT}"]
         # gloo picks the interface its pairs listen on: the veth, the namespace's only way out
         env = {"GLOO_SOCKET_IFNAME": hosts.dev[node], "SHARDLINE_HOST": "0.0.0.0", "PYTHONPATH": str(REPO)}
         hosts.run(node, argv, env, tmp_path / f"node{node}.log")
@@ -107,11 +118,13 @@ def _start(hosts: Hosts, model_dir: Path, tp: int, pp: int, tmp_path: Path) -> s
 
 
 def _logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("node*.log")))
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
 
 
 # SIGKILL: node 1's sockets close and the next collective fails at once; SIGSTOP: its ranks hang
-# and the next collective times out
+# and the next collective times out. Serial: five processes of ranks and services on 2 cores, timed
+# against the collective timeout, next to another test's group would time out for the wrong reason.
+@pytest.mark.serial
 @pytest.mark.parametrize("tp,pp,sig", [(1, 2, signal.SIGKILL), (2, 2, signal.SIGSTOP)], ids=["tp1-pp2-kill",
                                                                                             "tp2-pp2-stop"])
 def test_a_group_across_two_network_namespaces_matches_and_fails_with_its_host(hosts, tiny_model_dir, tmp_path,
@@ -120,6 +133,18 @@ def test_a_group_across_two_network_namespaces_matches_and_fails_with_its_host(h
     assert hosts.client("wait", address, "150")["status"] == "SERVING", _logs(tmp_path)
     got = hosts.client("generate", address, ",".join(map(str, PROMPT)), "16")["ids"]
     assert got == reference_greedy(tiny_model_dir, PROMPT, 16), _logs(tmp_path)
+
+    # the stage boundary's send/recv, recorded on both sides of it: stage 0 on node 0, stage 1 on
+    # node 1, whose events reached telemetry on node 0 across the veth
+    counts: dict[tuple[str, str], int] = {}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        windows = hosts.client("events", f"127.0.0.1:{TELEMETRY_PORT}", GROUP)["windows"]
+        counts = {(gpu, op): n for gpu, op, n in windows}
+        if counts.get((f"{GROUP}:pp1-tp0", "recv")) and counts.get((f"{GROUP}:pp0-tp0", "send")):
+            break
+        time.sleep(0.5)
+    assert counts.get((f"{GROUP}:pp1-tp0", "recv"), 0) > 0 and counts.get((f"{GROUP}:pp0-tp0", "send"), 0) > 0, counts
 
     t0 = time.monotonic()
     for pid in hosts.pids(hosts.ns[1]):  # every rank (and the launcher) of node 1
