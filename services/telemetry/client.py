@@ -115,8 +115,9 @@ class _Stream:
 class TelemetryShipper:
     """EventSink that batches events to ``TelemetryService.Report`` from a background thread."""
 
-    def __init__(self, config: ShipperConfig) -> None:
+    def __init__(self, config: ShipperConfig, *, node_id: str = "") -> None:
         self.config = config
+        self.node_id = node_id  # the node this rank runs on, sent with every batch
         self._buffer: collections.deque[CollectiveEvent] = collections.deque()
         self._capacity = config.buffer_events
         self._batch = config.batch_events
@@ -194,7 +195,7 @@ class TelemetryShipper:
                 stream.sent += len(batch)
                 self.sent += len(batch)
                 yield telemetry_pb2.ReportRequest(events=[event_to_pb(e) for e in batch],
-                                                  dropped=dropped - self._dropped_reported)
+                                                  dropped=dropped - self._dropped_reported, node_id=self.node_id)
                 self._dropped_reported = dropped
             if self._closing.is_set() and not self._buffer:
                 return

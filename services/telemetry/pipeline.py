@@ -10,6 +10,7 @@ the health store and the registry off the ingest path.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
-from services.telemetry.rules import RAISED_KINDS, Alert, RuleConfig, RuleEngine
+from services.telemetry.rules import RAISED_KINDS, Alert, AlertKind, RuleConfig, RuleEngine
 from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowConfig, WindowStore, WindowSummary
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class TelemetryPipeline:
         self._judged: dict[str, int] = {}  # group -> last window index the slow-rank rule saw
         self._history: collections.deque[Alert] = collections.deque(maxlen=ALERT_HISTORY)
         self._subscribers: list[AlertSubscription] = []
+        self._nodes: dict[tuple[str, str], str] = {}  # (group, gpu_id) -> the node its events came from
         self._effects = EffectWorker(effects) if effects is not None else None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -107,11 +109,15 @@ class TelemetryPipeline:
                 log.exception("telemetry window tick failed")
 
     # -- ingest ----------------------------------------------------------------------------
-    def ingest(self, events: Iterable[EventLike], *, dropped: int = 0) -> int:
+    def ingest(self, events: Iterable[EventLike], *, dropped: int = 0, node_id: str = "") -> int:
         """Add one batch; returns the events accepted. Timed-out events are judged here, in each
-        rank's order (the stage-link rule counts timeouts in a row)."""
+        rank's order (the stage-link rule counts timeouts in a row). ``node_id``: the sender's
+        node, remembered for the ranks of the batch so that an alert can name where a rank runs."""
         if isinstance(events, Iterator):
             events = list(events)  # read twice when there is something to judge
+        if node_id and len(events):  # a batch is one rank's: its first event names the rank
+            first = events[0]
+            self._nodes[(first.replica_group_id, first.gpu_id)] = node_id
         timed_out = []
         alerts = []
         with self.lock:
@@ -140,7 +146,21 @@ class TelemetryPipeline:
         for s in members:
             last_seen[s.gpu_id] = max(last_seen.get(s.gpu_id, 0), s.last_seen_ms)
         silent = [gpu for gpu, seen in last_seen.items() if seen < began_ms and gpu != event.gpu_id]
-        return self.rules.on_timeout(event, group_gpu_ids=gpus, silent_gpu_ids=silent)
+        alert = self.rules.on_timeout(event, group_gpu_ids=gpus, silent_gpu_ids=silent)
+        nodes = self._silent_nodes(event.replica_group_id, set(silent))
+        if alert is not None and nodes:  # a host that was lost or hung: all of its ranks went quiet
+            alert = dataclasses.replace(alert, message=f"{alert.message} [on node {', '.join(nodes)}]")
+        return alert
+
+    def _silent_nodes(self, group: str, silent: set[str]) -> list[str]:
+        """The nodes every one of whose ranks is silent. A rank that waits in the same collective on
+        a healthy node goes quiet too (a broadcast relays through it), but its node's other ranks
+        still report: the rank that timed out, at least."""
+        by_node: dict[str, list[str]] = {}
+        for (g, gpu), node in self._nodes.items():
+            if g == group:
+                by_node.setdefault(node, []).append(gpu)
+        return sorted(node for node, gpus in by_node.items() if all(gpu in silent for gpu in gpus))
 
     # -- windows closing -------------------------------------------------------------------
     def tick(self, now_ms: int | None = None) -> list[Alert]:
@@ -177,6 +197,9 @@ class TelemetryPipeline:
 
     # -- alerts ----------------------------------------------------------------------------
     def _publish(self, alert: Alert) -> None:
+        node = self._nodes.get((alert.replica_group_id, alert.gpu_id))
+        if node and alert.kind is AlertKind.SLOW_RANK:  # the straggler's node
+            alert = dataclasses.replace(alert, message=f"{alert.message} [{alert.gpu_id} runs on node {node}]")
         log.warning("alert %s: %s", alert.kind.value, alert.message)
         with self.lock:
             self.alerts_fired += 1

@@ -53,7 +53,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
                context: grpc.ServicerContext) -> telemetry_pb2.ReportResponse:
         accepted = dropped = 0
         for request in request_iterator:
-            accepted += self.pipeline.ingest(request.events, dropped=request.dropped)
+            accepted += self.pipeline.ingest(request.events, dropped=request.dropped, node_id=request.node_id)
             dropped += request.dropped
         return telemetry_pb2.ReportResponse(accepted=accepted, dropped=dropped)
 

@@ -21,6 +21,7 @@ import torch
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_field
 from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
+from services.modeling.parallel.placement import node_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
 from services.worker import node_health
@@ -36,7 +37,7 @@ HEARTBEAT_S = 1.0
 
 
 def follower_rank(rank: int, world_size: int, spec: RankSpec, telemetry: ShipperConfig | None = None) -> None:
-    shipper = TelemetryShipper(telemetry) if telemetry is not None else None
+    shipper = TelemetryShipper(telemetry, node_id=node_id()) if telemetry is not None else None
     try:
         runner, _ = start_rank(spec, rank, sink=shipper)
         follower_loop(runner)
@@ -86,7 +87,7 @@ class ReplicaDriver:
         if plan.world_size > 1 and not self.options.external_followers:
             self.followers = Followers(plan.world_size, follower_rank, self.spec, self.options.telemetry)
         if self.options.telemetry is not None:
-            self.shipper = TelemetryShipper(self.options.telemetry)
+            self.shipper = TelemetryShipper(self.options.telemetry, node_id=node_id())
         built = threading.Event()
         outcome: list[tuple[StageRunner, LLMEngine] | BaseException] = []
         loop = threading.Thread(target=self._run_engine, args=(built, outcome), name="engine-loop", daemon=True)

@@ -58,13 +58,17 @@ class RankHeartbeat:
 
 def failed_nodes(health: HealthStore, group_id: str, node_ids: Sequence[str], tp: int,
                  wait_s: float = NODE_TTL_S + HEARTBEAT_S) -> list[str]:
-    """The nodes with a rank whose entry has run out, waiting up to ``wait_s`` for one to (an
-    entry lives NODE_TTL_S past its node's last beat); [] when every node still reports."""
+    """The other nodes (not node_ids[0], the caller's) with a rank whose entry has run out,
+    waiting up to ``wait_s`` for one to (an entry lives NODE_TTL_S past its node's last beat);
+    [] when every node still reports. The caller's own ranks are renewed meanwhile, so that
+    its node is not the first to run out."""
     fields = rank_fields_of(range(len(node_ids)), tp)
+    own = [f for r, f in enumerate(fields) if node_ids[r] == node_ids[0]]
     deadline = time.monotonic() + wait_s
     while True:
+        beat(health, group_id, own)
         live = health.group_health(group_id)
-        missing = [node_ids[r] for r, f in enumerate(fields) if f not in live]
+        missing = [node_ids[r] for r, f in enumerate(fields) if f not in live and node_ids[r] != node_ids[0]]
         if missing or time.monotonic() >= deadline:
             return sorted(set(missing))
         time.sleep(0.2)

@@ -149,6 +149,25 @@ def test_a_peer_that_left_the_previous_collective_with_the_hung_rank_counts_as_s
     assert alert.message.endswith("not heard from since it began: rg:pp0-tp1"), alert.message
 
 
+def test_a_timeout_names_the_node_of_the_ranks_it_waited_on():
+    # each rank's shipper says which node it runs on; a hung host's ranks go silent together
+    clock = Clock()
+    pipeline = make_pipeline(clock)
+    began = ORIGIN + 1000
+    for pp, tp in RANKS:
+        pipeline.ingest([CollectiveEvent("rg", f"rg:pp{pp}-tp{tp}", "all_reduce", 8, 0.2, 2, began - 5, False)],
+                        node_id=f"host-node{pp}")
+    # node 1's ranks hang; node 0's other rank waits in the same broadcast (silent too), but the
+    # rank that timed out is on node 0: only node 1 went quiet as a whole
+    sub = pipeline.subscribe("rg")
+    pipeline.ingest([CollectiveEvent("rg", "rg:pp0-tp0", "broadcast", 8, 2000.0, 4, began + 2000, True)],
+                    node_id="host-node0")
+    alert = sub.get(1.0)
+    assert alert.kind is AlertKind.COLLECTIVE_TIMEOUT
+    assert "not heard from since it began: rg:pp0-tp1, rg:pp1-tp0, rg:pp1-tp1" in alert.message
+    assert alert.message.endswith("[on node host-node1]"), alert.message
+
+
 def _drain(sub):
     while (alert := sub.get(0.1)) is not None:
         yield alert

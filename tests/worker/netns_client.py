@@ -42,6 +42,20 @@ def main(argv: list[str]) -> int:
             reply = telemetry_pb2_grpc.TelemetryServiceStub(channel).Query(
                 telemetry_pb2.QueryRequest(replica_group_id=argv[2]), timeout=10)
         print(json.dumps({"windows": [[w.gpu_id, w.op_type, w.count] for w in reply.windows]}))
+    elif command == "alerts":  # the group's alerts (retained ones first) until one names a node, or the deadline
+        messages, deadline = [], time.monotonic() + float(argv[3])
+        with grpc.insecure_channel(address) as channel:
+            stream = telemetry_pb2_grpc.TelemetryServiceStub(channel).Alerts(
+                telemetry_pb2.AlertsRequest(replica_group_id=argv[2]), timeout=float(argv[3]))
+            try:
+                for alert in stream:
+                    messages.append(alert.message)
+                    if "[on node " in alert.message or time.monotonic() > deadline:
+                        break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+        print(json.dumps({"messages": messages}))
     elif command == "until-down":  # seconds until it stops saying SERVING (or the deadline)
         t0, deadline = time.monotonic(), time.monotonic() + float(argv[2])
         while (state := status(address)) == "SERVING" and time.monotonic() < deadline:
