@@ -14,6 +14,7 @@
 #include "cpu_amx.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -59,13 +60,12 @@ void configure(int64_t rows) {
 
 // y^T tiles -> y: column m of each 16 x rows tile is row m's 16 channels
 template <int NB>
-inline void store(float (&acc)[4][256], int64_t rows, const float* scale, float unit, c10::BFloat16* y, int64_t N,
-                  int64_t m0, int64_t n0) {
+inline void store(float (&acc)[4][256], int64_t rows, const float* scale, c10::BFloat16* y, int64_t N, int64_t m0,
+                  int64_t n0) {
   const __m512i column = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
   for (int j = 0; j < NB; ++j) {
-    const __m512 s = scale ? _mm512_mul_ps(_mm512_loadu_ps(scale + n0 + 16 * j), _mm512_set1_ps(unit))
-                           : _mm512_set1_ps(1.0f);
+    const __m512 s = scale ? _mm512_loadu_ps(scale + n0 + 16 * j) : _mm512_set1_ps(1.0f);
     for (int64_t m = 0; m < rows; ++m) {
       __m512 v = _mm512_i32gather_ps(column, acc[j] + m, 4);
       if (scale) v = _mm512_mul_ps(v, s);
@@ -78,7 +78,7 @@ inline void store(float (&acc)[4][256], int64_t rows, const float* scale, float 
 // NB (1-4) channel blocks from n0 against one block of `rows` activation rows
 template <int NB>
 inline void group(const uint16_t* w, int64_t ldw, const uint16_t* xb, int64_t rows, int64_t K, const float* scale,
-                  float unit, c10::BFloat16* y, int64_t N, int64_t m0, int64_t n0) {
+                  c10::BFloat16* y, int64_t N, int64_t m0, int64_t n0) {
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
   if constexpr (NB > 2) _tile_zero(2);
@@ -106,7 +106,7 @@ inline void group(const uint16_t* w, int64_t ldw, const uint16_t* xb, int64_t ro
   if constexpr (NB > 1) _tile_stored(1, acc[1], 64);
   if constexpr (NB > 2) _tile_stored(2, acc[2], 64);
   if constexpr (NB > 3) _tile_stored(3, acc[3], 64);
-  store<NB>(acc, rows, scale, unit, y, N, m0, n0);
+  store<NB>(acc, rows, scale, y, N, m0, n0);
 }
 
 bool granted() {
@@ -122,10 +122,11 @@ bool ready() {
   return ok;
 }
 
-void pack(const uint16_t* x, uint16_t* out, int64_t M, int64_t K) {
-  const int64_t pairs = K / 2;
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(x);
-  uint32_t* dst = reinterpret_cast<uint32_t*>(out);
+at::Tensor pack(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), pairs = K / 2;
+  at::Tensor packed = at::empty({M * K}, x.options());
+  const uint32_t* src = static_cast<const uint32_t*>(x.data_ptr());
+  uint32_t* dst = static_cast<uint32_t*>(packed.data_ptr());
   auto block = [&](int64_t b) {
     const int64_t m0 = b * 16, rows = std::min<int64_t>(16, M - m0);
     const uint32_t* s = src + m0 * pairs;
@@ -134,13 +135,14 @@ void pack(const uint16_t* x, uint16_t* out, int64_t M, int64_t K) {
       for (int64_t m = 0; m < rows; ++m) d[p * rows + m] = s[m * pairs + p];
   };
   const int64_t blocks = (M + 15) / 16;
-  if (M == 1) std::memcpy(out, x, K * 2);  // one row: already the layout
+  if (M == 1) std::memcpy(dst, src, K * 2);  // one row: already the layout
   else if (blocks < 4) for (int64_t b = 0; b < blocks; ++b) block(b);
   else at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { for (int64_t b = b0; b < b1; ++b) block(b); });
+  return packed;
 }
 
 void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int64_t K, const float* scale,
-              float unit, c10::BFloat16* y, int64_t N, int64_t n0, int64_t blocks) {
+              c10::BFloat16* y, int64_t N, int64_t n0, int64_t blocks) {
   for (int64_t g = 0; g < blocks; g += 4) {
     const int64_t nb = std::min<int64_t>(4, blocks - g), n = n0 + 16 * g;
     const uint16_t* wg = w + 16 * g * ldw;
@@ -149,10 +151,10 @@ void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int
       configure(rows);
       const uint16_t* xb = xp + m0 * K;
       switch (nb) {
-        case 4: group<4>(wg, ldw, xb, rows, K, scale, unit, y, N, m0, n); break;
-        case 3: group<3>(wg, ldw, xb, rows, K, scale, unit, y, N, m0, n); break;
-        case 2: group<2>(wg, ldw, xb, rows, K, scale, unit, y, N, m0, n); break;
-        default: group<1>(wg, ldw, xb, rows, K, scale, unit, y, N, m0, n); break;
+        case 4: group<4>(wg, ldw, xb, rows, K, scale, y, N, m0, n); break;
+        case 3: group<3>(wg, ldw, xb, rows, K, scale, y, N, m0, n); break;
+        case 2: group<2>(wg, ldw, xb, rows, K, scale, y, N, m0, n); break;
+        default: group<1>(wg, ldw, xb, rows, K, scale, y, N, m0, n); break;
       }
     }
   }
@@ -167,9 +169,9 @@ void end() {
 #else  // no AMX here: ready() is false and nothing else is called
 
 bool ready() { return false; }
-void pack(const uint16_t*, uint16_t*, int64_t, int64_t) {}
-void channels(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, float, c10::BFloat16*,
-              int64_t, int64_t, int64_t) {}
+at::Tensor pack(const at::Tensor& x) { return x; }
+void channels(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, c10::BFloat16*, int64_t,
+              int64_t, int64_t) {}
 void end() {}
 
 #endif  // SHARDLINE_AMX

@@ -13,6 +13,7 @@
 // (amx::fits), never on M.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <cstdint>
 
@@ -24,16 +25,16 @@ bool ready();
 // the shapes this kernel takes: K in whole 32-element chunks, N in whole 16-channel tiles
 inline bool fits(int64_t K, int64_t N) { return K > 0 && K % 32 == 0 && N % 16 == 0; }
 
-// x [M, K] (contiguous bfloat16 bits) -> out (M x K elements): per block of 16 rows, the block's
-// (row, k-pair) matrix transposed, so that a tile's row is one k-pair for each of the block's rows
-void pack(const uint16_t* x, uint16_t* out, int64_t M, int64_t K);
+// x [M, K] (contiguous bfloat16) -> M x K elements: per block of 16 rows, the block's (row, k-pair)
+// matrix transposed, so that a tile's row is one k-pair for each of the block's rows
+at::Tensor pack(const at::Tensor& x);
 
-// y[m, n] = scale[n] * unit * sum_k x[m, k] w[n, k] for every row m < M and channels
+// y[m, n] = scale[n] * sum_k x[m, k] w[n, k] for every row m < M and channels
 // [n0, n0 + 16 * blocks), rounded to bfloat16 (scale null: no scaling). w: channel n0's row
 // (rows ldw elements apart); xp: pack's output. Called inside a parallel task; end() after the
 // task's last call.
 void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int64_t K, const float* scale,
-              float unit, c10::BFloat16* y, int64_t N, int64_t n0, int64_t blocks);
+              c10::BFloat16* y, int64_t N, int64_t n0, int64_t blocks);
 
 // the task's tiles released (the thread's tile state off again)
 void end();

@@ -90,10 +90,7 @@ void attend_group(const T* q, int64_t q_head_stride, const T* k_cache, const T* 
 // Values: kG x kC accumulators stay in registers across the whole context.
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return shardline::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

@@ -125,12 +125,11 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
   const uint16_t* wp = static_cast<const uint16_t*>(w.data_ptr());
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   if (shardline::amx::ready() && shardline::amx::fits(K, N)) {
-    at::Tensor packed = at::empty({M * K}, x.options());
-    uint16_t* pp = static_cast<uint16_t*>(packed.data_ptr());
-    shardline::amx::pack(xp, pp, M, K);
+    const at::Tensor packed = shardline::amx::pack(xc);
+    const uint16_t* pp = static_cast<const uint16_t*>(packed.data_ptr());
     // tasks of whole 16-channel tiles, four or more each
     at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
-      shardline::amx::channels(wp + b0 * 16 * K, K, pp, M, K, nullptr, 1.0f, yp, N, b0 * 16, b1 - b0);
+      shardline::amx::channels(wp + b0 * 16 * K, K, pp, M, K, nullptr, yp, N, b0 * 16, b1 - b0);
       shardline::amx::end();
     });
     return y;

@@ -41,36 +41,16 @@ SHARDLINE_SIMD
 }
 
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
-#define SHARDLINE_ROTARY_BF16 1  // and silu_and_mul's
-// rotary_'s loop for one bfloat16 token, 16 lanes at a time, with the same roundings (each
-// product rounded to bfloat16, as the reference materialises it, then the sum rounded on store);
-// vcvtneps2bf16 rounds to nearest even as Elem::store does. What the compiler made of the
-// portable loop took ~5 ns per pair of elements (a third of a 16-row decode step's element-wise
+#define SHARDLINE_OPS_BF16 1
+// rotary_'s and silu_and_mul's loops for bfloat16, 16 lanes at a time (cpu_vec.h's helpers), with
+// the portable loops' arithmetic and roundings: each product rounded to bfloat16 where the
+// reference materialises it, the result rounded on store. What the compiler made of the portable
+// rotary loop took ~5 ns per pair of elements (a third of a 16-row decode step's element-wise
 // time); this takes well under one.
-inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-inline __m512 rounded(__m512 v) { return bf16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
-inline __m512 load_bf16(const uint16_t* p) { return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v)); }
-
-// fast_exp (cpu_vec.h) on 16 lanes, op for op, so that each lane has the scalar function's bits
-inline __m512 fast_exp16(__m512 x) {
-  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 shift = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512 scale = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_mov_ps(_mm512_mul_ps(y, scale), nan, x);
-}
+using shardline::fast_exp16;
+using shardline::load_bf16;
+using shardline::round_bf16;
+using shardline::store_bf16;
 
 // silu_and_mul's loop for one bfloat16 row, 16 lanes at a time (the rest: the scalar loop), with
 // the scalar loop's arithmetic and roundings
@@ -80,7 +60,7 @@ int64_t silu_and_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int
     const __m512 x = load_bf16(g + i);
     const __m512 e = fast_exp16(_mm512_castsi512_ps(  // -x: the sign bit flipped
         _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
-    const __m512 act = rounded(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    const __m512 act = round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
     store_bf16(o + i, _mm512_mul_ps(act, load_bf16(u + i)));
   }
   return i;
@@ -93,8 +73,8 @@ void rotary_bf16(uint16_t* q, const uint16_t* c, const uint16_t* s, int64_t head
     for (int64_t h = 0; h < heads; ++h) {
       uint16_t* x = q + h * d;
       const __m512 x1 = load_bf16(x + i), x2 = load_bf16(x + i + half);
-      store_bf16(x + i, _mm512_sub_ps(rounded(_mm512_mul_ps(x1, ci)), rounded(_mm512_mul_ps(x2, si))));
-      store_bf16(x + i + half, _mm512_add_ps(rounded(_mm512_mul_ps(x2, ci)), rounded(_mm512_mul_ps(x1, si))));
+      store_bf16(x + i, _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, ci)), round_bf16(_mm512_mul_ps(x2, si))));
+      store_bf16(x + i + half, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, ci)), round_bf16(_mm512_mul_ps(x1, si))));
     }
   }
 }
@@ -158,7 +138,7 @@ void rotary_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads) {
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* c = cp + t * half;
         const scalar_t* s = sp + t * half;
-#ifdef SHARDLINE_ROTARY_BF16
+#ifdef SHARDLINE_OPS_BF16
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (half % 16 == 0) {
             rotary_bf16(reinterpret_cast<uint16_t*>(qp + t * total * d), reinterpret_cast<const uint16_t*>(c),
@@ -200,7 +180,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
         const scalar_t* u = g + inter;
         scalar_t* o = op + r * inter;
         int64_t start = 0;
-#ifdef SHARDLINE_ROTARY_BF16
+#ifdef SHARDLINE_OPS_BF16
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
           start = silu_and_mul_bf16(reinterpret_cast<const uint16_t*>(g), reinterpret_cast<const uint16_t*>(u),
                                     reinterpret_cast<uint16_t*>(o), inter);

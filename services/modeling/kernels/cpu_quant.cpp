@@ -245,7 +245,7 @@ void blocks_amx(const uint16_t* xp, const uint8_t* q, const float* scale, c10::B
     if (b + 1 < b1)
       for (int64_t i = 0; i < kBlockRows * K; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + (n + kBlockRows) * K + i), _MM_HINT_T0);
-    shardline::amx::channels(scratch.data(), K, xp, M, K, scale, 1.0f, y, N, n, 1);
+    shardline::amx::channels(scratch.data(), K, xp, M, K, scale, y, N, n, 1);
   }
   shardline::amx::end();
 }
@@ -262,9 +262,8 @@ void run(const at::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t
 #ifdef SHARDLINE_QUANT_BF16DOT
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (M >= kBf16MinRows && shardline::amx::ready() && shardline::amx::fits(K, N)) {
-      at::Tensor packed = at::empty({M * K}, x.options());
-      uint16_t* pp = static_cast<uint16_t*>(packed.data_ptr());
-      shardline::amx::pack(static_cast<const uint16_t*>(x.data_ptr()), pp, M, K);
+      const at::Tensor packed = shardline::amx::pack(x);
+      const uint16_t* pp = static_cast<const uint16_t*>(packed.data_ptr());
       at::parallel_for(0, N / kBlockRows, kRowsPerTask / kBlockRows, [&](int64_t b0, int64_t b1) {
         if (kind == kInt8) blocks_amx<kInt8>(pp, qp, sp, yp, M, K, N, b0, b1);
         else blocks_amx<kFp8>(pp, qp, sp, yp, M, K, N, b0, b1);

@@ -106,7 +106,43 @@ inline void store4(T* y, __m128 v, int count = 4) {
   for (int j = 0; j < count; ++j) Elem<T>::store(y + j, out[j]);
 }
 
+// 16 bfloat16 (as bits) -> 16 float32, exactly
+inline __m512 load_bf16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fast_exp on 16 lanes, op for op, so that each lane has the scalar function's bits (keep the two
+// in step)
+inline __m512 fast_exp16(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 scale = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(_mm512_mul_ps(y, scale), nan, x);
+}
+
 #ifdef __AVX512BF16__
+// 16 float32 -> bfloat16 bits, rounded to nearest even as Elem::store (vcvtneps2bf16)
+inline void store_bf16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+// v rounded to bfloat16 and back (round_to<c10::BFloat16> on 16 lanes)
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 // The bfloat16 dot products of MB activation rows with NB weight rows, as 16-lane float32
 // partial sums: acc[i][j] lane l = sum over 32-wide chunks c of x[i][c + 2l] * w[j][c + 2l] +
 // x[i][c + 2l + 1] * w[j][c + 2l + 1] (vdpbf16ps), chunks in order, a last partial chunk read
