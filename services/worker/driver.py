@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass
 
 import torch
 
 from services.common.health import make_health_store
-from services.common.health.base import HealthStore, rank_field
+from services.common.health.base import HealthStore, rank_fields
 from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
 from services.modeling.parallel.placement import node_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
@@ -29,7 +28,6 @@ from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.runner import StageRunner, follower_loop
 from services.worker.launch import Followers, threads_per_rank
-from services.worker.node_health import rank_fields_of
 from services.worker.runtime import RankSpec
 
 log = logging.getLogger(__name__)
@@ -100,7 +98,7 @@ class ReplicaDriver:
         self._node_ids = runner.rt.node_ids
         try:
             instrument_engine(self.engine, self.replica_group_id, self.shipper)
-            self._register(runner.rt.loaded_bytes, runner.rt.node_ids)
+            self._register(runner.rt.loaded_bytes)
         except BaseException:
             self._stop.set()  # the loop thread, waiting for _ready, ends instead
             raise
@@ -133,11 +131,7 @@ class ReplicaDriver:
         if engine.failure is not None:
             self._report_failure(engine.failure)
 
-    def _rank_statuses(self, status: str) -> dict[str, str]:
-        plan = self.spec.plan
-        return {rank_field(tp, pp): status for pp in range(plan.pp_degree) for tp in range(plan.tp_degree)}
-
-    def _register(self, weight_bytes: int, node_ids: tuple[str, ...] = ()) -> None:
+    def _register(self, weight_bytes: int) -> None:
         opts = self.options
         if opts.health_url:
             self.health = make_health_store(opts.health_url)
@@ -156,11 +150,9 @@ class ReplicaDriver:
                                                name=self.replica_group_id, endpoint=opts.endpoint,
                                                replica_group_id=group_uuid)
         for pp in range(plan.pp_degree):
-            for tp in range(plan.tp_degree):
-                rank = pp * plan.tp_degree + tp
-                node = node_ids[rank] if rank < len(node_ids) else socket.gethostname()
-                self.registry.register_shard(group_uuid, f"{self.replica_group_id}:pp{pp}-tp{tp}", node, tp, pp,
-                                             weight_bytes)
+            for tp in range(plan.tp_degree):  # each shard on its own rank's node
+                self.registry.register_shard(group_uuid, f"{self.replica_group_id}:pp{pp}-tp{tp}",
+                                             self._node_ids[pp * plan.tp_degree + tp], tp, pp, weight_bytes)
         if not opts.await_rotation:
             self.registry.set_status(group_uuid, "healthy")
 
@@ -184,16 +176,14 @@ class ReplicaDriver:
 
     def _beat_health(self, util: float) -> None:
         assert self.health is not None
-        if self.options.external_followers:  # every node beats for its own ranks
+        if self.options.external_followers:  # every node beats for its own ranks, with a short TTL
             own = [r for r, node in enumerate(self._node_ids) if node == self._node_ids[0]]
-            node_health.beat(self.health, self.replica_group_id, rank_fields_of(own, self.spec.plan.tp_degree))
-            self.health.set_kv_utilization(self.replica_group_id, util)
-            return
-        # keep what others judged (telemetry marks a slow rank degraded): a heartbeat refreshes
-        # liveness, it does not overrule a diagnosis
-        current = self.health.group_health(self.replica_group_id)
-        statuses = {f: current.get(f, "healthy") for f in self._rank_statuses("healthy")}
-        self.health.heartbeat(self.replica_group_id, statuses)
+            node_health.beat(self.health, self.replica_group_id,
+                             node_health.rank_fields_of(own, self.spec.plan.tp_degree))
+        else:  # the followers live and die with this host: one beat for every rank
+            plan = self.spec.plan
+            node_health.beat(self.health, self.replica_group_id, rank_fields(plan.tp_degree, plan.pp_degree),
+                             ttl_s=None)
         self.health.set_kv_utilization(self.replica_group_id, util)
 
     def _beat_registry(self, kv_bytes_used: int) -> None:

@@ -38,9 +38,6 @@ from services.worker.runtime import RankSpec
 
 log = logging.getLogger(__name__)
 
-LAUNCH_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--nproc-per-node", "--local-addr")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-node groups (torchrun)")
     g.add_argument("--nnodes", type=int, default=None, help="hosts the group's ranks run on; with --node-rank and "
@@ -99,16 +96,20 @@ def check(args: argparse.Namespace) -> NodeRanks:
     nnodes = args.nnodes
     if nnodes < 1:
         raise PlacementError(f"--nnodes must be >= 1, got {nnodes}")
-    local = args.nproc_per_node or (tp * pp) // nnodes
+    local = _ranks_per_node(args)
     if not args.rdzv_endpoint:
         raise PlacementError("--nnodes needs --rdzv-endpoint HOST:PORT (node 0's address)")
     return check_launch(tp, pp, nnodes=nnodes, node_rank=args.node_rank, local_world_size=local,
                         world_size=nnodes * local, allow_cross_node_tp=args.allow_cross_node_tp)
 
 
+def _ranks_per_node(args: argparse.Namespace) -> int:
+    return args.nproc_per_node or (args.tp * args.pp) // args.nnodes
+
+
 def torchrun_argv(args: argparse.Namespace, command: list[str]) -> list[str]:
     """torchrun running ``shardline <command>`` (this process's own arguments) on this host's ranks."""
-    local = args.nproc_per_node or (args.tp * args.pp) // args.nnodes
+    local = _ranks_per_node(args)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nnodes),
             "--node-rank", str(args.node_rank), "--nproc-per-node", str(local), "--rdzv-backend", "static",
             "--rdzv-endpoint", args.rdzv_endpoint, "--max-restarts", "0"]

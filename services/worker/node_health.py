@@ -27,10 +27,12 @@ def rank_fields_of(ranks: Sequence[int], tp: int) -> list[str]:
     return [rank_field(r % tp, r // tp) for r in ranks]
 
 
-def beat(health: HealthStore, group_id: str, fields: Sequence[str]) -> None:
-    """Renew ``fields`` (NODE_TTL_S), keeping what others judged (degraded, unhealthy)."""
+def beat(health: HealthStore, group_id: str, fields: Sequence[str], ttl_s: float | None = NODE_TTL_S) -> None:
+    """Renew ``fields`` (for ``ttl_s``; None: the store's default), keeping what others judged:
+    telemetry marks a slow rank degraded, and a heartbeat refreshes liveness, it does not
+    overrule a diagnosis."""
     current = health.group_health(group_id)
-    health.heartbeat(group_id, {f: current.get(f, "healthy") for f in fields}, ttl_s=NODE_TTL_S)
+    health.heartbeat(group_id, {f: current.get(f, "healthy") for f in fields}, ttl_s=ttl_s)
 
 
 class RankHeartbeat:
