@@ -102,13 +102,18 @@ def test_gate_passes_resharding_fails_a_perturbed_copy_and_a_tight_threshold(tin
 
 @pytest.mark.slow
 def test_gate_smollm2_tp3_bfloat16_against_tp1_float32(smollm2_dir: Path, tmp_path: Path) -> None:
+    """bfloat16 costs SmolLM2 a few tenths of a percent of perplexity on this text, by how its
+    roundings fall: +0.17 % with the PyTorch reference ops and +0.33 % with the C++ kernels on an
+    AVX2 machine (95 % upper bounds 0.41 and 0.57 %); the AVX-512 Xeon's stayed under 0.5 %. A
+    gate between the two dtype families is set at 1 %: it must pass this plan."""
     result = run_cli("gate", "--model", str(smollm2_dir), "--reference", "dtype=float32",
                      "--candidate", "tp=3,dtype=bfloat16", "--chunks", "16", "--chunk-tokens", "128",
-                     "--registry-url", f"sqlite:///{tmp_path / 'r.db'}", "--json")
+                     "--threshold-pct", "1.0", "--registry-url", f"sqlite:///{tmp_path / 'r.db'}", "--json")
     verdict = json.loads(result.stdout)
     assert result.returncode == 0 and verdict["passed"], verdict
     assert verdict["min_top1_agreement"] is None  # float32 and bfloat16 are two families
-    assert verdict["top1_agreement"] > 0.9 and verdict["delta_interval_pct"][1] <= 0.5
+    assert verdict["top1_agreement"] > 0.9 and 0.0 < verdict["perplexity_delta_pct"] <= 1.0
+    assert verdict["delta_interval_pct"][1] <= 1.0 and verdict["threshold_pct"] == 1.0
 
 
 def test_gate_scores_a_serving_group_through_its_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
