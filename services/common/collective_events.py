@@ -22,7 +22,9 @@ class CollectiveEvent:
     duration_ms: float
     group_size: int
     timestamp_ms: int
-    timed_out: bool
+    timed_out: bool  # did not complete: its timeout fired, or (``peer_lost``) it failed for good first
+    # its peer is gone (a closed connection, or the peer's node stopped reporting): final, no retry
+    peer_lost: bool = False
 
 
 class EventSink(Protocol):

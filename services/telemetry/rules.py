@@ -12,8 +12,12 @@
   STAGE_LINK_FAILURE; ranks ``unhealthy``, the group drained. Any event of that rank that did not
   time out (the retry completing, the next step's ops) ends the streak. A group whose flapped
   ranks have had no stage-link timeout for ``sustain_windows`` windows gets STAGE_LINK_FLAP
-  alerts with ``healthy``. (A link that closes at once, a killed peer, is one timed-out event
-  with no retry: telemetry sees a flap, and the worker, whose group failed, drains it itself.)
+  alerts with ``healthy``.
+- a lost peer: its process killed (the transport closes the connection and the op fails before
+  its timeout), or its node hung (it stopped reporting to the health store while a stage-boundary
+  op waited out its first timeout, so the retry is not waited for). The event has ``peer_lost``
+  (and ``timed_out``) set -> COLLECTIVE_TIMEOUT (an all-reduce, broadcast, ...) or
+  STAGE_LINK_FAILURE (a send/recv) at once, naming the op's rank; every rank ``unhealthy``.
 
 Any other ``timed_out`` event means the op finally failed, so one is enough. The group is
 poisoned from then on (a timed-out group is never reused), so each kind of failure alert fires
@@ -160,7 +164,7 @@ class RuleEngine:
         (a stage-link flap: the first time per rank until the group recovers). Call it, and
         :meth:`on_completed`, in each rank's event order."""
         stage_link = event.op_type in STAGE_LINK_OPS
-        if stage_link:
+        if stage_link and not event.peer_lost:  # a lost peer is final: no retry, no flap
             key = (event.replica_group_id, event.gpu_id)
             self._link_streak[key] = self._link_streak.get(key, 0) + 1
             if self._link_streak[key] == 1:
@@ -171,7 +175,13 @@ class RuleEngine:
         self._fired.add((event.replica_group_id, kind))
         silent = sorted(silent_gpu_ids)
         hint = f"; not heard from since it began: {', '.join(silent)}" if silent else ""
-        if stage_link:
+        if event.peer_lost:
+            where = " at a pipeline stage boundary" if stage_link else ""
+            message = (f"{event.op_type}{where} failed on {event.gpu_id} after {event.duration_ms / 1e3:.2f} s: its "
+                       f"peer is gone (a closed connection, or a node that stopped reporting): replica group "
+                       f"{event.replica_group_id} is unhealthy{hint}")
+            status = GroupStatus.UNHEALTHY
+        elif stage_link:
             message = (f"{event.op_type} at a pipeline stage boundary timed out again on {event.gpu_id} after "
                        f"the coordinator's retry ({event.duration_ms / 1e3:.2f} s): draining replica group "
                        f"{event.replica_group_id}{hint}")

@@ -44,6 +44,7 @@ class EventLike(Protocol):
     group_size: int
     timestamp_ms: int
     timed_out: bool
+    peer_lost: bool
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ class ReplicaDriver:
         self.health: HealthStore | None = None
         self.shipper: TelemetryShipper | None = None
         self._node_ids: tuple[str, ...] = ()
+        self._watchdog: node_health.NodeWatchdog | None = None
+        self._reported = threading.Lock()  # held once the failure is reported (by the loop or the watchdog)
 
     def start(self) -> LLMEngine:
         """Load rank 0 and build the engine on the engine-loop thread, which then runs it.
@@ -102,6 +104,9 @@ class ReplicaDriver:
         except BaseException:
             self._stop.set()  # the loop thread, waiting for _ready, ends instead
             raise
+        if self.health is not None and self.options.external_followers:
+            self._watchdog = node_health.NodeWatchdog(runner.rt.coordinator, self.health, self.replica_group_id,
+                                                      self._node_ids, plan.tp_degree, self._on_node_lost)
         self._ready.set()  # the loop starts serving once the engine is instrumented and registered
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._threads = [loop, beat]
@@ -193,7 +198,18 @@ class ReplicaDriver:
             for tp in range(plan.tp_degree):
                 self.registry.heartbeat(f"{self.replica_group_id}:pp{pp}-tp{tp}", kv_bytes_used)
 
-    def _report_failure(self, exc: Exception) -> None:
+    def _on_node_lost(self, failure: Exception, lost: list[str]) -> None:
+        """The watchdog gave up on a stage-boundary op whose peer's node stopped reporting: the
+        group fails now, while the engine thread still waits out the op."""
+        assert self.engine is not None
+        self.engine.fail(failure)
+        self._report_failure(failure, lost=lost)
+
+    def _report_failure(self, exc: Exception, *, lost: list[str] | None = None) -> None:
+        """Mark the group unhealthy and dead, naming the lost node(s) of a multi-node group
+        (``lost``, or found from the health store); once, whoever reports first."""
+        if not self._reported.acquire(blocking=False):
+            return
         log.error("replica group %s failed: %s", self.replica_group_id, exc)
         # each store on its own: Redis being down must not keep the registry from hearing it
         if self.health is not None:
@@ -204,8 +220,8 @@ class ReplicaDriver:
         reason = str(exc)
         if self.health is not None and self.options.external_followers and self._node_ids:
             try:  # which node stopped: its ranks' entries run out within a few seconds
-                lost = node_health.failed_nodes(self.health, self.replica_group_id, self._node_ids,
-                                                self.spec.plan.tp_degree)
+                lost = lost or node_health.failed_nodes(self.health, self.replica_group_id, self._node_ids,
+                                                        self.spec.plan.tp_degree)
                 if lost:
                     reason = f"node {', '.join(lost)} stopped reporting; {reason}"
                     log.error("replica group %s lost node %s", self.replica_group_id, ", ".join(lost))
@@ -219,6 +235,8 @@ class ReplicaDriver:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         for thread in self._threads:
             thread.join(timeout=10)
         if self.followers is not None:

@@ -168,6 +168,26 @@ def test_a_timeout_names_the_node_of_the_ranks_it_waited_on():
     assert alert.message.endswith("[on node host-node1]"), alert.message
 
 
+def test_a_closed_connection_fails_the_group_at_once_naming_the_lost_node():
+    # node 1's ranks were killed: the driver's next send fails at once on the closed connection
+    # (``peer_lost``: no retry, so no flap first) and the alert names the node that went quiet
+    clock = Clock()
+    pipeline = make_pipeline(clock)
+    began = ORIGIN + 1000
+    for pp, tp in RANKS:
+        pipeline.ingest([CollectiveEvent("rg", f"rg:pp{pp}-tp{tp}", "send", 8, 0.2, 2, began - 5, False)],
+                        node_id=f"host-node{pp}")
+    sub = pipeline.subscribe("rg")
+    pipeline.ingest([CollectiveEvent("rg", "rg:pp0-tp0", "send", 8, 0.4, 2, began + 1, True, peer_lost=True)],
+                    node_id="host-node0")
+    alert = sub.get(1.0)
+    assert (alert.kind, alert.new_status) == (AlertKind.STAGE_LINK_FAILURE, GroupStatus.UNHEALTHY)
+    assert alert.message.startswith("send at a pipeline stage boundary failed on rg:pp0-tp0 after 0.00 s: its "
+                                    "peer is gone (a closed connection"), alert.message
+    assert alert.message.endswith("[on node host-node1]"), alert.message
+    assert pipeline.rules.has_failed("rg") and sub.get(0.2) is None
+
+
 def _drain(sub):
     while (alert := sub.get(0.1)) is not None:
         yield alert

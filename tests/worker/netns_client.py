@@ -1,6 +1,6 @@
 """Run inside a test's network namespace (``ip netns exec NS python -m tests.worker.netns_client``):
-a driver's health, one greedy completion from it, or a telemetry service's windows of a group,
-printed as one JSON line."""
+a driver's health, one greedy completion from it or through a router, or a telemetry service's
+windows and alerts of a group, printed as one JSON line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import time
 import grpc
 
 from services.common.healthcheck import check
-from services.common.proto import common_pb2, telemetry_pb2, telemetry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.proto import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    telemetry_pb2,
+    telemetry_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 
 def status(address: str) -> str:
@@ -37,6 +45,21 @@ def main(argv: list[str]) -> int:
                 sampling=common_pb2.SamplingParameters(temperature=0, max_tokens=n, ignore_eos=True)), timeout=60)
             ids = [e.token.token_id for e in events if e.WhichOneof("event") == "token"]
         print(json.dumps({"ids": ids}))
+    elif command == "route":  # a greedy stream through a router: "streaming" once `after` tokens came, then the result
+        prompt, n, after = [int(t) for t in argv[2].split(",")], int(argv[3]), int(argv[4])
+        ids, groups, finish = [], [], None
+        with grpc.insecure_channel(address) as channel:
+            for r in router_pb2_grpc.RouterServiceStub(channel).Generate(router_pb2.RouterGenerateRequest(
+                    token_ids=common_pb2.TokenIds(ids=prompt),
+                    sampling=common_pb2.SamplingParameters(temperature=0, max_tokens=n, ignore_eos=True)), timeout=120):
+                if r.HasField("token"):
+                    ids.append(r.token.token_id)
+                    groups.append(r.replica_group_id)
+                    if len(ids) == after:
+                        print("streaming", flush=True)
+                elif r.HasField("finished"):
+                    finish = common_pb2.FinishReason.Name(r.finished.finish_reason)
+        print(json.dumps({"ids": ids, "groups": groups, "finish_reason": finish}))
     elif command == "events":  # the telemetry service's windows of one group: [gpu_id, op_type, count]
         with grpc.insecure_channel(address) as channel:
             reply = telemetry_pb2_grpc.TelemetryServiceStub(channel).Query(

@@ -143,7 +143,7 @@ def _link_rank(rank: int, world_size: int, faults: str, out_dir: str, timeout_s:
         error = str(exc)
         raise
     finally:
-        events = [[e.op_type, round(e.duration_ms), e.timed_out] for e in sink.snapshot()]
+        events = [[e.op_type, round(e.duration_ms), e.timed_out, e.peer_lost] for e in sink.snapshot()]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"events": events, "got": got, "error": error}))
 
 
@@ -160,7 +160,7 @@ def test_a_late_stage_boundary_recv_is_retried_once_and_the_group_goes_on(tmp_pa
     assert receiver["got"] == [[float(step)] * 8 for step in range(4)]
     sends = [e for e in sender["events"] if e[0] == "send"]
     # the second send is two events: its first wait timed out, its retry completed
-    assert [timed_out for _, _, timed_out in sends] == [False, True, False, False, False]
+    assert [e[2] for e in sends] == [False, True, False, False, False]
     assert sends[1][1] == 1000  # the first wait: exactly the timeout
     assert 200 <= sends[2][1] <= 1000  # the retry: the rest of rank 1's 1.5 s delay
     assert [e[0] for e in sender["events"]].count("barrier") == 1  # the group still works
@@ -179,9 +179,24 @@ def test_a_stage_boundary_send_that_times_out_again_after_its_retry_fails_the_gr
            "after its retry" in sender["error"]
     assert 2.0 <= _waits(sender["error"])[0] <= 3.0
     assert [e[0] for e in sender["events"]] == ["send", "send", "send"]
-    assert [timed_out for _, _, timed_out in sender["events"]] == [False, True, True]  # the wait, the retry
-    assert [duration for _, duration, _ in sender["events"]][1:] == [1000, pytest.approx(1000, abs=100)]
+    assert [e[2] for e in sender["events"]] == [False, True, True]  # the wait, the retry
+    assert not any(e[3] for e in sender["events"])  # timed out: its peer was not lost
+    assert [e[1] for e in sender["events"]][1:] == [1000, pytest.approx(1000, abs=100)]
     assert "rank 0: ShardGroupUnhealthy" in str(failed.value)
+
+
+def test_a_killed_peer_fails_the_op_at_once_as_peer_lost(tmp_path):
+    # rank 1 dies at its second receive: its connections close, and rank 0's next op fails on the
+    # transport well before its 5 s timeout, recorded as ``peer_lost`` (telemetry then fails the
+    # group at once instead of reading a link flap)
+    with pytest.raises(ReplicaGroupFailed):
+        run_replica_group(2, _link_rank, "rank=1,op=recv,after=1,action=kill", str(tmp_path), 5.0,
+                          failure_grace_s=1.0)
+    sender = _link_events(tmp_path, 0)
+    last = sender["events"][-1]
+    assert last[2] and last[3] and last[1] < 5000, sender["events"]
+    assert not any(e[3] for e in sender["events"][:-1])
+    assert "failed (" in sender["error"], sender["error"]
 
 
 def test_replica_group_failed_lists_every_rank():

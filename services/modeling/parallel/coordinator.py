@@ -13,7 +13,11 @@ timeout period before the group is failed. A gloo work cannot be waited on again
 the retry is one wait of twice the timeout, split afterwards into the two attempts, each its own
 event: the first wait (``timed_out``, duration = the timeout), then the retry (its own duration,
 ``timed_out`` only if it ran out too). Telemetry reads one timed-out send/recv as a link flap and
-two in a row as a failed link. A dead peer (closed connection) is not retried.
+two in a row as a failed link. A dead peer (closed connection) is not retried, and neither is a
+peer known to be lost: while a stage-boundary op waits out its retry, another thread that learns
+the peer's node stopped reporting (the driver's node watchdog, services/worker/node_health.py) may
+:meth:`Coordinator.give_up` on it, failing the group then instead of at the retry's end. Both
+record the op as ``peer_lost``.
 
 Groups of one rank skip communication entirely (Megatron's convention), so TP=1 / PP=1 code paths
 make no collective calls and record no events.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -64,6 +69,10 @@ class Coordinator:
         self.faults = faults if faults is not None else FaultInjector(groups.global_rank)
         self.failure: ShardGroupUnhealthy | None = None
         self._pending: tuple[list, tuple] | None = None  # a deferred send: (works, tensors kept alive)
+        # the stage-boundary op being waited on: (op, bytes, perf_counter and wall time at issue);
+        # guarded by _lock, with ``failure``, against give_up from another thread
+        self._waiting: tuple[str, int, float, float] | None = None
+        self._lock = threading.Lock()
 
     @property
     def healthy(self) -> bool:
@@ -82,6 +91,8 @@ class Coordinator:
         wall0 = time.time()
         t0 = time.perf_counter()
         timed_out, failed = False, None
+        if retries:
+            self._waiting = (op, nbytes, t0, wall0)
         try:
             works = start_work()
             for work in works if isinstance(works, list) else [works]:
@@ -95,16 +106,23 @@ class Coordinator:
             timed_out = "timeout" in text.lower() or "timed out" in text.lower()
             failed = text
         elapsed = time.perf_counter() - t0
+        if retries:
+            with self._lock:
+                self._waiting = None
+                if self.failure is not None:  # given up on meanwhile (recorded then): the group has failed
+                    raise self.failure
         broken = timed_out or failed is not None
+        closed = failed is not None and not timed_out  # the transport gave up first: a peer is gone
         if retries and elapsed > timeout:
             # the first wait ran out: that attempt is a timed-out event of its own, the retry another
             self._record(op, nbytes, group_size, timeout, wall0 + timeout, timed_out=True)
-            self._record(op, nbytes, group_size, elapsed - timeout, wall0 + elapsed, timed_out=broken)
+            self._record(op, nbytes, group_size, elapsed - timeout, wall0 + elapsed, timed_out=broken,
+                         peer_lost=closed)
             if not broken:
                 log.warning("%s on %s timed out after %g s; its retry completed (%.2f s in all)",
                             op, self.gpu_id, timeout, elapsed)
         else:
-            self._record(op, nbytes, group_size, elapsed, wall0 + elapsed, timed_out=broken)
+            self._record(op, nbytes, group_size, elapsed, wall0 + elapsed, timed_out=broken, peer_lost=closed)
         if broken:
             what = f"timed out after {timeout:g} s" if timed_out else "failed"
             if timed_out and retries:
@@ -113,12 +131,35 @@ class Coordinator:
             self.failure = ShardGroupUnhealthy(self.replica_group_id, self.gpu_id, op, detail)
             raise self.failure
 
+    def in_retry(self) -> bool:
+        """Whether a stage-boundary op has waited past its first timeout: it is in its retry."""
+        waiting = self._waiting
+        return waiting is not None and time.perf_counter() - waiting[2] > self.timeout_s
+
+    def give_up(self, reason: str) -> ShardGroupUnhealthy | None:
+        """From another thread: fail the group now instead of waiting out the retry of the
+        stage-boundary op this rank is blocked in, because its peer is known to be lost
+        (``reason`` says how). Records the op as ``peer_lost``; the blocked call raises the
+        failure when its wait ends. Returns the failure, or None when no op is in its retry
+        (it completed, or the group had failed already)."""
+        with self._lock:
+            waiting = self._waiting
+            if waiting is None or self.failure is not None or not self.in_retry():
+                return None
+            op, nbytes, t0, wall0 = waiting
+            elapsed = time.perf_counter() - t0
+            self._record(op, nbytes, 2, elapsed, wall0 + elapsed, timed_out=True, peer_lost=True)
+            self.failure = ShardGroupUnhealthy(
+                self.replica_group_id, self.gpu_id, op,
+                f"timed out after {self.timeout_s:g} s and was not retried: {reason} (gave up after {elapsed:.2f} s)")
+            return self.failure
+
     def _record(self, op: str, nbytes: int, group_size: int, duration_s: float, end_s: float, *,
-                timed_out: bool) -> None:
+                timed_out: bool, peer_lost: bool = False) -> None:
         self.sink.record(CollectiveEvent(
             replica_group_id=self.replica_group_id, gpu_id=self.gpu_id, op_type=op, bytes=nbytes,
             duration_ms=duration_s * 1e3, group_size=group_size, timestamp_ms=int(end_s * 1e3),
-            timed_out=timed_out))
+            timed_out=timed_out, peer_lost=peer_lost))
 
     # -- tensor parallel ---------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

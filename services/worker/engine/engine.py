@@ -238,7 +238,7 @@ class LLMEngine:
                         self.coordinator.broadcast_object(StepPlan(-1, "idle"))
             self.shutdown()
         except ShardGroupUnhealthy as exc:
-            self._fail(exc)
+            self.fail(exc)
 
     def run_until_done(self) -> None:
         """Step until every submitted request has finished (CLI, tests, benchmarks)."""
@@ -253,7 +253,7 @@ class LLMEngine:
                     self._wakeup.wait(0.01)
                     self._wakeup.clear()
         except ShardGroupUnhealthy as exc:
-            self._fail(exc)
+            self.fail(exc)
             raise
 
     def shutdown(self) -> None:
@@ -391,11 +391,17 @@ class LLMEngine:
             for listener in tuple(self.output_listeners):
                 listener()
 
-    def _fail(self, exc: Exception) -> None:
-        self.failure = exc
-        log.error("engine stopped: %s", exc)
+    def fail(self, exc: Exception) -> None:
+        """Stop serving: every request ends with UNAVAILABLE and the ids it produced. The loop
+        thread calls it when a collective fails; another thread may too, while the loop thread is
+        blocked in the coordinator (the node watchdog giving up on a lost node), and the loop's
+        own call when its wait ends then finds nothing left to end."""
         with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = exc
             handles, self._requests = list(self._requests.values()), {}
+        log.error("engine stopped: %s", exc)
         for handle in handles:
             for listener in tuple(self.step_listeners):
                 listener.on_request_done(handle.seq_id)
