@@ -14,6 +14,7 @@ import pytest
 
 from tests import stack
 from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
+from tests.s3_fixtures import s3_bucket, s3_endpoint  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,10 @@
-"""Fixtures for the loader: tiny HF checkpoints, their shards, and a real S3-API server (moto)."""
+"""Fixtures for the loader: tiny HF checkpoints and their shards (the S3-API server is suite-wide:
+tests/s3_fixtures.py)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +12,6 @@ import torch
 
 from services.loader.manifest import Manifest
 from services.loader.writer import ShardJob, write_shards
-from tests.stack import free_port
 
 TINY_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=512)
@@ -94,59 +87,3 @@ def copy_checkpoint(src: Path, dest: Path) -> Path:
 
 def load_manifest(ckpt: Path) -> Manifest:
     return Manifest.load(ckpt / "manifest.json")
-
-
-# -- a real S3-API server ------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """moto's standalone S3 server on loopback, with dummy credentials in the environment
-    (inherited by spawned ranks). Yields its endpoint URL."""
-    pytest.importorskip("boto3")
-    pytest.importorskip("moto")
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except urllib.error.HTTPError:
-            break  # it answers: up
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto server did not answer on {endpoint} within 30 s") from None
-            time.sleep(0.2)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "SHARDLINE_S3_ENDPOINT_URL": endpoint}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield endpoint
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture
-def s3_bucket(s3_endpoint: str) -> str:
-    """A fresh bucket on the moto server; returns its name."""
-    import boto3
-
-    name = f"shardline-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
-    return name

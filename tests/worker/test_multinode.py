@@ -1,6 +1,8 @@
 """A replica group on two "hosts": two torchrun launches (one per node, static rendezvous on
-loopback), each started by `shardline serve worker --nnodes 2 --node-rank R`, real gRPC to the
-driver on node 0. The placement rule and the refusals are checked without launching."""
+loopback), each started by `shardline serve worker --nnodes 2 --node-rank R` from a pre-sharded
+checkpoint in object storage (a real S3-API server), each node staging into a cache of its own;
+real gRPC to the driver on node 0. The placement rule and the refusals are checked without
+launching."""
 
 from __future__ import annotations
 
@@ -67,13 +69,14 @@ def test_the_worker_refuses_a_contradicting_launch_before_loading(tiny_model_dir
     assert "refused" in done.stdout and "splits a TP group across nodes" in done.stdout
 
 
-def _node(model_dir: Path, rank: int, rdzv: str, port: int, log: Path, *flags: str) -> subprocess.Popen:
+def _node(checkpoint: str, rank: int, rdzv: str, port: int, log: Path, cache: Path, *flags: str) -> subprocess.Popen:
     with log.open("wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "worker", "--model", str(model_dir), "--pp", "2",
-             "--dtype", "float32", "--port", str(port), "--collective-timeout", "2", "--nnodes", "2",
-             "--node-rank", str(rank), "--rdzv-endpoint", rdzv, *flags],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "SHARDLINE_HOST": "127.0.0.1"})
+            [sys.executable, "-m", "services.cli", "serve", "worker", "--checkpoint", checkpoint, "--pp", "2",
+             "--port", str(port), "--collective-timeout", "2", "--nnodes", "2", "--node-rank", str(rank),
+             "--rdzv-endpoint", rdzv, *flags],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "SHARDLINE_HOST": "127.0.0.1", "SHARDLINE_SHARD_CACHE": str(cache)})
 
 
 def _tree(pid: int) -> list[int]:
@@ -111,12 +114,17 @@ def _status(address: str) -> str:
         return "GONE"
 
 
-def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_model_dir, tmp_path,
+def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_model_dir, tmp_path, s3_bucket,
                                                                       postgres_url, redis_url) -> None:
+    checkpoint = f"s3://{s3_bucket}/tiny-pp2"
+    subprocess.run([sys.executable, "-m", "services.cli", "shard", "--model", str(tiny_model_dir), "--tp", "1", "--pp",
+                    "2", "--dtype", "float32", "--out", checkpoint], cwd=REPO, check=True, capture_output=True)
     rdzv, port = f"127.0.0.1:{free_port()}", free_port()
     name = f"rg-twonode-{os.getpid()}-{port}"
     flags = ("--registry-url", postgres_url, "--redis-url", redis_url, "--replica-group-id", name)
-    nodes = [_node(tiny_model_dir, r, rdzv, port, tmp_path / f"node{r}.log", *flags) for r in (0, 1)]
+    caches = [tmp_path / f"cache{r}" for r in (0, 1)]
+    nodes = [_node(f"{checkpoint}/manifest.json", r, rdzv, port, tmp_path / f"node{r}.log", caches[r], *flags)
+             for r in (0, 1)]
     try:
         address = f"127.0.0.1:{port}"
         problem = wait_serving(nodes[0], address, timeout_s=120)
@@ -130,6 +138,9 @@ def test_a_pipeline_across_two_nodes_serves_and_fails_when_node_1_dies(tiny_mode
             sampling=common_pb2.SamplingParameters(temperature=0, max_tokens=16, ignore_eos=True))))
         ids = [e.token.token_id for e in events if e.WhichOneof("event") == "token"]
         assert ids == reference_greedy(tiny_model_dir, prompt, 16), logs()
+        # each node staged only its own rank's shard into its cache
+        staged = [sorted(p.name for p in cache.rglob("*.safetensors")) for cache in caches]
+        assert staged == [["model-tp00-pp00.safetensors"], ["model-tp00-pp01.safetensors"]], staged
         stats = stub.Stats(worker_pb2.StatsRequest())
         assert (stats.layout.tp_degree, stats.layout.pp_degree) == (1, 2)
         health = make_health_store(redis_url)
