@@ -43,9 +43,9 @@ def machine() -> dict:
             "cuda": torch.cuda.is_available()}
 
 
-def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+def write_results(name: str, payload: dict, markdown: str, *, out_dir: Path = RESULTS) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     md_path.write_text(markdown)
     return json_path, md_path

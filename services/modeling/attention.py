@@ -26,6 +26,10 @@ class AttentionMetadata:
     context_lens: list[int]
     slot_mapping: torch.Tensor | None = None  # [n_tokens] flat slot = block * block_size + offset
     block_tables: torch.Tensor | None = None  # [n_seqs, max_blocks] int64, padded with 0
+    # a decode step replayed from a CUDA graph reads everything from tensors: every sequence's
+    # context padded to ``static_width`` keys (block_tables' width in tokens), masked from
+    # ``_context_lens``; the lists above are not read then (no host value may reach the graph)
+    static_width: int | None = None
     _decode_mask: torch.Tensor | None = None
     _context_lens: torch.Tensor | None = None
 
@@ -39,6 +43,11 @@ class AttentionMetadata:
         """[B, 1, 1, max_ctx] additive padding mask of a decode batch (0 or -inf, in the query's
         dtype: a boolean mask would be converted by every layer); None when no row is padded.
         Built once per step, shared by every layer."""
+        if self._decode_mask is None and self.static_width is not None:
+            assert self._context_lens is not None, "a static-width step brings its context lengths as a tensor"
+            padding = torch.arange(self.static_width, device=device)[None, :] >= self._context_lens[:, None]
+            mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(padding, float("-inf"))
+            self._decode_mask = mask[:, None, None, :]
         if self._decode_mask is None and len(set(self.context_lens)) > 1:
             lens = torch.tensor(self.context_lens, device=device)
             max_ctx = max(self.context_lens)
@@ -105,15 +114,19 @@ def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """One query per sequence (``q`` [B, heads, d]): gather every context padded to the longest,
     mask the padding, SDPA. The reference for the paged decode kernels (LayerOps)."""
     assert meta.block_tables is not None
-    max_ctx = max(meta.context_lens)
+    max_ctx = meta.static_width or max(meta.context_lens)
     n_blocks = -(-max_ctx // k_cache.shape[1])
     tables = meta.block_tables[:, :n_blocks]
     keys = gather_blocks(k_cache, tables)[:, :max_ctx].transpose(1, 2)  # [B, kv, L, d]
     values = gather_blocks(v_cache, tables)[:, :max_ctx].transpose(1, 2)
     mask = meta.decode_mask(q.device, q.dtype)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    # the query heads sharing a KV head (h // group) as that head's rows: the same products as
+    # enable_gqa without copying keys and values per query head, and a shape every SDPA backend
+    # takes with a mask (with enable_gqa and a mask CUDA falls back to the math kernel)
+    b, heads, d = q.shape
+    out = F.scaled_dot_product_attention(q.view(b, keys.shape[1], heads // keys.shape[1], d), keys, values,
+                                         attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, d)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

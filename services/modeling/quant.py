@@ -30,24 +30,30 @@ kernel (``kernels/cpu_quant.cpp``) reads each weight byte once and converts it i
 4+ rows, 16 weight rows at a time into a few-KB bfloat16 scratch that stays in cache), so a
 decode step reads one byte per weight instead of two. Measured on the project's CPU against
 the bfloat16 ``F.linear`` and torch's own int8 and fp8 kernels (``bench/results/quant-kernels.md``).
-Elsewhere (no kernel build, ``SHARDLINE_CPU_KERNELS=0``, CUDA) torch's ops run:
+Elsewhere (no kernel build, ``SHARDLINE_CPU_KERNELS=0``, CUDA) torch's ops run. On a CUDA device
+of compute capability 8.9+ with bfloat16 activations fp8 takes ``torch._scaled_mm`` — the e4m3
+tensor cores, so the activations are quantized to e4m3 per token there (W8A8), with row-wise
+scales, or (a shape cuBLAS refuses row-wise) unit scales and both scales applied to the float32
+product. int8 on CUDA converts the whole weight to the activation dtype and multiplies (torch's
+``_weight_int8pack_mm`` CUDA kernel is a plain loop, far slower). On the CPU without the kernels,
 ``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the activations are bfloat16:
-torch's requirement); on a CUDA device of compute capability 8.9+ with bfloat16 activations,
-``torch._scaled_mm`` for fp8 — the e4m3 tensor cores, so the activations are quantized to e4m3 per
-token there (W8A8); otherwise, for fp8 and for int8 weights whose K torch's kernel cannot take, a
-blocked dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never the
-whole weight; correct, but slow on CPU, where torch's float8 conversion is slow).
+torch's requirement); otherwise, for fp8 and for int8 weights whose K torch's kernel cannot take,
+a blocked dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never
+the whole weight; correct, but slow on CPU, where torch's float8 conversion is slow).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from services.modeling.kernels import _cpu_module
+
+log = logging.getLogger(__name__)
 
 
 class QuantizationError(ValueError):
@@ -160,6 +166,8 @@ def quant_linear_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
         raise QuantizationError(f"quantized weight must be int8 or float8_e4m3fn, got {q.dtype}")
     if q.dtype == torch.float8_e4m3fn and x.is_cuda and _cuda_fp8_ok(x, q):
         return _scaled_mm_fp8(x, q, scale)
+    if x.is_cuda:
+        return _blocked(x, q, scale, block_rows=q.shape[0])
     if q.dtype == torch.int8 and q.shape[1] % INT8PACK_K_MULTIPLE == 0 and _has_int8pack(x.device.type):
         # torch wants the scales in x's dtype: bfloat16 scales round them (relative 2^-9)
         return torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
@@ -178,10 +186,11 @@ def _has_int8pack(device_type: str) -> bool:
         return False
 
 
-def _blocked(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _blocked(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_rows: int = DEQUANT_BLOCK_ROWS
+             ) -> torch.Tensor:
     out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
-    for start in range(0, q.shape[0], DEQUANT_BLOCK_ROWS):
-        stop = min(start + DEQUANT_BLOCK_ROWS, q.shape[0])
+    for start in range(0, q.shape[0], block_rows):
+        stop = min(start + block_rows, q.shape[0])
         # int8 and e4m3 values are exact in bfloat16; the scale multiplies the output
         out[:, start:stop] = F.linear(x, q[start:stop].to(x.dtype)).float() * scale[start:stop]
     return out
@@ -196,8 +205,25 @@ def _cuda_fp8_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 def _scaled_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """On GPU the e4m3 tensor cores multiply e4m3 by e4m3, so the activations are quantized too,
-    per token (row): ``x ≈ x_scale[m] · x8[m, k]`` with ``x_scale = max|x[m]| / 448`` (W8A8)."""
+    per token (row): ``x ≈ x_scale[m] · x8[m, k]`` with ``x_scale = max|x[m]| / 448`` (W8A8).
+
+    Row-wise scales where cuBLAS takes them; a (K, N) it refuses (some large K at small M) is
+    remembered, and multiplies with unit scales into float32, both scales applied after."""
     xf = x.float()
     x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8.qmax
     x8 = (xf / x_scale).clamp_(-FP8.qmax, FP8.qmax).to(torch.float8_e4m3fn)
-    return torch._scaled_mm(x8, q.t(), scale_a=x_scale, scale_b=scale.view(1, -1).float(), out_dtype=x.dtype)
+    w_scale = scale.view(1, -1).float()
+    shape = (q.shape[1], q.shape[0], x.device.index)
+    if shape not in _ROWWISE_REFUSED:
+        try:
+            return torch._scaled_mm(x8, q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+        except RuntimeError as exc:  # met in an eager step before any capture: never inside a CUDA graph
+            _ROWWISE_REFUSED.add(shape)
+            log.warning("fp8 matmul K=%d N=%d: row-wise scales refused (%s); unit scales, applied after",
+                        q.shape[1], q.shape[0], str(exc).splitlines()[0])
+    one = x_scale.new_ones(())
+    product = torch._scaled_mm(x8, q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (product * x_scale * w_scale).to(x.dtype)
+
+
+_ROWWISE_REFUSED: set[tuple[int, int, int | None]] = set()  # (K, N, device) cuBLAS refused row-wise

@@ -55,10 +55,16 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Half-width cos/sin rows for ``positions``, [tokens, 1, d/2]: computed once per step and
         shared by every layer (the two halves of the reference's tables are equal)."""
-        if int(positions.max()) >= self.cos.shape[0]:
+        # (a step being captured into a CUDA graph may not read a value back: its positions were
+        # checked on the host)
+        if not _capturing(positions) and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings="
                              f"{self.cos.shape[0]}")
         half = self.cos.shape[-1] // 2
         cos = self.cos[positions, :half].unsqueeze(1).to(dtype)
         sin = self.sin[positions, :half].unsqueeze(1).to(dtype)
         return cos, sin
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

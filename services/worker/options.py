@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 
+from services.modeling.parallel.groups import resolve_device
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.runtime import RankSpec
+
+GPU_DEFAULT_KV_CACHE_GIB = 20.0  # the plan's KV budget per GPU (the planner's default cap)
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,17 +32,23 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collective-timeout", type=float, default=2.0,
                         help="seconds before a hung collective fails the group (default 2)")
     parser.add_argument("--replica-group-id", default="local", help="name of this replica group")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the ranks run: cuda (one GPU per rank, NCCL), cpu (gloo), or auto (default: "
+                             "cuda when torch sees a GPU)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0,
-                        help="KV cache budget per rank in GiB (default 1; the plan's 20 GiB on GPUs)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="KV cache budget per rank in GiB (default 1 on the CPU, the plan's 20 on a GPU)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     parser.add_argument("--max-batched-tokens", type=int, default=2048,
                         help="token budget per step (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion (default: the model's max_position_embeddings)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every decode step eagerly instead of replaying CUDA graphs (a group on one GPU "
+                             "captures one graph per batch-size bucket by default)")
 
 
 def rank_spec(args: argparse.Namespace, **engine: object) -> RankSpec:
@@ -47,11 +56,15 @@ def rank_spec(args: argparse.Namespace, **engine: object) -> RankSpec:
     return RankSpec(args.model, tp_degree=args.tp, pp_degree=args.pp, dtype=args.dtype,
                     activation_dtype=getattr(args, "activation_dtype", None),
                     replica_group_id=args.replica_group_id, collective_timeout_s=args.collective_timeout,
-                    checkpoint=args.checkpoint, **engine)
+                    checkpoint=args.checkpoint, device=getattr(args, "device", "auto"), **engine)
 
 
 def engine_spec(args: argparse.Namespace) -> RankSpec:
     """The layout and engine flags as a spec (``shardline serve worker``, ``shardline generate``)."""
-    cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
+    kv_gib = args.kv_cache_gb
+    if kv_gib is None:
+        kv_gib = GPU_DEFAULT_KV_CACHE_GIB if resolve_device(getattr(args, "device", "auto")) == "cuda" else 1.0
+    cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(kv_gib * (1 << 30)))
     return rank_spec(args, cache=cache, max_num_seqs=args.max_num_seqs,
-                     max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len)
+                     max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+                     cuda_graphs=not args.enforce_eager)

@@ -16,7 +16,7 @@ from services.modeling.config import ModelConfig, ModelConfigError
 from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
 from services.modeling.parallel.faults import WEIGHT_NOISE_ENV, NoisyCheckpoint, weight_noise_from_env
-from services.modeling.parallel.groups import ParallelGroups, init_parallel_groups
+from services.modeling.parallel.groups import ParallelGroups, init_parallel_groups, resolve_device
 from services.modeling.parallel.placement import node_id
 from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import CheckpointReader, load_weights
@@ -51,9 +51,15 @@ class RankSpec:
     max_num_seqs: int = field(default=256, kw_only=True)
     max_batched_tokens: int = field(default=2048, kw_only=True)
     max_model_len: int | None = field(default=None, kw_only=True)  # None: the model's max_position_embeddings
+    # "auto" (CUDA where torch sees a GPU), "cpu" or "cuda"; resolved to "cpu"/"cuda" when made
+    device: str = field(default="auto", kw_only=True)
+    # a single-GPU group replays its decode steps from CUDA graphs, one per batch size (False:
+    # every step eagerly, vLLM's --enforce-eager); no effect on the CPU or across several ranks
+    cuda_graphs: bool = field(default=True, kw_only=True)
     plan: ParallelPlan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", resolve_device(self.device))
         if not self.model_dir and not self.checkpoint:
             raise ModelConfigError("give a model directory (--model) or a pre-sharded checkpoint (--checkpoint)")
         if self.checkpoint:
@@ -108,7 +114,7 @@ class RankRuntime:
                 raise ModelConfigError(f"{WEIGHT_NOISE_ENV} perturbs weights loaded from a model directory, "
                                        f"before any quantization; this rank loads the pre-sharded checkpoint "
                                        f"{spec.checkpoint}")
-        groups = init_parallel_groups(plan, rank=rank)
+        groups = init_parallel_groups(plan, rank=rank, device_type=spec.device)
         sink = sink if sink is not None else RingBufferSink()
         coordinator = Coordinator(groups, replica_group_id=spec.replica_group_id,
                                   timeout_s=spec.collective_timeout_s, sink=sink)

@@ -1,7 +1,7 @@
 """The quantized matmul and a quantized tiny model on CUDA (``gpu``: skipped without a device).
 
 The same model code runs there: ``quant_linear`` takes torch's CUDA kernels (``_scaled_mm`` with
-e4m3 activations on sm89+ for fp8, ``_weight_int8pack_mm`` for int8)."""
+e4m3 activations on sm89+ for fp8; int8 converted to bfloat16 whole, then multiplied)."""
 
 from __future__ import annotations
 

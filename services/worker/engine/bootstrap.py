@@ -40,7 +40,10 @@ def encode_prompt(model_dir: str | None, text: str) -> list[int]:
 def start_rank(spec: RankSpec, rank: int, *, sink: EventSink | None = None) -> tuple[StageRunner, KVCacheLayout]:
     rt = RankRuntime.start(spec, rank, sink=sink)
     layout = KVCacheLayout.for_plan(rt.plan, spec.cache)
-    runner = StageRunner(rt, layout)
+    # CUDA graphs hold no collectives: a group of one GPU
+    graphs = spec.cuda_graphs and rt.device.type == "cuda" and rt.plan.world_size == 1
+    runner = StageRunner(rt, layout, decode_graphs=graphs, max_batch=spec.max_num_seqs,
+                         max_model_len=spec.scheduler_config().max_model_len)
     return runner, layout
 
 

@@ -5,6 +5,10 @@ receive the previous stage's hidden states, every stage writes its layers' keys 
 its own paged KV cache, and the last stage computes logits only for the rows that sample (the
 last token of each sampling sequence). The last stage's TP rank 0 samples and returns a
 :class:`StepResult`; the driver gets it directly (PP = 1) or over the result group.
+
+A group on one GPU runs its decode-only steps through :class:`DecodeGraphs` (CUDA graphs, one
+per batch-size and context bucket); prefill and mixed steps, and every step of a larger group
+or on the CPU, run eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from services.modeling.attention import AttentionMetadata
 from services.modeling.config import torch_dtype
+from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.kv_cache import KVCacheLayout, allocate_kv_cache
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.step import SampledToken, StepPlan, StepResult
@@ -27,20 +32,35 @@ IDLE_HEARTBEAT_S = 0.5
 
 
 class StageRunner:
-    def __init__(self, rt: RankRuntime, layout: KVCacheLayout) -> None:
+    """``decode_graphs``: run decode-only steps from static buffers (:class:`DecodeGraphs`, for
+    up to ``max_batch`` sequences of up to ``max_model_len`` tokens), captured into CUDA graphs
+    on a GPU; the KV cache then has one scratch block past the layout's for the padded rows."""
+
+    def __init__(self, rt: RankRuntime, layout: KVCacheLayout, *, decode_graphs: bool = False, max_batch: int = 256,
+                 max_model_len: int | None = None) -> None:
         self.rt = rt
         self.block_size = layout.block_size
         self.num_blocks = layout.num_blocks
         # the layout's dtype (the cache config's, else the plan's) both sized and allocates the cache
-        self.kv_cache_bytes = allocate_kv_cache(rt.model, layout.num_blocks, layout.block_size,
+        self.kv_cache_bytes = allocate_kv_cache(rt.model, layout.num_blocks + int(decode_graphs), layout.block_size,
                                                 torch_dtype(layout.dtype), rt.device)
         self.sampler = Sampler()
         self.samples_here = rt.groups.global_rank == rt.groups.last_stage_leader
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs:
+            max_len = max_model_len or rt.plan.config.max_position_embeddings
+            self.graphs = DecodeGraphs(rt.model, max_batch=max_batch, max_blocks_per_seq=-(-max_len // self.block_size),
+                                       block_size=self.block_size, scratch_block=layout.num_blocks,
+                                       capture=rt.device.type == "cuda")
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run this rank's part of ``plan``; the sampling rank returns the sampled tokens."""
         rt, c, g = self.rt, self.rt.coordinator, self.rt.groups
         t0 = time.perf_counter()
+        if self.graphs is not None and self.graphs.fits(plan.seqs):
+            out = self.sampler.sample(self.graphs.run(plan.seqs), plan.seqs)
+            sampled = [SampledToken(s.seq_id, tok, lp, top) for s, (tok, lp, top) in zip(plan.seqs, out)]
+            return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
         device = rt.device
         token_ids = [t for s in plan.seqs for t in s.token_ids]
         positions = torch.tensor([p for s in plan.seqs for p in s.positions], device=device)
