@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-decode", action="store_true", help="correctness only")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
+    if device == "cpu" and not args.quick:
+        parser.error("the full run (8B and 70B shapes) needs a GPU: on the CPU pass --quick")
     seconds: dict[str, float] = {}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

@@ -107,8 +107,9 @@ class Reference:
         import transformers  # deferred: a test and benchmark dependency, not a runtime one
 
         self.device = device
+        torch_dtype = getattr(torch, dtype)  # given to the loader and asserted after, whatever its version
         self.model = transformers.LlamaForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+            str(model_dir), dtype=torch_dtype).to(device=device, dtype=torch_dtype).eval()
 
     @torch.inference_mode()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
