@@ -30,7 +30,7 @@ import torch
 
 from bench.common import RESULTS, write_results
 from bench.gpu import correctness, decode
-from services.modeling.parallel.groups import resolve_device
+from services.modeling.parallel.groups import DEVICES, resolve_device
 
 TARGET = {"shape": "llama3-70b", "dtype": "fp8", "batch": 1, "tpot_ms": 18.5}
 FULL = {"cases": [("llama3-8b", "bfloat16"), ("llama3-8b", "fp8"), ("llama3-70b", "fp8")], "batches": (1, 16, 64),
@@ -100,7 +100,7 @@ def markdown(payload: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m bench.gpu.check", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--quick", action="store_true", help="the tiny model and a tiny shape only (the CPU mode)")
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="where gpu.json and gpu.md go (default bench/results)")

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from services.modeling.parallel.groups import resolve_device
+from services.modeling.parallel.groups import DEVICES, resolve_device
 from services.worker.engine.kv_cache import CacheConfig
-from services.worker.runtime import RankSpec
-
-GPU_DEFAULT_KV_CACHE_GIB = 20.0  # the plan's KV budget per GPU (the planner's default cap)
+from services.worker.runtime import CPU_DEFAULT_KV_CACHE_BYTES, RankSpec
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +30,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collective-timeout", type=float, default=2.0,
                         help="seconds before a hung collective fails the group (default 2)")
     parser.add_argument("--replica-group-id", default="local", help="name of this replica group")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="where the ranks run: cuda (one GPU per rank, NCCL), cpu (gloo), or auto (default: "
                              "cuda when torch sees a GPU)")
 
@@ -61,10 +59,12 @@ def rank_spec(args: argparse.Namespace, **engine: object) -> RankSpec:
 
 def engine_spec(args: argparse.Namespace) -> RankSpec:
     """The layout and engine flags as a spec (``shardline serve worker``, ``shardline generate``)."""
-    kv_gib = args.kv_cache_gb
-    if kv_gib is None:
-        kv_gib = GPU_DEFAULT_KV_CACHE_GIB if resolve_device(getattr(args, "device", "auto")) == "cuda" else 1.0
-    cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(kv_gib * (1 << 30)))
+    if args.kv_cache_gb is not None:
+        cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
+    elif resolve_device(getattr(args, "device", "auto")) == "cpu":
+        cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=CPU_DEFAULT_KV_CACHE_BYTES)
+    else:  # a GPU: CacheConfig's own default, the plan's budget
+        cache = CacheConfig(block_size=args.block_size)
     return rank_spec(args, cache=cache, max_num_seqs=args.max_num_seqs,
                      max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                      cuda_graphs=not args.enforce_eager)
