@@ -235,7 +235,10 @@ def test_a_planted_slow_rank_is_named_in_a_degraded_alert(tiny_model_dir, tmp_pa
         alert = slow[0]
         assert alert.gpu_id == f"{group}:pp0-tp1", alert
         assert alert.new_status == common_pb2.REPLICA_GROUP_STATUS_DEGRADED
-        assert alert.observed_p99_ms > 50 and alert.baseline_p99_ms < 10
+        # the planted 60 ms is in the observed p99 and not in the baseline (which is a few ms on a quiet
+        # host and 10-20 ms next to another busy test process)
+        assert alert.observed_p99_ms > 50 and alert.baseline_p99_ms < 30
+        assert alert.observed_p99_ms > 3 * alert.baseline_p99_ms
         assert "pp0-tp1 is slow" in alert.message and "3 consecutive 1 s windows" in alert.message
         # 3 sustained 1 s windows (+ the first one with the fault, + closing grace, + load): well within 15 s
         assert took < 20, took
