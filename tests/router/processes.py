@@ -22,8 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without SHARDLINE_* settings, plus ``extra``."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}, **extra}
+    """The caller's environment without SHARDLINE_* settings (but the kernels' build target,
+    ``SHARDLINE_CPU_ARCH``: a served stack runs what the test process runs), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_") or k == "SHARDLINE_CPU_ARCH"},
+            **extra}
 
 
 def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
