@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from bench._fleet_stack import driver_pid
-from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
 from tests.router.processes import REPO
 from tests.router.test_up import our_processes, up_command

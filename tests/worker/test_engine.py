@@ -75,7 +75,7 @@ def test_bfloat16_outputs_do_not_depend_on_batching(request, model):
     logprobs differed from the first decode steps on; with SDPA for prefill and mixed steps, a
     prompt prefilled over two chunks differed from its first token on."""
     if not dense_linear_vectorized():
-        pytest.skip("no AVX512-BF16 here: the dense matmuls are F.linear")
+        pytest.skip("neither AVX512-BF16 nor AVX2 here: the dense matmuls are F.linear")
     model_dir = request.getfixturevalue(model)
     prompts = prompts_of([3, 50, 9, 17, 120, 5, 33, 64, 12, 7, 90, 21, 40, 2, 75, 28], seed=3)
     greedy = replace(GREEDY, max_tokens=24)

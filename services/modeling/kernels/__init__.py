@@ -17,7 +17,8 @@ C++ kernels; so do we, for the five pieces of a Llama layer that are not matmuls
 - ``prefill_attention``: the same for a prefill or mixed step, the C++ kernel taking every query
   token as a decode row over its own prefix (the reference: SDPA per sequence, causally).
 
-:func:`dense_linear` is the model's dense bfloat16 matmul on CPU (``cpu_gemm.cpp``): batch-invariant,
+:func:`dense_linear` is the model's dense bfloat16 matmul on CPU (``cpu_gemm.cpp``, AVX512-BF16 or
+AVX2 + FMA): batch-invariant,
 each output element summed the same way whatever the batch holds, so a sequence's logits do not
 depend on what it shares a step with; ``F.linear`` elsewhere.
 
@@ -111,6 +112,13 @@ class TorchOps:
         return paged_attention(q, k_cache, v_cache, meta, scale)
 
 
+def cpu_arch() -> str:
+    """The ``-march`` the kernels are built for: this machine's (``native``) unless
+    ``SHARDLINE_CPU_ARCH`` names another, e.g. ``x86-64-v3`` (AVX2 + FMA, no AVX-512) to build and
+    test on an AVX-512 machine what an AVX2-only one runs."""
+    return os.environ.get("SHARDLINE_CPU_ARCH", "native")
+
+
 @functools.cache
 def cpu_kernels():
     """The built C++ module, or None (no compiler, build failure): the reference is used then."""
@@ -120,11 +128,12 @@ def cpu_kernels():
 
         # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
         # sharing ~/.cache/torch_extensions under one name would rebuild each other's module
-        tag = hashlib.sha1(str(SOURCES[0].resolve()).encode()).hexdigest()[:10]
+        arch = cpu_arch()
+        tag = hashlib.sha1(f"{SOURCES[0].resolve()}:{arch}".encode()).hexdigest()[:10]
         # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it (torch
         # itself links the same libgomp, so the kernels share its thread pool)
         return load(name=f"shardline_cpu_ops_{tag}", sources=[str(p) for p in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                    extra_cflags=["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build problem means: run the reference
         log.warning("CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
@@ -216,10 +225,10 @@ def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)``: ``x`` [..., K], ``w`` [N, K] → [..., N]. bfloat16 on CPU (kernels
-    enabled and built with AVX512-BF16, ``w`` contiguous): the C++ kernel, batch-invariant (row m
-    of the result has the same bits whatever the other rows are, and whatever M and the thread
-    count), float32 sums rounded once. Anything else (float32, other devices, no AVX512-BF16):
-    ``F.linear``."""
+    enabled and built with AVX512-BF16 or AVX2 + FMA, ``w`` contiguous): the C++ kernel,
+    batch-invariant (row m of the result has the same bits whatever the other rows are, and
+    whatever M and the thread count), float32 sums rounded once. Anything else (float32, other
+    devices, neither instruction set): ``F.linear``."""
     if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu" == w.device.type
             and w.is_contiguous() and dense_linear_vectorized()):
         lead, k = x.shape[:-1], x.shape[-1]
@@ -228,7 +237,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def dense_linear_vectorized() -> bool:
-    """Whether :func:`dense_linear` runs the C++ kernel on CPU here (built with AVX512-BF16, enabled)."""
+    """Whether :func:`dense_linear` runs the C++ kernel on CPU here (built with AVX512-BF16 or
+    AVX2 + FMA, enabled)."""
     module = _cpu_module("cpu")
     return module is not None and _gemm_vectorized(module)
 

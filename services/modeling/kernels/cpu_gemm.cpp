@@ -19,7 +19,10 @@
 // runs instead (cpu_amx.cpp): batch-invariant in the same way, with other bits than this kernel's,
 // chosen by the machine and the weight's shape alone. At 16 rows it was 5-6x faster here.
 //
-// Built without AVX512-BF16 (another machine), dense_linear is torch's own linear and
+// Built without AVX512-BF16 but with AVX2 + FMA (an older or AVX2-only machine), the same tiles run
+// on 8 float32 lanes (shardline::dot_tile_bf16_avx2: 16 elements per chunk, 4 rows x 2 channels):
+// batch-invariant in the same way, its own bits. torch's bfloat16 linear there had no fast path
+// (~5 GFLOP/s on a 2-core AMD EPYC). Built with neither, dense_linear is torch's own linear and
 // dense_linear_vectorized() says false: callers use F.linear themselves then.
 
 #include <ATen/core/Tensor.h>
@@ -34,18 +37,26 @@
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
 #define SHARDLINE_GEMM_BF16 1
 #endif
+#if defined(SHARDLINE_GEMM_BF16) || defined(SHARDLINE_GEMM_AVX2)
+#define SHARDLINE_GEMM 1
+#endif
 
 namespace {
 
+#ifdef SHARDLINE_GEMM
 #ifdef SHARDLINE_GEMM_BF16
 constexpr int64_t kGroup = 4;              // output channels per reduce4
-constexpr int64_t kGroupsPerTask = 16;     // parallel grain: 64 channels (a few tens of KB of weights)
+#else
+constexpr int64_t kGroup = 2;              // AVX2's 16 registers: 4 rows x 2 channels of sums, 2 channels' chunk
+#endif
+constexpr int64_t kGroupsPerTask = 64 / kGroup;  // parallel grain: 64 channels (a few tens of KB of weights)
 // activation rows per block: ~256 KB of x, held in L2 (32, 96 and 256 KB were within a few
 // percent of each other at 256 and 1024 rows, 256 ahead)
 constexpr int64_t kRowBlockBytes = 256 << 10;
 
 constexpr int kRowChannels = 8;           // channels per tile when a block has a single row
 
+#ifdef SHARDLINE_GEMM_BF16
 // y rows [m, m + MB), channels [n, n + NB); NB below 4 only for the last channels of y (the tile
 // then reads only the weight rows that exist). `prefetch`: see dot_tile_bf16.
 template <int MB, int NB>
@@ -63,6 +74,18 @@ inline void tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t
       _mm_mask_storeu_epi16(y + (m + i) * N + n + j, valid, bf);
     }
 }
+#else
+// AVX2 + FMA: each sum's 8 lanes folded by hsum8 and rounded to bfloat16 alone. `prefetch`: unused
+// (the AVX-512 kernel's hint for the next channels).
+template <int MB, int NB>
+inline void tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t K, int64_t N, int64_t m,
+                 int64_t n, int64_t /*prefetch*/) {
+  __m256 acc[MB][NB];
+  shardline::dot_tile_bf16_avx2<MB, NB>(x + m * K, K, w + n * K, K, K, acc);
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) shardline::Elem<c10::BFloat16>::store(y + (m + i) * N + n + j, shardline::hsum8(acc[i][j]));
+}
+#endif  // SHARDLINE_GEMM_BF16
 
 // rows [m0, m1) against channels [n, n + NB): 4-row tiles, then the 1..3 left. The first row tile
 // reads the weights from memory, the others find them in L1; one row tile (the second, or the
@@ -94,7 +117,7 @@ void channels(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t M,
     if (m1 - m0 == 1) {  // one row: 8 channels per tile, more weight loads in flight
       for (; n + kRowChannels <= n1; n += kRowChannels) tile<1, kRowChannels>(x, w, y, K, N, m0, n, 0);
     }
-    for (; n + kGroup <= n1; n += kGroup) channel_tile<4>(x, w, y, K, N, m0, m1, n);
+    for (; n + kGroup <= n1; n += kGroup) channel_tile<kGroup>(x, w, y, K, N, m0, m1, n);
     switch (n1 - n) {
       case 3: channel_tile<3>(x, w, y, K, N, m0, m1, n); break;
       case 2: channel_tile<2>(x, w, y, K, N, m0, m1, n); break;
@@ -103,7 +126,7 @@ void channels(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t M,
     }
   }
 }
-#endif  // SHARDLINE_GEMM_BF16
+#endif  // SHARDLINE_GEMM
 
 }  // namespace
 
@@ -115,7 +138,7 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "dense_linear: bfloat16 x and w, got ", x.scalar_type(), " and ", w.scalar_type());
   TORCH_CHECK(w.is_contiguous(), "dense_linear: w must be contiguous");
-#ifdef SHARDLINE_GEMM_BF16
+#ifdef SHARDLINE_GEMM
   const at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -124,6 +147,7 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
   const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
   const uint16_t* wp = static_cast<const uint16_t*>(w.data_ptr());
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+#ifdef SHARDLINE_GEMM_BF16
   if (shardline::amx::ready() && shardline::amx::fits(K, N)) {
     const at::Tensor packed = shardline::amx::pack(xc);
     const uint16_t* pp = static_cast<const uint16_t*>(packed.data_ptr());
@@ -134,7 +158,8 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
     });
     return y;
   }
-  // over groups of 4 channels, so that a task's range ends on a group (or at N)
+#endif
+  // over groups of kGroup channels, so that a task's range ends on a group (or at N)
   const int64_t groups = (N + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
     channels(xp, wp, yp, M, K, N, g0 * kGroup, std::min(N, g1 * kGroup));
@@ -145,9 +170,9 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
 #endif
 }
 
-// whether the AVX512-BF16 kernel was compiled in (dense_linear is torch's linear otherwise)
+// whether a kernel was compiled in, AVX512-BF16 or AVX2 (dense_linear is torch's linear otherwise)
 bool dense_linear_vectorized() {
-#ifdef SHARDLINE_GEMM_BF16
+#ifdef SHARDLINE_GEMM
   return true;
 #else
   return false;

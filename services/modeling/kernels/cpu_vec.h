@@ -6,7 +6,8 @@
 // (SiLU over batch x intermediate, softmax in attention, logsumexp over the vocabulary).
 //
 // With AVX-512, the matmul kernels' shared pieces too (cpu_quant.cpp, cpu_gemm.cpp): reduce4 and
-// store4 for a tile's sums, and with AVX512-BF16 the bfloat16 dot-product tile.
+// store4 for a tile's sums, and with AVX512-BF16 the bfloat16 dot-product tile; without
+// AVX512-BF16 but with AVX2 + FMA, cpu_gemm.cpp's bfloat16 tile on 8 lanes.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -15,8 +16,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define SHARDLINE_AVX512 1
 #endif
 
@@ -178,5 +181,71 @@ inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int
 }
 #endif  // __AVX512BF16__
 #endif  // SHARDLINE_AVX512
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(SHARDLINE_AVX512) && defined(__AVX512BF16__))
+#define SHARDLINE_GEMM_AVX2 1
+// The bfloat16 dot products of MB activation rows with NB weight rows on AVX2 + FMA (machines
+// without AVX512-BF16), as 8-lane float32 partial sums: acc[i][j] lane l = sum over 16-wide chunks
+// c, in order, of x[i][c + 2l] * w[j][c + 2l] then x[i][c + 2l + 1] * w[j][c + 2l + 1], each a
+// fused multiply-add, a last partial chunk zero-filled. A bfloat16 is the high half of a float32:
+// 16 of them as 8 32-bit lanes hold the even elements in the low halves (shifted up: exact floats)
+// and the odd ones in the high halves (the low halves masked off), so no shuffle is needed. As
+// dot_tile_bf16, every accumulator sees the same operations in the same order whatever MB and NB.
+inline __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 odd_bf16(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <int MB, int NB>
+inline void dot_tile_bf16_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                               __m256 (&acc)[MB][NB]) {
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  auto chunk = [&](auto load_x, auto load_w) {
+    if constexpr (MB == 1) {  // one row (decode): each weight chunk loaded where it is used
+      const __m256i v = load_x(0);
+      const __m256 xe = even_bf16(v), xo = odd_bf16(v);
+      for (int j = 0; j < NB; ++j) {
+        const __m256i u = load_w(j);
+        acc[0][j] = _mm256_fmadd_ps(xo, odd_bf16(u), _mm256_fmadd_ps(xe, even_bf16(u), acc[0][j]));
+      }
+      return;
+    }
+    __m256 we[NB], wo[NB];
+    for (int j = 0; j < NB; ++j) {
+      const __m256i v = load_w(j);
+      we[j] = even_bf16(v);
+      wo[j] = odd_bf16(v);
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256i v = load_x(i);
+      const __m256 xe = even_bf16(v), xo = odd_bf16(v);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xo, wo[j], _mm256_fmadd_ps(xe, we[j], acc[i][j]));
+    }
+  };
+  const int64_t body = K & ~int64_t{15};
+  for (int64_t k = 0; k < body; k += 16)
+    chunk([&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + k)); },
+          [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ldw + k)); });
+  if (body < K) {  // the last K % 16 elements, copied next to zeros
+    const int64_t tail = K - body;
+    auto padded = [tail](const uint16_t* p) {
+      alignas(32) uint16_t buf[16] = {};
+      std::memcpy(buf, p, 2 * tail);
+      return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+    };
+    chunk([&](int i) { return padded(x + i * ldx + body); }, [&](int j) { return padded(w + j * ldw + body); });
+  }
+}
+#endif  // SHARDLINE_GEMM_AVX2
+
+#if defined(__AVX2__)
+// the sum of v's 8 lanes, in one fixed order
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 }  // namespace shardline
