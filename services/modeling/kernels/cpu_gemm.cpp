@@ -83,7 +83,8 @@ inline void tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t
   __m256 acc[MB][NB];
   shardline::dot_tile_bf16_avx2<MB, NB>(x + m * K, K, w + n * K, K, K, acc);
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) shardline::Elem<c10::BFloat16>::store(y + (m + i) * N + n + j, shardline::hsum8(acc[i][j]));
+    for (int j = 0; j < NB; ++j)
+      shardline::Elem<c10::BFloat16>::store(y + (m + i) * N + n + j, shardline::hsum8(acc[i][j]));
 }
 #endif  // SHARDLINE_GEMM_BF16
 
@@ -107,7 +108,7 @@ inline void channel_tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y,
   }
 }
 
-// channels [n0, n1) of every row (n0 a multiple of 4; n1 = N or a multiple of 4)
+// channels [n0, n1) of every row (n0 a multiple of kGroup; n1 = N or a multiple of kGroup)
 void channels(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t M, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
   const int64_t block = std::max<int64_t>(4, kRowBlockBytes / (2 * K) / 4 * 4);
