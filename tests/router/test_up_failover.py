@@ -159,9 +159,12 @@ def run_streams(client: openai.OpenAI, during=None) -> list[dict]:
 @pytest.mark.serial  # the kill must land while the group decodes (see kill_mid_stream): a busy core misses it
 def test_killed_worker_fails_over_is_marked_dead_and_replaced(stack):
     first, other = sorted(stack.wait_groups(2, 60))
-    reference = run_streams(stack.client)
+    for _round in range(3):  # the router passes over a group running a shadow Score, for a whole round at times
+        reference = run_streams(stack.client)
+        if {r["header"] for r in reference} == {first, other}:
+            break
     assert all(r["error"] is None and len(r["tokens"]) == MAX_TOKENS for r in reference), reference
-    assert {r["header"] for r in reference} <= {first, other}
+    assert {r["header"] for r in reference} == {first, other}  # both groups took streams
 
     killed: list[str] = []
     victim_pid = driver_pid(first)  # looked up before the streams: the kill follows the check at once
