@@ -79,8 +79,10 @@ def test_calibrate_two_ranks_writes_a_topology_the_planner_accepts(tmp_path: Pat
     assert cal["backend"] == "gloo" and cal["world_size"] == 2 and len(cal["ranks"]) == 2
     assert len(cal["all_reduce_samples"]) == 7 and cal["threads_per_rank"] == max(1, cal["usable_cores"] // 2)
     # The serving stack's fixed costs, from the engine's decode steps on two tiny models: a layer
-    # costs microseconds to milliseconds of dispatch, a step (schedule, sample, stream) as much.
-    assert 1e-6 < topology.layer_overhead_s < 0.05 and 0 <= topology.step_overhead_s < 0.1
+    # costs at most a millisecond or so beyond its reads, a step (schedule, sample, stream) as much.
+    # A TP=1 rank runs its stage's layers in one C++ call, so a layer's own cost can fit to nothing:
+    # the deeper model's extra time within its extra reads came out 0 in a fresh-clone CI run
+    assert 0 <= topology.layer_overhead_s < 0.05 and 0 <= topology.step_overhead_s < 0.1
     assert 1e-6 < topology.control_latency_s < 0.05
     assert topology.node_memory_bandwidth_bytes_per_s is not None and topology.contention(2) >= 1.0
 
