@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from services.common.errors import InvalidArgument, NotFound, ShardlineError
+from services.common.errors import InvalidArgument, NotFound, PayloadTooLarge, ShardlineError
 from services.common.sampling import FinishReason
 from services.common.transport_security import TransportSecurity
 from services.router import edge
@@ -110,25 +110,24 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         """The body as a JSON object and its size in bytes (edge.py has the rules)."""
         edge.check_content_type(request.headers.get("content-type"))
         edge.check_declared_length(request.headers.get("content-length"), max_body_bytes)
-        chunks: list[bytes] = []
-        size = 0
+        reader = edge.BodyReader(max_body_bytes)
+        stream = request.stream()
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size <= max_body_bytes:
-                    chunks.append(chunk)
-                elif size > DRAIN_MAX_BYTES:
-                    break
+            try:
+                async for chunk in stream:
+                    reader.feed(chunk)
+            except PayloadTooLarge:
+                # the rest of the body is read and dropped, up to a bound, so that a client still
+                # sending reads the 413 rather than a reset connection
+                size = reader.size
+                async for chunk in stream:
+                    size += len(chunk)
+                    if size > DRAIN_MAX_BYTES:
+                        break
+                raise
         except ClientDisconnect:
             raise RequestCancelled("the client disconnected while sending the body") from None
-        if size > max_body_bytes:
-            # the rest of the body was read and dropped, up to a bound, so that a client still
-            # sending reads the 413 rather than a reset connection
-            raise edge.too_large(size, max_body_bytes)
-        raw = b"".join(chunks)
-        if edge.parse_inline(raw):
-            return edge.parse_json_object(raw), size
-        return await core.off_loop(edge.parse_json_object, raw, pure_python=True), size
+        return (reader.parse() if reader.parse_inline else await core.off_loop(reader.parse)), reader.size
 
     document = openapi_document()
 

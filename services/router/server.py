@@ -252,6 +252,10 @@ def shadow_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+# Python's default is 5 ms: the longest the loop waits for the GIL while a prepare thread works
+LOOP_GIL_SWITCH_S = 0.001
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig.from_args(args, service=SERVICE)
@@ -261,6 +265,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"shardline serve router: {exc}", file=sys.stderr, flush=True)
         return 2
     configure_logging(config.log_level)
+    # the event loop relays every stream's tokens; a prepare thread parsing or templating a large
+    # request holds the GIL between its switch points, and the loop waits up to this long for it
+    sys.setswitchinterval(LOOP_GIL_SWITCH_S)
     upstreams = list(args.telemetry_metrics_url or [])
     upstreams += [u for u in resolve("telemetry_metrics_url", None, "").split(",") if u.strip()]
     if upstreams:
