@@ -18,7 +18,7 @@ from services.modeling.config import ModelConfigError
 from services.worker.engine.engine import ErrorEvent, FinishEvent, LLMEngine, TokenEvent
 from services.worker.engine.kv_cache import KVCacheLayout
 from services.worker.engine.runner import StageRunner, follower_loop
-from services.worker.runtime import RankRuntime, RankSpec, stage_tokenizer_dir
+from services.worker.runtime import LOAD_BARRIER_TIMEOUT_S, RankRuntime, RankSpec, stage_tokenizer_dir
 
 
 def load_tokenizer(model_dir: str | None) -> Tokenizer | None:
@@ -44,6 +44,10 @@ def start_rank(spec: RankSpec, rank: int, *, sink: EventSink | None = None) -> t
     graphs = spec.cuda_graphs and rt.device.type == "cuda" and rt.plan.world_size == 1
     runner = StageRunner(rt, layout, decode_graphs=graphs, max_batch=spec.max_num_seqs,
                          max_model_len=spec.scheduler_config().max_model_len)
+    # every rank holds its KV cache before the driver serves: zero-filling a cache takes each rank
+    # its own time (4 ranks filling 1 GiB each on 2 cores: over 8 s for one of them), and the first
+    # step's broadcast would otherwise wait that out against the collective timeout
+    rt.coordinator.barrier(timeout_s=LOAD_BARRIER_TIMEOUT_S)
     return runner, layout
 
 
