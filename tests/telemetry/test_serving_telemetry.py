@@ -56,9 +56,9 @@ def expected_step_events(plan: ParallelPlan, rank: int) -> collections.Counter:
 
 
 def expected_counts(plan: ParallelPlan, rank: int, *, steps: int, control_plans: int) -> dict[str, int]:
-    """A serving rank's whole life: the load barrier, ``steps`` engine steps and
-    ``control_plans`` idle heartbeats and the final stop (each a 2-op broadcast)."""
-    counts = collections.Counter(barrier=1)
+    """A serving rank's whole life: the load barrier and the KV-cache barrier, ``steps`` engine
+    steps and ``control_plans`` idle heartbeats and the final stop (each a 2-op broadcast)."""
+    counts = collections.Counter(barrier=2)
     for op, n in expected_step_events(plan, rank).items():
         counts[op] += n * steps
     counts["broadcast"] += 2 * control_plans

@@ -16,7 +16,8 @@ prefill from): two all-reduces per layer of the rank's stage (o_proj, down_proj)
 stage 0 (the vocab-parallel embedding), one all-gather per TP rank of the last stage (the
 logits), one send of the hidden states from each stage-0 rank and the matching recv on stage 1,
 and the step's samples from the last stage's TP rank 0 to the driver (one send op there, two
-recv ops on the driver: size, then payload). Plus one load barrier per rank.
+recv ops on the driver: size, then payload). Plus two barriers per rank: weights loaded, KV
+cache allocated.
 
 Two things are timing-dependent and handled as such: the sampling rank's result send is
 *deferred* (gloo would deadlock the pipeline if it waited at once; it is waited for, and
@@ -54,7 +55,7 @@ def expected_totals(plan: ParallelPlan, steps: int) -> dict[str, int]:
     """Each op's count summed over the group's ranks, as the stack shows it while still up."""
     totals: collections.Counter[str] = collections.Counter()
     for rank in range(plan.world_size):
-        totals["barrier"] += 1  # after loading
+        totals["barrier"] += 2  # after loading the weights, after allocating the KV cache
         for op, n in expected_step_events(plan, rank).items():
             totals[op] += n * steps
     if plan.rank_of(plan.pp_degree - 1, 0) != 0:
@@ -123,7 +124,7 @@ def test_router_metrics_count_the_collectives_the_requests_needed(stack):
     # 13 steps: all_reduce 13 x (4 ranks x 2 layers x 2 + 2 embedding on stage 0) = 234, all_gather
     # 13 x 2 = 26, send 13 x 2 hidden + 12 results = 38, recv 13 x 2 hidden + 13 x 2 on the driver = 52
     assert expected == {"all_reduce": 18 * steps, "all_gather": 2 * steps, "send": 3 * steps - 1,
-                        "recv": 4 * steps, "barrier": 4}
+                        "recv": 4 * steps, "barrier": 8}
 
     def exact() -> dict[str, int]:
         counts = router_counts(ports["http"], group)
