@@ -8,6 +8,8 @@ PYTEST_ARGS ?=
 # real processes, timeouts and sleeps, so two workers on 2 cores halve it; three or four were
 # no faster here and only starve the ranks of the tests more.
 TEST_WORKERS ?= 2
+# When this make started: `make test` reports its wall time, set-up included.
+MAKE_T0 := $(shell date +%s)
 
 .PHONY: run demo test test-durations setup proto kernels system-deps clean
 
@@ -54,8 +56,14 @@ system-deps:
 # Starts a throw-away PostgreSQL and Redis on loopback, runs the whole suite on TEST_WORKERS
 # workers, whole files per worker, stops them whatever happens; the 15 slowest tests are listed.
 # One file: make test PYTEST_ARGS="tests/router/test_up.py"; the quick tier: PYTEST_ARGS='-m "not slow"'.
+# Its last line names the machine (CPU model, vector extensions) and the wall time, set-up included.
 test: setup system-deps
-	$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	@$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS); \
+	rc=$$?; \
+	echo "make test: exit $$rc in $$(( $$(date +%s) - $(MAKE_T0) )) s, set-up included;" \
+	  "$$(nproc) cores, $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
+	  "$$(grep -o 'avx512[a-z_]*\|amx[a-z_]*\|avx2' /proc/cpuinfo | sort -u | xargs)"; \
+	exit $$rc
 
 # The whole suite, recording each file's seconds in tests/file_seconds.json: `make test` starts the
 # longest files first. Run it on a quiet machine when files were added or grew, and commit the file.
