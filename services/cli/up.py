@@ -37,6 +37,7 @@ from services.cli.client import stream_generate, summary
 from services.cli.up_fleet import UpFleets, fleets_from_flags, load_fleet_file
 from services.common.config import DEFAULT_PORTS
 from services.common.errors import InvalidArgument
+from services.common.logging import say_line
 from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2
 from services.common.registry.engine import registry_url
@@ -199,14 +200,13 @@ def export_security(args: argparse.Namespace) -> None:
         os.environ["SHARDLINE_DEV"] = "1"
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
+say = say_line
 
 
 def _wait_all(supervisor: Supervisor, started: list[ManagedProcess], timeout_s: float) -> None:
     for managed in started:
         took = supervisor.wait_healthy(managed, timeout_s)
-        print(f"  {managed.name:<10} {managed.address:<16} SERVING  (+{took:.1f} s)", flush=True)
+        say(f"  {managed.name:<10} {managed.address:<16} SERVING  (+{took:.1f} s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,15 +261,15 @@ def run(args: argparse.Namespace) -> int:
         drift = drift_argv(args, model_dir, registry, telemetry)
         if drift is not None:  # no gRPC port: reported when it dies, like the other background services
             background.append(supervisor.start("drift", drift, 0, log_path=logs / "drift.log"))
-            print(f"  {'drift':<10} every {args.drift_every:g} s (log: {logs / 'drift.log'})", flush=True)
-        print(f"shardline is up: router gRPC 127.0.0.1:{args.port}{' (TLS)' if args.tls_cert else ''}, "
-              f"OpenAI HTTP {scheme}://127.0.0.1:{args.http_port}/v1", flush=True)
+            say(f"  {'drift':<10} every {args.drift_every:g} s (log: {logs / 'drift.log'})")
+        say(f"shardline is up: router gRPC 127.0.0.1:{args.port}{' (TLS)' if args.tls_cert else ''}, "
+            f"OpenAI HTTP {scheme}://127.0.0.1:{args.http_port}/v1")
         if args.demo_prompt is not None:
             if not demo(router.address, args):
                 return 1
         if args.exit_after_demo:
             return 0
-        print("Ctrl-C stops the stack.", flush=True)
+        say("Ctrl-C stops the stack.")
         watch(supervisor, router, background, stop)
         return 0
     except StackStopped:
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         if supervisor.processes:
-            print("shardline up: stopping the stack ...", flush=True)
+            say("shardline up: stopping the stack ...")
         if fleets is not None:
             fleets.close()  # the controllers first: nothing is replaced while the stack stops
         supervisor.stop_all()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_SAY_LOCK = threading.Lock()
 
 
 def configure_logging(level: str | None = None) -> None:
@@ -16,3 +19,12 @@ def configure_logging(level: str | None = None) -> None:
         logging.basicConfig(level=level_name, format=_FORMAT)
     else:
         root.setLevel(level_name)
+
+
+def say_line(line: str) -> None:
+    """One whole line on stdout, flushed. Fleet controllers report from their own threads while
+    the main thread reports too, and ``print`` writes the text and its newline in two writes, so
+    two reports could otherwise share a line (and a reader parsing the output miss both)."""
+    with _SAY_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()

@@ -23,6 +23,7 @@ from typing import Any
 from services.common.config import resolve
 from services.common.grpc_server import GrpcServer, serve_service
 from services.common.health import make_health_store
+from services.common.logging import say_line
 from services.common.registry import ShardRegistry, registry_url
 from services.common.supervisor import Supervisor
 from services.fleet import metrics
@@ -167,7 +168,7 @@ def serve(args: argparse.Namespace) -> int:
                                    utilization=(RouterUtilization(args.router, api_key=resolve(
                                        "api_key", args.router_api_key, "") or None) if args.router else None),
                                    **controller_signals(redis, telemetry),
-                                   say=lambda line: print(f"{time.time():.3f} {line}", flush=True))
+                                   say=lambda line: say_line(f"{time.time():.3f} {line}"))
                    for fleet, provisioner in zip(fleets, provisioners, strict=True)]
     reconcilers = Reconcilers(controllers, args.interval)
 
