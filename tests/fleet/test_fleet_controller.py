@@ -1,5 +1,5 @@
 """The fleet controller on real processes: a router discovering groups in a PostgreSQL registry,
-``shardline serve fleet`` with the local provisioner, Redis as the health store, and 8 greedy
+``shardline serve fleet`` with the local provisioner, Redis as the health store, and 4 greedy
 streams looping through the ``openai`` client, every completion checked against its fault-free
 text. One stack for the module, one fleet through five scenarios in order:
 
@@ -33,7 +33,10 @@ pytestmark = pytest.mark.slow
 FLEET = "tinyfleet"
 PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
 MAX_TOKENS = 24
-PAUSE_S = 0.3  # each stream's think time: 8 streams that leave the 2 cores some room to start groups
+# 4 streams with 0.5 s of think time each: load that crosses every rollout, heal and drain, and leaves the 2
+# cores room to start groups (8 streams at 0.3 s cost the module 189 s of CPU against 118 s, all alone)
+STREAMS = 4
+PAUSE_S = 0.5
 COLLECTIVE_TIMEOUT_S = 2.0
 # bfloat16, as served: on CPU its matmuls and attention are batch-invariant (a sequence's bits do
 # not depend on what shares its steps), so a text is the same in any batch and in either layout
@@ -43,9 +46,9 @@ KV_CACHE_GB = 1 / 1024
 
 
 def spec(**overrides):
-    """The fleet's spec, kept short for the suite: a gate of 4 x 128 tokens, 5 s drains."""
+    """The fleet's spec, kept short for the suite: a gate of 4 x 128 tokens, 5 s drains, 1 s settles."""
     return fleet_spec(FLEET, overrides.pop("model_dir"), dtype=overrides.pop("dtype", DTYPE), gate_chunk_tokens=128,
-                      drain_deadline_s=5.0,
+                      drain_deadline_s=5.0, settle_s=1.0,
                       kv_cache_cap_gb=KV_CACHE_GB, **overrides)
 
 
@@ -97,7 +100,7 @@ def test_heal_replaces_a_killed_group_with_the_same_plan(stack: FleetStack, expe
     before = live_groups(stack)
     assert len(before) == 2 and all(g["status"] == "healthy" for g in before.values())
     victim = sorted(before)[0]
-    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, concurrency=STREAMS, pause_s=PAUSE_S).start()
     time.sleep(1.0)
     os.kill(driver_pid(victim), signal.SIGKILL)
     killed = time.monotonic()
@@ -121,7 +124,7 @@ def test_rolling_reshard_to_pp2_loses_nothing_and_keeps_two_groups_in_rotation(
         stack: FleetStack, expected: dict[int, str], tiny_model_dir: Path) -> None:
     stack.wait(lambda: len(stack.rotation()) == 2, 10, "the router to see both groups")
     monitor = RotationMonitor(stack).start()
-    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, concurrency=STREAMS, pause_s=PAUSE_S).start()
     time.sleep(1.0)
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2)))
     stack.wait(lambda: rollout_ended(stack), 150, "the rollout to end")
@@ -142,7 +145,7 @@ def test_rolling_reshard_to_pp2_loses_nothing_and_keeps_two_groups_in_rotation(
 def test_a_candidate_failing_the_gate_ends_the_rollout_failed_and_the_fleet_serving(
         stack: FleetStack, expected: dict[int, str], tiny_model_dir: Path) -> None:
     serving = live_groups(stack)
-    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, concurrency=STREAMS, pause_s=PAUSE_S).start()
     noisy = spec(model_dir=tiny_model_dir, pp=1, env={"SHARDLINE_WEIGHT_NOISE": "layer=1,std=0.5,seed=0"})
     print(stack.apply(noisy))
     stack.wait(lambda: rollout_ended(stack), 90, "the rollout to the noisy plan to end")
@@ -162,7 +165,7 @@ def test_a_rolling_requantization_to_int8_loses_nothing_and_records_each_gate(
     check is that no request fails or breaks, rotation never drops below 2, and every new group's
     gate figures are in the rollout."""
     monitor = RotationMonitor(stack).start()
-    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, pause_s=PAUSE_S).start()
+    load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, concurrency=STREAMS, pause_s=PAUSE_S).start()
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, dtype="int8")))
     stack.wait(lambda: rollout_ended(stack), 150, "the rollout to int8 to end")
     time.sleep(1.0)
