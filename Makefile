@@ -57,12 +57,14 @@ system-deps:
 # workers, whole files per worker, stops them whatever happens; the 15 slowest tests are listed.
 # One file: make test PYTEST_ARGS="tests/router/test_up.py"; the quick tier: PYTEST_ARGS='-m "not slow"'.
 # Its last line names the machine (CPU model, vector extensions) and the wall time, set-up included.
-test: setup system-deps
+# The set-up and the system packages are made side by side (the kernels compile while apt fetches).
+test:
+	@$(MAKE) --no-print-directory -j2 setup system-deps
 	@$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS); \
 	rc=$$?; \
 	echo "make test: exit $$rc in $$(( $$(date +%s) - $(MAKE_T0) )) s, set-up included;" \
 	  "$$(nproc) cores, $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
-	  "$$(grep -o 'avx512[a-z_]*\|amx[a-z_]*\|avx2' /proc/cpuinfo | sort -u | xargs)"; \
+	  "$$(grep -o 'avx512[a-z_0-9]*\|amx[a-z_0-9]*\|avx2' /proc/cpuinfo | sort -u | xargs)"; \
 	exit $$rc
 
 # The whole suite, recording each file's seconds in tests/file_seconds.json: `make test` starts the
