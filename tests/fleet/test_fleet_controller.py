@@ -11,7 +11,7 @@ text. One stack for the module, one fleet through five scenarios in order:
    groups of the serving revision still serving;
 4. a rollout to int8 weights under load: nothing fails, never fewer than 2 groups in rotation,
    each new group's gate figures recorded;
-5. autoscaling (min 1, max 3): streams that fill the KV cache add groups; without them it scales
+5. autoscaling (min 1, max 3): streams that fill the KV cache add a group; without them it scales
    back to 1, draining without a failed request.
 """
 
@@ -193,10 +193,8 @@ def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
     # each request's KV estimate (prompt + 230 tokens) is near a quarter of a PP2 group's 1024: the
     # routers commit ~94 % of every group while requests wait, however many groups there are
     load = Load(stack.http, "tinyfleet", PROMPTS, 230, concurrency=12, ignore_eos=True).start()
+    # one group added under pressure is the point; the bounds (max 3) are test_autoscale's
     stack.wait(lambda: stack.status()["in_rotation"] >= 2, 90, "a scale-out under load")
-    stack.wait(lambda: stack.status()["in_rotation"] == 3 or
-               (monitor.samples and monitor.samples[-1][2] < 80 and stack.status()["in_rotation"] >= 2),
-               90, "max replicas, or utilization below the threshold")
     peak = stack.status()["in_rotation"]
     outcomes = load.stop()
     assert not [o for o in outcomes if not o.ok], [o.error for o in outcomes if not o.ok][:3]
