@@ -24,8 +24,15 @@ def reference_logprobs(model_dir: str, ids: list[int], dtype: str = "float32") -
 
 
 def reference_greedy(model_dir: str, ids: list[int], max_new_tokens: int, dtype: str = "float32") -> list[int]:
-    model = _load(str(model_dir), dtype)
+    """transformers' greedy tokens; computed once per process for the same arguments (the layouts
+    of one test all compare against the same reference)."""
+    return list(_greedy(str(model_dir), tuple(ids), max_new_tokens, dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _greedy(model_dir: str, ids: tuple[int, ...], max_new_tokens: int, dtype: str) -> tuple[int, ...]:
+    model = _load(model_dir, dtype)
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return tuple(out[0, len(ids):].tolist())
