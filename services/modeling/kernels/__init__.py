@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_ops.cpp", "cpu_attention.cpp",
                                                         "cpu_sampling.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
                                                         "cpu_amx.cpp", "cpu_layers.cpp")]
+# The dense and quantized matmuls alone (a third of the compile): what the suite builds a second
+# time for another -march to check the AVX2 paths on an AVX-512 machine (matmul_kernels).
+MATMUL_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
+                                                               "cpu_amx.cpp")]
 
 
 class LayerOps(Protocol):
@@ -123,21 +127,30 @@ def cpu_arch() -> str:
 def cpu_kernels():
     """The built C++ module, or None (no compiler, build failure): the reference is used then."""
     try:
-        # deferred: the C++ toolchain wrapper only when the kernels are built
-        from torch.utils.cpp_extension import load
-
-        # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
-        # sharing ~/.cache/torch_extensions under one name would rebuild each other's module
-        arch = cpu_arch()
-        tag = hashlib.sha1(f"{SOURCES[0].resolve()}:{arch}".encode()).hexdigest()[:10]
-        # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it (torch
-        # itself links the same libgomp, so the kernels share its thread pool)
-        return load(name=f"shardline_cpu_ops_{tag}", sources=[str(p) for p in SOURCES],
-                    extra_cflags=["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return _build(SOURCES, cpu_arch())
     except Exception as exc:  # noqa: BLE001 - any build problem means: run the reference
         log.warning("CPU kernels unavailable (%s); using the PyTorch reference ops", exc)
         return None
+
+
+def matmul_kernels(arch: str):
+    """A module of the matmul kernels alone (``dense_linear``, ``quant_linear``, their
+    ``*_vectorized`` and ``amx_ready``) built for ``-march=arch``; raises on a build failure."""
+    return _build(MATMUL_SOURCES, arch, variant="matmul", defines=("-DSHARDLINE_MATMUL_ONLY",))
+
+
+def _build(sources: list[Path], arch: str, *, variant: str = "", defines: tuple[str, ...] = ()):
+    # deferred: the C++ toolchain wrapper only when the kernels are built
+    from torch.utils.cpp_extension import load
+
+    # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
+    # sharing ~/.cache/torch_extensions under one name would rebuild each other's module
+    tag = hashlib.sha1(f"{sources[0].resolve()}:{arch}{':' + variant if variant else ''}".encode()).hexdigest()[:10]
+    # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it (torch
+    # itself links the same libgomp, so the kernels share its thread pool)
+    return load(name=f"shardline_cpu_ops_{tag}", sources=[str(p) for p in sources],
+                extra_cflags=["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp", *defines],
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 _NONE = torch.empty(0)  # an absent tensor argument of a C++ kernel (no residual, a dense weight's scale)

@@ -14,6 +14,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // gRPC threads serve meanwhile; not for the short element-wise kernels, where handing it over
   // would cost more than they take.
   using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("quant_linear", &quant_linear, nogil());
+  m.def("quant_linear_vectorized", &quant_linear_vectorized);
+  m.def("dense_linear", &dense_linear, nogil());
+  m.def("dense_linear_vectorized", &dense_linear_vectorized);
+  m.def("amx_ready", &shardline::amx::ready);
+#ifndef SHARDLINE_MATMUL_ONLY  // the matmuls alone: a build of cpu_{quant,gemm,amx}.cpp (kernels/__init__.py)
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rotary_", &rotary_);
@@ -23,10 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("vectorized") = true, nogil());
   m.def("greedy_logsumexp", &greedy_logsumexp, nogil());
-  m.def("quant_linear", &quant_linear, nogil());
-  m.def("quant_linear_vectorized", &quant_linear_vectorized);
-  m.def("dense_linear", &dense_linear, nogil());
-  m.def("dense_linear_vectorized", &dense_linear_vectorized);
-  m.def("amx_ready", &shardline::amx::ready);
   m.def("decoder_layers", &decoder_layers, nogil());
+#endif
 }
