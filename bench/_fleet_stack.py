@@ -27,6 +27,7 @@ import openai
 import yaml
 
 from services.cli.fleet import fleet_status
+from services.common.config import child_environ
 from services.common.healthcheck import check
 from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
@@ -34,10 +35,6 @@ from services.common.registry import ShardRegistry
 
 REPO = Path(__file__).resolve().parents[1]
 IN_ROTATION = (common_pb2.REPLICA_GROUP_STATUS_HEALTHY, common_pb2.REPLICA_GROUP_STATUS_DEGRADED)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}, **extra}
 
 
 def driver_pid(group: str) -> int:
@@ -91,12 +88,12 @@ class FleetStack:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with (self.logs / f"{name}.log").open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=REPO, stdout=out,
-                                    stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=child_environ(), start_new_session=True)
         self.procs.append(proc)
         return proc
 
     def _run(self, argv: list[str]) -> str:
-        done = subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=REPO, env=_env(), text=True,
+        done = subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=REPO, env=child_environ(), text=True,
                               capture_output=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"shardline {' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")

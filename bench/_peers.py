@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.common import wait_http_health
 from bench.soak import REPO, descendants
+from services.common.config import child_environ
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
@@ -253,8 +254,7 @@ def shardline_server(model_dir: Path, dtype: str, port: int, workdir: Path) -> S
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--dtype", dtype,
             "--served-model-name", SERVED_NAME, "--http-port", str(port), "--port", str(port + 1),
             "--port-base", str(port + 2), "--log-dir", str(workdir / "logs")]
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")},
-           "SHARDLINE_STATE_DIR": str(workdir / "state")}
+    env = child_environ(SHARDLINE_STATE_DIR=str(workdir / "state"))
     return Server("shardline", argv, port, workdir / "up.log", env=env, cwd=REPO)
 
 

@@ -42,6 +42,7 @@ import httpx
 from bench._soak_clients import Load, Stats
 from bench._soak_report import markdown, plot_rss, verdict
 from bench.common import wait_http_health
+from services.common.config import child_environ
 from services.common.ports import free_port_run
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -188,8 +189,7 @@ class Stack:
         self.argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--replicas", str(replicas),
                      "--port", str(ports["router"]), "--http-port", str(ports["http"]),
                      "--port-base", str(ports["base"]), "--log-dir", str(workdir / "logs"), *extra]
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")},
-                    "SHARDLINE_STATE_DIR": str(workdir / "state")}
+        self.env = child_environ(SHARDLINE_STATE_DIR=str(workdir / "state"))
         self.log = workdir / "up.out"
         self.base_url = f"http://127.0.0.1:{ports['http']}/v1"
         self.proc: subprocess.Popen | None = None

@@ -39,6 +39,19 @@ DEFAULT_MAX_WORKERS = 64
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+# The one setting a child process keeps from its parent's environment: the CPU kernels' build
+# target. A child built for another -march would compile the kernels anew (tens of seconds, while
+# a test or a benchmark waits on it) and run other code than its parent.
+INHERITED_SETTINGS = ("SHARDLINE_CPU_ARCH",)
+
+
+def child_environ(**extra: str) -> dict[str, str]:
+    """This process's environment without its ``SHARDLINE_*`` settings (a child takes its settings
+    from its own flags and ``extra``), but for :data:`INHERITED_SETTINGS`, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) or k in INHERITED_SETTINGS},
+            **extra}
+
+
 def env_name(name: str) -> str:
     """``"redis_url"`` -> ``"SHARDLINE_REDIS_URL"``."""
     return ENV_PREFIX + name.upper().replace("-", "_")

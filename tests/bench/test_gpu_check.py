@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.router.processes import REPO, clean_env
+from services.common.config import child_environ
+from tests.router.processes import REPO
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,7 +25,7 @@ def test_the_device_check_runs_on_the_cpu_with_the_device_images_packages(tmp_pa
     report = tmp_path / "imports.json"
     argv = [sys.executable, "-m", "tests.bench.device_image", str(report), "bench.gpu.check", "--device", "cpu",
             "--quick", "--out", str(tmp_path)]
-    run = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=280)
+    run = subprocess.run(argv, cwd=REPO, env=child_environ(), capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert json.loads(report.read_text()) == {}  # nothing beyond torch, transformers, safetensors, tokenizers
 

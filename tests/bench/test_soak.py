@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.router.processes import REPO, clean_env
+from services.common.config import child_environ
+from tests.router.processes import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # ~25 s on 2 idle cores: 8 s of load, the rest startup
 
@@ -25,7 +26,7 @@ def test_a_short_soak_has_no_5xx_and_writes_its_results(tmp_path):
     out = tmp_path / "results"
     argv = [sys.executable, "-m", "bench.soak", "--duration", "3", "--streams", "4", "--model", "tiny",
             "--malformed-share", "0.3", "--cancel-share", "0.2", "--sample-interval", "1", "--out", str(out)]
-    run = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=110)
+    run = subprocess.run(argv, cwd=REPO, env=child_environ(), capture_output=True, text=True, timeout=110)
     assert (out / "soak.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((out / "soak.json").read_text())
     assert KEYS <= set(result)

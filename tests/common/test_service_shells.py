@@ -5,7 +5,6 @@ shells are built from: config precedence, the error-to-status table, graceful st
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.common import errors
-from services.common.config import DEFAULT_PORTS, ServerConfig, add_server_arguments, resolve
+from services.common.config import DEFAULT_PORTS, ServerConfig, add_server_arguments, child_environ, resolve
 from services.common.grpc_server import STATUS_FOR_ERROR, ServiceBinding, start_server
 from services.common.proto import (
     loader_pb2,
@@ -83,11 +82,11 @@ def _router_without_model(channel: grpc.Channel) -> bool:
     return False
 
 
-def _clean_env(tmp_path: Path | None = None) -> dict[str, str]:
+def _child_environ(tmp_path: Path | None = None) -> dict[str, str]:
     """The caller's environment without SHARDLINE_* settings, so the test is hermetic; with
     ``tmp_path``, the embedded registry goes under it, not into the user's state directory
     (which the planner and the loader open at start, and parallel tests would share)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    env = child_environ()
     if tmp_path is not None:
         env["SHARDLINE_STATE_DIR"] = str(tmp_path / "state")
     return env
@@ -135,7 +134,7 @@ def test_five_services_serve_health_reflection_an_rpc_and_exit_0_on_sigterm(
         for shell in SHELLS:
             port = free_port()
             log = tmp_path / f"{shell.name}.log"
-            env = _clean_env()
+            env = _child_environ()
             env["SHARDLINE_STATE_DIR"] = str(tmp_path / "state")  # embedded registry: not the user's
             env["SHARDLINE_DEV"] = "1"  # reflection is served in development mode only
             command = [sys.executable, "-m", "services.cli", "serve", shell.name]
@@ -179,7 +178,7 @@ def test_sigint_also_exits_0(tmp_path: Path, processes: list[subprocess.Popen]) 
     log = tmp_path / "loader.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.loader", "--port", str(port)],
-                                cwd=REPO, env=_clean_env(tmp_path), stdout=out, stderr=subprocess.STDOUT)
+                                cwd=REPO, env=_child_environ(tmp_path), stdout=out, stderr=subprocess.STDOUT)
     processes.append(proc)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         _wait_serving(proc, channel, log, SERVING_DEADLINE_S)
@@ -193,7 +192,7 @@ def test_taken_port_fails_loudly(tmp_path: Path) -> None:
     holder = start_server(ServerConfig(service="planner", port=0), [])
     try:
         result = subprocess.run([sys.executable, "-m", "services.planner", "--port", str(holder.port)],
-                                cwd=REPO, env=_clean_env(tmp_path), capture_output=True, text=True, timeout=30)
+                                cwd=REPO, env=_child_environ(tmp_path), capture_output=True, text=True, timeout=30)
     finally:
         holder.stop(0)
     assert result.returncode == 1
@@ -201,7 +200,7 @@ def test_taken_port_fails_loudly(tmp_path: Path) -> None:
 
 
 def test_bad_env_setting_exits_2_naming_the_variable() -> None:
-    env = dict(_clean_env(), SHARDLINE_PORT="fifty")
+    env = dict(_child_environ(), SHARDLINE_PORT="fifty")
     result = subprocess.run([sys.executable, "-m", "services.router"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2

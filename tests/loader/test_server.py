@@ -4,7 +4,6 @@ with the status that says what is wrong."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from services.cli import main as cli_main
-from services.common.config import ServerConfig
+from services.common.config import ServerConfig, child_environ
 from services.common.grpc_server import GrpcServer, start_server
 from services.common.healthcheck import check
 from services.common.proto import common_pb2, loader_pb2, loader_pb2_grpc
@@ -320,7 +319,7 @@ def test_shardline_serve_loader_with_sqlite_registry_and_cache_dir(tiny_dir: Pat
     ckpt = sharded(tiny_dir, 2, 1)
     port = free_port()
     log = tmp_path / "loader.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    env = child_environ()
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "loader", "--port", str(port),
                                  "--registry-url", f"sqlite:///{tmp_path / 'registry.db'}",

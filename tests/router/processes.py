@@ -15,23 +15,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.config import child_environ
 from services.common.healthcheck import wait_serving as wait_serving_or_why
 from tests.stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without SHARDLINE_* settings (but the kernels' build target,
-    ``SHARDLINE_CPU_ARCH``: a served stack runs what the test process runs), plus ``extra``."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_") or k == "SHARDLINE_CPU_ARCH"},
-            **extra}
-
-
 def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, env=env or clean_env(), start_new_session=True)
+                                stderr=subprocess.STDOUT, env=env or child_environ(), start_new_session=True)
 
 
 def start_service(name: str, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import openai
 
-from tests.router.processes import REPO, clean_env
+from services.common.config import child_environ
+from tests.router.processes import REPO
 from tests.stack import free_port
 
 
@@ -24,7 +25,7 @@ def up_command(tmp_path: Path, *extra: str) -> tuple[list[str], dict[str, str], 
     argv = [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", str(ports["router"]),
             "--http-port", str(ports["http"]), "--port-base", str(ports["base"]), "--kv-cache-gb", "0.01",
             "--log-dir", str(tmp_path / "logs"), *extra]
-    env = clean_env(SHARDLINE_MODEL_CACHE=str(tmp_path / "models"), SHARDLINE_STATE_DIR=str(tmp_path / "state"))
+    env = child_environ(SHARDLINE_MODEL_CACHE=str(tmp_path / "models"), SHARDLINE_STATE_DIR=str(tmp_path / "state"))
     return argv, env, ports
 
 

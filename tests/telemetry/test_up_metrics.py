@@ -38,9 +38,10 @@ import time
 import openai
 import pytest
 
+from services.common.config import child_environ
 from services.modeling.parallel.plan import ParallelPlan
 from services.worker.runtime import RankSpec
-from tests.router.processes import REPO, clean_env
+from tests.router.processes import REPO
 from tests.stack import free_port
 from tests.telemetry.procs import scrape, wait_until
 from tests.telemetry.test_serving_telemetry import expected_step_events
@@ -79,7 +80,7 @@ def stack(tmp_path):
     argv = [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--tp", str(TP), "--pp", str(PP),
             "--dtype", "float32", "--port", str(ports["router"]), "--http-port", str(ports["http"]),
             "--port-base", str(ports["base"]), "--kv-cache-gb", "0.01", "--log-dir", str(tmp_path / "logs")]
-    env = clean_env(SHARDLINE_MODEL_CACHE=str(tmp_path / "models"), SHARDLINE_STATE_DIR=str(tmp_path / "state"))
+    env = child_environ(SHARDLINE_MODEL_CACHE=str(tmp_path / "models"), SHARDLINE_STATE_DIR=str(tmp_path / "state"))
     log = tmp_path / "up.out"
     with log.open("w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
+from services.common.config import child_environ
 from services.common.proto import telemetry_pb2
 from services.common.registry import ShardRegistry, registry_group_id
 from tests.cli import run_cli
-from tests.router.processes import clean_env, spawn, stop, wait_serving
+from tests.router.processes import spawn, stop, wait_serving
 from tests.stack import free_port
 from tests.telemetry.procs import alerts_reader, start_service, wait_until
 
@@ -43,7 +44,7 @@ def groups(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     ShardRegistry(registry, migrate_schema=True).close()  # once, before two workers start together
     started = []
     try:
-        for name, env in (("rg-clean", clean_env()), ("rg-noisy", clean_env(SHARDLINE_WEIGHT_NOISE=NOISE))):
+        for name, env in (("rg-clean", child_environ()), ("rg-noisy", child_environ(SHARDLINE_WEIGHT_NOISE=NOISE))):
             port = free_port()
             proc = spawn(["serve", "worker", "--port", str(port), "--model", str(tiny_model_dir), "--kv-cache-gb",
                           "0.02", "--replica-group-id", name, "--registry-url", registry], logs / f"{name}.log",
@@ -60,7 +61,7 @@ def groups(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def shardline(*argv: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=REPO, env=clean_env(),
+    return subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=REPO, env=child_environ(),
                           capture_output=True, text=True, timeout=timeout_s)
 
 

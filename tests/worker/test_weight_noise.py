@@ -4,7 +4,6 @@ the same perturbed tensor at every TP degree, and a bad spec refused before a ra
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.config import child_environ
 from services.modeling.parallel.faults import (
     LAYER_LINEAR_WEIGHTS,
     WeightNoise,
@@ -52,7 +52,7 @@ def test_noise_is_relative_to_the_tensor_and_fixed_by_seed_and_name() -> None:
 
 
 def score(model: Path, tp: int, noise: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    env = child_environ()
     if noise is not None:
         env["SHARDLINE_WEIGHT_NOISE"] = noise
     return subprocess.run([sys.executable, "-m", "services.cli", "score", "--model", str(model), "--tp", str(tp),
