@@ -82,14 +82,11 @@ def _router_without_model(channel: grpc.Channel) -> bool:
     return False
 
 
-def _child_environ(tmp_path: Path | None = None) -> dict[str, str]:
-    """The caller's environment without SHARDLINE_* settings, so the test is hermetic; with
-    ``tmp_path``, the embedded registry goes under it, not into the user's state directory
-    (which the planner and the loader open at start, and parallel tests would share)."""
-    env = child_environ()
-    if tmp_path is not None:
-        env["SHARDLINE_STATE_DIR"] = str(tmp_path / "state")
-    return env
+def _service_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The caller's environment without SHARDLINE_* settings, so the test is hermetic, and the
+    embedded registry under ``tmp_path``, not in the user's state directory (which the planner and
+    the loader open at start, and parallel tests would share)."""
+    return child_environ(SHARDLINE_STATE_DIR=str(tmp_path / "state"), **extra)
 
 
 def _health(channel: grpc.Channel, service: str = "") -> str:
@@ -134,9 +131,7 @@ def test_five_services_serve_health_reflection_an_rpc_and_exit_0_on_sigterm(
         for shell in SHELLS:
             port = free_port()
             log = tmp_path / f"{shell.name}.log"
-            env = _child_environ()
-            env["SHARDLINE_STATE_DIR"] = str(tmp_path / "state")  # embedded registry: not the user's
-            env["SHARDLINE_DEV"] = "1"  # reflection is served in development mode only
+            env = _service_env(tmp_path, SHARDLINE_DEV="1")  # reflection is served in development mode only
             command = [sys.executable, "-m", "services.cli", "serve", shell.name]
             if shell.name == "telemetry":
                 # Configured through the environment instead of flags, as docker-compose does.
@@ -178,7 +173,7 @@ def test_sigint_also_exits_0(tmp_path: Path, processes: list[subprocess.Popen]) 
     log = tmp_path / "loader.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.loader", "--port", str(port)],
-                                cwd=REPO, env=_child_environ(tmp_path), stdout=out, stderr=subprocess.STDOUT)
+                                cwd=REPO, env=_service_env(tmp_path), stdout=out, stderr=subprocess.STDOUT)
     processes.append(proc)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         _wait_serving(proc, channel, log, SERVING_DEADLINE_S)
@@ -192,7 +187,7 @@ def test_taken_port_fails_loudly(tmp_path: Path) -> None:
     holder = start_server(ServerConfig(service="planner", port=0), [])
     try:
         result = subprocess.run([sys.executable, "-m", "services.planner", "--port", str(holder.port)],
-                                cwd=REPO, env=_child_environ(tmp_path), capture_output=True, text=True, timeout=30)
+                                cwd=REPO, env=_service_env(tmp_path), capture_output=True, text=True, timeout=30)
     finally:
         holder.stop(0)
     assert result.returncode == 1
@@ -200,7 +195,7 @@ def test_taken_port_fails_loudly(tmp_path: Path) -> None:
 
 
 def test_bad_env_setting_exits_2_naming_the_variable() -> None:
-    env = dict(_child_environ(), SHARDLINE_PORT="fifty")
+    env = child_environ(SHARDLINE_PORT="fifty")
     result = subprocess.run([sys.executable, "-m", "services.router"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2

@@ -49,13 +49,12 @@ from services.modeling.attention import AttentionMetadata, gather_decode_attenti
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_ops.cpp", "cpu_attention.cpp",
-                                                        "cpu_sampling.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
-                                                        "cpu_amx.cpp", "cpu_layers.cpp")]
 # The dense and quantized matmuls alone (a third of the compile): what the suite builds a second
 # time for another -march to check the AVX2 paths on an AVX-512 machine (matmul_kernels).
 MATMUL_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
                                                                "cpu_amx.cpp")]
+SOURCES = MATMUL_SOURCES + [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp",
+                                                                        "cpu_sampling.cpp", "cpu_layers.cpp")]
 
 
 class LayerOps(Protocol):
