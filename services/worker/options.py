@@ -44,6 +44,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (chunked prefill)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion (default: the model's max_position_embeddings)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="prefill every prompt from its first token (default: a prompt whose leading blocks "
+                             "of tokens are cached reuses their keys and values)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every decode step eagerly instead of replaying CUDA graphs (a group on one GPU "
                              "captures one graph per batch-size bucket by default)")
@@ -67,4 +70,4 @@ def engine_spec(args: argparse.Namespace) -> RankSpec:
         cache = CacheConfig(block_size=args.block_size)
     return rank_spec(args, cache=cache, max_num_seqs=args.max_num_seqs,
                      max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                     cuda_graphs=not args.enforce_eager)
+                     cuda_graphs=not args.enforce_eager, prefix_caching=args.prefix_caching)

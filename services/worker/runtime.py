@@ -51,6 +51,8 @@ class RankSpec:
     max_num_seqs: int = field(default=256, kw_only=True)
     max_batched_tokens: int = field(default=2048, kw_only=True)
     max_model_len: int | None = field(default=None, kw_only=True)  # None: the model's max_position_embeddings
+    # reuse the KV blocks of a prompt prefix computed before (the scheduler's prefix caching)
+    prefix_caching: bool = field(default=True, kw_only=True)
     # "auto" (CUDA where torch sees a GPU), "cpu" or "cuda"; resolved to "cpu"/"cuda" when made
     device: str = field(default="auto", kw_only=True)
     # a single-GPU group replays its decode steps from CUDA graphs, one per batch size (False:
@@ -74,7 +76,8 @@ class RankSpec:
     def scheduler_config(self) -> SchedulerConfig:
         max_position = self.plan.config.max_position_embeddings
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
-                               max_model_len=min(self.max_model_len or max_position, max_position))
+                               max_model_len=min(self.max_model_len or max_position, max_position),
+                               prefix_caching=self.prefix_caching)
 
 
 def stage_tokenizer_dir(spec: RankSpec) -> str | None:

@@ -16,13 +16,27 @@ Invariants (checked by the property tests):
 - ``num_free_blocks + num_used_blocks == num_blocks``;
 - a sequence's table has exactly ``ceil(num_tokens / block_size)`` blocks.
 
-Blocks are handed out from the front of the free list and returned to its back, in table
-order, so block ids are deterministic: a fresh allocator gives 0, 1, 2, ...
+Blocks are handed out from the front of the free list and returned to its back, last table
+entry first, so block ids are deterministic: a fresh allocator gives 0, 1, 2, ...
+
+Prefix caching (the scheduler's, when on): a full block whose keys and values are written may be
+registered under its :func:`block_hash` (``cache_blocks``). A registered block keeps its contents
+when its last table lets go of it: it waits on the free list, still findable by its hash
+(``cached_prefix``), until a new allocation takes it from the front (an eviction), so the free
+list is the LRU order of the cached blocks. A sequence's blocks go back last entry first, so its
+tail, useless once its head is gone, is evicted before its head. A hit on a block on the free
+list takes it back off the list. Only full blocks are ever registered: a sequence writes only
+past its computed tokens, so a shared block is never written (the partial last block of a fork
+is copied first, ``copy_on_write``). Free blocks, cached or not, all count as free: an
+allocation may always evict.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class BlockAllocatorError(Exception):
@@ -59,11 +73,26 @@ def blocks_for_tokens(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
-class BlockAllocator:
-    """Free list, per-sequence block tables and block reference counts.
+def block_hash(parent: bytes | None, token_ids: Sequence[int], salt: str | None = None) -> bytes:
+    """A full block's identity for prefix caching: a digest of its parent block's hash (None for
+    a sequence's first block), its token ids and, in the first block only, the request's cache
+    salt (requests with different salts share nothing). Everything else its keys and values
+    depend on (weights, dtype, layout) is fixed for one allocator. A 128-bit BLAKE2b digest: a
+    collision would hand one request another's keys and values, and the same bytes on every
+    process, so another process (a router) can compute the same hashes."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    if parent is None and salt is not None:
+        digest.update(b"\0salt\0" + salt.encode())
+    return digest.digest()
 
-    Reference counts let several sequences share a block (``fork``); a shared block must be
-    copied before it is written (``copy_on_write``). Without forks every count is 0 or 1.
+
+class BlockAllocator:
+    """Free list, per-sequence block tables and block reference counts, and the cached blocks
+    of prefix caching (see the module docstring).
+
+    Reference counts let several sequences share a block (``fork``, a prefix hit); a shared
+    block must be copied before it is written (``copy_on_write``).
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -73,10 +102,14 @@ class BlockAllocator:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._cached: dict[bytes, int] = {}  # hash -> block holding that prefix
+        self._hash_of: dict[int, bytes] = {}  # block -> its hash, for registered blocks
+        self._registered: dict[int, int] = {}  # seq_id -> leading table entries registered or seen
+        self.num_evictions = 0
 
     # ---- counters ---------------------------------------------------------------------
 
@@ -109,6 +142,11 @@ class BlockAllocator:
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tables
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by a prefix hash, in tables or on the free list."""
+        return len(self._cached)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
@@ -126,9 +164,20 @@ class BlockAllocator:
     def blocks_needed(self, n_tokens: int) -> int:
         return blocks_for_tokens(n_tokens, self.block_size)
 
-    def can_allocate(self, n_tokens: int) -> bool:
-        """Whether a new sequence of ``n_tokens`` tokens would fit now."""
-        return self.blocks_needed(n_tokens) <= len(self._free)
+    def can_allocate(self, n_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether a new sequence of ``n_tokens`` tokens would fit now, its first blocks the
+        cached ``prefix`` (which may themselves be on the free list)."""
+        return self._new_blocks(n_tokens, prefix) <= self._free_beside(prefix)
+
+    def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """The blocks holding the longest run of ``hashes`` from the first (a prefix hit)."""
+        blocks = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
 
     def blocks_to_grow(self, seq_id: int, total_tokens: int) -> int:
         """New blocks ``ensure_capacity(seq_id, total_tokens)`` would take (0 if it fits)."""
@@ -140,20 +189,46 @@ class BlockAllocator:
 
     # ---- mutation ---------------------------------------------------------------------
 
-    def allocate(self, seq_id: int, n_tokens: int) -> list[int]:
+    def allocate(self, seq_id: int, n_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
         """Create ``seq_id``'s table with room for ``n_tokens`` tokens; returns a copy of it.
+        ``prefix``: cached blocks (``cached_prefix``) that start the table, shared.
 
         Raises ``DuplicateSequence`` if it already has one, ``OutOfBlocks`` (allocating
         nothing) if the free list is too short.
         """
         if seq_id in self._tables:
             raise DuplicateSequence(f"sequence {seq_id} already holds blocks {self._tables[seq_id]}")
-        needed = self.blocks_needed(n_tokens)
-        if needed > len(self._free):
-            raise OutOfBlocks(needed, len(self._free), seq_id=seq_id)
-        self._tables[seq_id] = self._take(needed)
+        needed, free = self._new_blocks(n_tokens, prefix), self._free_beside(prefix)
+        if needed > free:
+            raise OutOfBlocks(needed, free, seq_id=seq_id)
+        for block in prefix:
+            assert block in self._hash_of, f"block {block} is not a cached block"
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        self._tables[seq_id] = list(prefix) + self._take(needed)
         self._num_tokens[seq_id] = n_tokens
+        self._registered[seq_id] = len(prefix)
         return list(self._tables[seq_id])
+
+    def cache_blocks(self, seq_id: int, hashes: Sequence[bytes]) -> int:
+        """Register ``seq_id``'s leading full blocks under ``hashes`` (one per block, from the
+        first; their keys and values written, or written by a step already scheduled: each rank
+        runs steps in order). A block whose hash another block already holds stays unregistered
+        (two sequences computed the same prefix at once). Returns the blocks newly registered."""
+        table = self._require(seq_id)
+        if len(hashes) > self._num_tokens[seq_id] // self.block_size:
+            raise PositionOutOfRange(f"sequence {seq_id} has {self._num_tokens[seq_id] // self.block_size} full "
+                                     f"block(s), not {len(hashes)}")
+        added = 0
+        for index in range(self._registered[seq_id], len(hashes)):
+            block, h = table[index], hashes[index]
+            if block not in self._hash_of and h not in self._cached:
+                self._cached[h] = block
+                self._hash_of[block] = h
+                added += 1
+        self._registered[seq_id] = max(self._registered[seq_id], len(hashes))
+        return added
 
     def ensure_capacity(self, seq_id: int, total_tokens: int) -> list[int]:
         """Grow ``seq_id``'s table to hold ``total_tokens`` tokens; returns the new block ids.
@@ -196,8 +271,9 @@ class BlockAllocator:
         table = self._require(seq_id)
         del self._tables[seq_id]
         del self._num_tokens[seq_id]
+        del self._registered[seq_id]
         returned = 0
-        for block in table:
+        for block in reversed(table):
             returned += self._release(block)
         return returned
 
@@ -210,6 +286,7 @@ class BlockAllocator:
             self._ref_counts[block] += 1
         self._tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
+        self._registered[child_id] = self._registered[parent_id]
         return list(table)
 
     def copy_on_write(self, seq_id: int, position: int) -> tuple[int, int] | None:
@@ -237,11 +314,22 @@ class BlockAllocator:
         except KeyError:
             raise UnknownSequence(f"sequence {seq_id} holds no KV blocks") from None
 
+    def _new_blocks(self, n_tokens: int, prefix: Sequence[int]) -> int:
+        return max(0, self.blocks_needed(n_tokens) - len(prefix))
+
+    def _free_beside(self, prefix: Sequence[int]) -> int:
+        """Free blocks left for new ones once ``prefix``'s blocks on the free list are taken."""
+        return len(self._free) - sum(1 for block in prefix if self._ref_counts[block] == 0)
+
     def _take(self, n: int) -> list[int]:
-        blocks = [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
         for block in blocks:
             assert self._ref_counts[block] == 0, f"block {block} on the free list has refs"
             self._ref_counts[block] = 1
+            h = self._hash_of.pop(block, None)
+            if h is not None:  # the least recently used cached block: its prefix is gone
+                del self._cached[h]
+                self.num_evictions += 1
         return blocks
 
     def _release(self, block: int) -> int:
@@ -250,7 +338,7 @@ class BlockAllocator:
         assert count > 0, f"block {block} released with reference count {count}"
         self._ref_counts[block] = count - 1
         if count == 1:
-            self._free.append(block)
+            self._free[block] = None
             return 1
         return 0
 
@@ -267,3 +355,5 @@ class BlockAllocator:
         for block in free:
             assert counts[block] == 0, f"free block {block} is referenced {counts[block]} time(s)"
         assert len(free) + sum(1 for c in counts if c) == self.num_blocks
+        assert {b: h for h, b in self._cached.items()} == self._hash_of, "hash maps disagree"
+        assert set(self._registered) == set(self._tables)

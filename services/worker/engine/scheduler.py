@@ -24,6 +24,16 @@ first), and an older sequence is never preempted for a newer one. Each ``schedul
    prompt longer than the remaining budget is admitted with a first chunk and continues in
    later steps (chunked prefill), so long prompts never stall running decodes.
 
+**Prefix caching** (``SchedulerConfig.prefix_caching``, on by default). Every full block of a
+sequence's tokens has a hash (``block_manager.block_hash``: its parent's hash and its tokens, and
+the request's cache salt); once a step is planned that writes a block's last token, the block is
+registered under it (``BlockAllocator.cache_blocks``). Admission looks up the sequence's longest
+run of cached blocks from the first, takes them into its table, shared, and counts their tokens
+as computed, so only the rest is prefilled; a preempted sequence finds its own blocks again unless
+they were evicted meanwhile. The last token is always run (its logits are what is sampled), so a
+hit stops at the last full block before it. Keys and values do not depend on the batch or the
+chunking they were computed in (the kernels are batch-invariant), so a hit changes no output.
+
 Liveness: the oldest running sequence is never preempted (only newer ones are victims, and it
 preempts itself only when no other sequence runs, when its blocks always fit since
 ``check_request`` bounds every request by the whole cache). It waits only while newer
@@ -51,7 +61,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.sampling import FinishReason, InvalidRequest
-from services.worker.engine.block_manager import BlockAllocator
+from services.worker.engine.block_manager import BlockAllocator, block_hash
 from services.worker.engine.sequence import Sequence, SequenceStatus
 
 
@@ -62,11 +72,13 @@ class SchedulerError(RuntimeError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits. ``max_batched_tokens`` is the per-step token budget shared by decodes
-    and prefill chunks; ``max_model_len`` caps prompt + max_tokens."""
+    and prefill chunks; ``max_model_len`` caps prompt + max_tokens; ``prefix_caching``: reuse
+    the cached blocks of a prefix (see the module docstring)."""
 
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048
     max_model_len: int = 2048
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batched_tokens", "max_model_len"):
@@ -176,6 +188,9 @@ class Scheduler:
         self._dropped_in_flight: set[int] = set()  # finished while in flight; ignore their report
         self._next_arrival = 0
         self._next_step = 0
+        # prompt tokens looked up in the prefix cache at admission, and those found there
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -284,10 +299,16 @@ class Scheduler:
             while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                    and len(out.scheduled) < cap):
                 seq = self.waiting[0]
-                n = min(seq.num_tokens, budget)  # waiting sequences have nothing computed
-                if not self.allocator.can_allocate(n):
+                hit = self._prefix_hit(seq)  # waiting sequences have nothing else computed
+                computed = len(hit) * self.allocator.block_size
+                n = min(seq.num_tokens - computed, budget)
+                if not self.allocator.can_allocate(computed + n, hit):
                     break
-                self.allocator.allocate(seq.seq_id, n)
+                self.allocator.allocate(seq.seq_id, computed + n, hit)
+                seq.num_computed_tokens = computed
+                if self.config.prefix_caching:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += computed
                 self.waiting.popleft()
                 _insert_by_arrival(self.running, seq)
                 seq.status = SequenceStatus.RUNNING
@@ -337,6 +358,21 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _block_hashes(self, seq: Sequence) -> list[bytes]:
+        """The hashes of ``seq``'s full blocks (computed once, as blocks fill)."""
+        size, hashes = self.allocator.block_size, seq.block_hashes
+        for index in range(len(hashes), seq.num_tokens // size):
+            hashes.append(block_hash(hashes[-1] if hashes else None,
+                                     seq.token_ids_slice(index * size, (index + 1) * size), seq.cache_salt))
+        return hashes
+
+    def _prefix_hit(self, seq: Sequence) -> list[int]:
+        """The cached blocks that start ``seq``, short of its last token (which is always run)."""
+        if not self.config.prefix_caching:
+            return []
+        usable = (seq.num_tokens - 1) // self.allocator.block_size
+        return self.allocator.cached_prefix(self._block_hashes(seq)[:usable])
+
     def _make_room(self, seq: Sequence, total_tokens: int, scheduled_ids: set[int],
                    out: SchedulerOutput) -> bool:
         """Grow ``seq``'s blocks to ``total_tokens``, preempting newer running sequences (the
@@ -379,6 +415,9 @@ class Scheduler:
         out.scheduled.append(chunk)
         scheduled_ids.add(seq.seq_id)
         self._in_flight[seq.seq_id] = chunk
+        if self.config.prefix_caching and stop // self.allocator.block_size > seq.num_computed_tokens // \
+                self.allocator.block_size:  # the chunk fills a block
+            self.allocator.cache_blocks(seq.seq_id, self._block_hashes(seq)[:stop // self.allocator.block_size])
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:

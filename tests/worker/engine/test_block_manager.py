@@ -13,6 +13,7 @@ from services.worker.engine.block_manager import (
     OutOfBlocks,
     PositionOutOfRange,
     UnknownSequence,
+    block_hash,
     blocks_for_tokens,
 )
 
@@ -79,14 +80,14 @@ def test_out_of_blocks_names_the_numbers_and_allocates_nothing() -> None:
     assert a.can_grow(1, 12) and not a.can_grow(1, 13)
 
 
-def test_free_returns_blocks_to_back_of_free_list_in_table_order() -> None:
+def test_free_returns_blocks_to_back_of_free_list_last_entry_first() -> None:
     a = BlockAllocator(num_blocks=5, block_size=1)
     a.allocate(1, 2)  # 0, 1
     a.allocate(2, 2)  # 2, 3
     assert a.free(1) == 2
     assert a.num_free_blocks == 3
-    # free list is now [4, 0, 1]
-    assert a.allocate(3, 3) == [4, 0, 1]
+    # free list is now [4, 1, 0]: a sequence's tail is evicted before its head
+    assert a.allocate(3, 3) == [4, 1, 0]
     with pytest.raises(UnknownSequence, match="sequence 1 holds no KV blocks"):
         a.free(1)
     a.check_invariants()
@@ -127,6 +128,47 @@ def test_copy_on_write_replaces_a_shared_block() -> None:
     a.check_invariants()
 
 
+def test_block_hash_chains_parents_and_salts_only_the_first_block() -> None:
+    first = block_hash(None, [1, 2, 3])
+    assert first == block_hash(None, [1, 2, 3]) and len(first) == 16
+    assert first != block_hash(None, [1, 2, 4]) and first != block_hash(None, [1, 2, 3], "tenant-a")
+    assert block_hash(first, [4, 5, 6]) != block_hash(block_hash(None, [9, 2, 3]), [4, 5, 6])
+    assert block_hash(first, [4, 5, 6], "ignored") == block_hash(first, [4, 5, 6])
+
+
+def test_cached_blocks_survive_free_until_evicted_least_recently_used_first() -> None:
+    a = BlockAllocator(num_blocks=4, block_size=2)
+    h = [block_hash(None, [1, 2])]
+    h.append(block_hash(h[0], [3, 4]))
+    a.allocate(1, 5)  # blocks 0, 1 full, 2 partial
+    assert a.cache_blocks(1, h) == 2 and a.num_cached_blocks == 2
+    assert a.cached_prefix(h + [block_hash(h[1], [5, 6])]) == [0, 1]
+    a.free(1)  # free list [3, 2, 1, 0]: all free, 0 and 1 still cached
+    assert a.num_free_blocks == 4 and a.cached_prefix(h) == [0, 1]
+    # a hit takes block 0 off the free list; the other new blocks come from the front
+    assert not a.can_allocate(2 + 8, [0]) and a.can_allocate(2 + 6, [0])
+    assert a.allocate(2, 2 + 5, [0]) == [0, 3, 2, 1]
+    assert a.num_evictions == 1 and a.cached_prefix(h) == [0]  # block 1 was taken: its prefix is gone
+    assert a.ref_count(0) == 1
+    a.allocate(3, 2, [0])  # a second sequence shares block 0, and needs no other
+    assert a.ref_count(0) == 2 and a.block_table(3)[0] == 0
+    with pytest.raises(OutOfBlocks, match="need 1 free KV block"):
+        a.allocate(4, 3, [0])
+    a.check_invariants()
+
+
+def test_a_hash_already_cached_is_not_registered_twice() -> None:
+    a = BlockAllocator(num_blocks=4, block_size=2)
+    h = [block_hash(None, [7, 7])]
+    a.allocate(1, 2)
+    a.allocate(2, 2)  # the same prompt, computed side by side
+    assert a.cache_blocks(1, h) == 1 and a.cache_blocks(2, h) == 0
+    assert a.cached_prefix(h) == a.block_table(1)
+    with pytest.raises(PositionOutOfRange, match="has 1 full block"):
+        a.cache_blocks(1, h * 2)
+    a.check_invariants()
+
+
 def test_constructor_validates() -> None:
     with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
         BlockAllocator(0, 16)
@@ -135,13 +177,21 @@ def test_constructor_validates() -> None:
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random allocate / grow / append / fork / free sequences against a simple model."""
+    """Random allocate / grow / append / fork / copy-on-write / free / register / prefix-hit
+    sequences against a simple model: no block leaks or is freed twice (``check_invariants``),
+    a block newly taken from the free list is in no other table and has lost its hash (its
+    contents are overwritten), and a prefix hit only returns blocks registered under the hashes
+    asked for and not handed out since."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = BlockAllocator(num_blocks=12, block_size=3)
         self.tokens: dict[int, int] = {}
         self.next_id = 0
+        self.contents: dict[int, list[int]] = {}  # seq -> the value of each full block it registers
+        self.registered: dict[int, bytes] = {}  # block -> the hash it was registered under
+        self.tables: dict[int, list[int]] = {}  # every table after the last rule
+        self.shared: set[tuple[int, int]] = set()  # (seq, index) placed by a fork or a hit in the last rule
 
     @rule(n=st.integers(0, 20))
     def allocate(self, n: int) -> None:
@@ -189,6 +239,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.fork(seq, self.next_id)
         assert self.a.num_used_blocks == used
         self.tokens[self.next_id] = self.tokens[seq]
+        self.contents[self.next_id] = list(self.contents.get(seq, []))
+        self.shared |= {(self.next_id, index) for index in range(len(self.a.block_table(seq)))}
         self.next_id += 1
 
     @precondition(lambda self: self.tokens)
@@ -200,14 +252,67 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def cache(self, data: st.DataObject) -> None:
+        """Register a sequence's full blocks, each under its contents' hash (ids drawn from a
+        small range, so that other sequences ask for the same prefixes)."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        full = self.tokens[seq] // 3
+        contents = self.contents.setdefault(seq, [])
+        contents.extend(data.draw(st.integers(0, 2)) for _ in range(len(contents), full))
+        hashes = self._hashes(contents[:full])
+        self.a.cache_blocks(seq, hashes)
+        for block, h in zip(self.a.block_table(seq), hashes):
+            if self.a.cached_prefix([h]) == [block]:
+                self.registered[block] = h
+
+    @rule(data=st.data(), n=st.integers(1, 20))
+    def allocate_with_prefix(self, data: st.DataObject, n: int) -> None:
+        """A new sequence whose first blocks are asked for by their hashes: it gets the longest
+        cached run, and each block it gets holds what was cached under that hash."""
+        wanted = [data.draw(st.integers(0, 2)) for _ in range(n // 3)]
+        prefix = self.a.cached_prefix(self._hashes(wanted))
+        hashes = self._hashes(wanted)
+        for block, h in zip(prefix, hashes):
+            assert self.registered.get(block) == h, "a prefix hit on a block with other contents"
+        if self.a.can_allocate(n, prefix):
+            table = self.a.allocate(self.next_id, n, prefix)
+            assert table[:len(prefix)] == prefix and len(table) == blocks_for_tokens(n, 3)
+            self.tokens[self.next_id] = n
+            self.contents[self.next_id] = wanted[:len(prefix)]
+            self.shared |= {(self.next_id, index) for index in range(len(prefix))}
+        else:
+            with pytest.raises(OutOfBlocks):
+                self.a.allocate(self.next_id, n, prefix)
+        self.next_id += 1
+
+    @staticmethod
+    def _hashes(values: list[int]) -> list[bytes]:
+        hashes: list[bytes] = []
+        for value in values:
+            hashes.append(block_hash(hashes[-1] if hashes else None, [value] * 3))
+        return hashes
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         self.a.free(seq)
         del self.tokens[seq]
+        self.contents.pop(seq, None)
 
     @invariant()
     def consistent(self) -> None:
         self.a.check_invariants()
+        tables = {seq: self.a.block_table(seq) for seq in self.tokens}
+        for seq, table in tables.items():
+            before = self.tables.get(seq, [])
+            for index, block in enumerate(table):
+                if (index >= len(before) or before[index] != block) and (seq, index) not in self.shared:
+                    # taken from the free list: nobody else's, and whatever it cached is gone
+                    assert self.a.ref_count(block) == 1, f"new block {block} is shared"
+                    assert block not in self.registered or self.a.cached_prefix([self.registered[block]]) != [block]
+                    self.registered.pop(block, None)
+        self.tables, self.shared = tables, set()
         assert self.a.num_free_blocks + self.a.num_used_blocks == 12
         for seq, n in self.tokens.items():
             assert self.a.num_tokens(seq) == n

@@ -15,10 +15,11 @@ EOS = 2
 
 
 def make(num_blocks: int = 16, block_size: int = 4, *, max_num_seqs: int = 8,
-         max_batched_tokens: int = 64, max_model_len: int = 256) -> Scheduler:
+         max_batched_tokens: int = 64, max_model_len: int = 256, prefix_caching: bool = False) -> Scheduler:
+    """Without prefix caching unless asked: these tests name the blocks a recompute takes."""
     return Scheduler(BlockAllocator(num_blocks, block_size),
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                                     max_model_len=max_model_len),
+                                     max_model_len=max_model_len, prefix_caching=prefix_caching),
                      eos_token_ids=[EOS])
 
 
@@ -141,16 +142,16 @@ def test_preempts_newest_with_exact_blocks_and_recomputes_later() -> None:
     s.on_step_done({0: 11, 1: 21})
     out = s.schedule()  # a needs a third block: b (newest) is preempted
     assert out.preempted == [1]
-    assert chunks(out) == [(0, [4], [4], [0, 1, 2], True, 5)]
+    assert chunks(out) == [(0, [4], [6], [0, 1, 3], True, 5)]  # b's blocks came back last first
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
     assert b.output_token_ids == [20, 21] and b.num_preemptions == 1
     assert list(s.waiting) == [b] and 1 not in s.allocator
-    assert s.allocator.num_free_blocks == 1  # block 3
+    assert s.allocator.num_free_blocks == 1  # block 2
     assert s.on_step_done({0: 12}) == [a]
     assert a.finish_reason is FinishReason.LENGTH and a.output_token_ids == [10, 11, 12]
     assert s.allocator.num_free_blocks == 4
-    out = s.schedule()  # b recomputes prompt + outputs: 5 tokens, 3 blocks, free list [3, 0, 1, 2]
-    assert chunks(out) == [(1, [0, 1, 2, 3, 4], [6, 7, 0, 1, 2], [3, 0, 1], True, 5)]
+    out = s.schedule()  # b recomputes prompt + outputs: 5 tokens, 3 blocks, free list [2, 3, 1, 0]
+    assert chunks(out) == [(1, [0, 1, 2, 3, 4], [4, 5, 6, 7, 2], [2, 3, 1], True, 5)]
     assert out.token_ids == [110, 111, 112, 20, 21]
     assert s.on_step_done({1: 22}) == [b]
     assert b.output_token_ids == [20, 21, 22]
@@ -172,7 +173,7 @@ def test_preempts_itself_when_it_is_the_newest() -> None:
     assert [q.seq_id for q in s.waiting] == [1] and s.allocator.num_free_blocks == 1
     s.on_step_done({0: 7})  # seq 0 finishes (max_tokens=2)
     out = s.schedule()
-    assert chunks(out) == [(1, [0, 1, 2], [4, 5, 0], [2, 0], True, 3)]
+    assert chunks(out) == [(1, [0, 1, 2], [4, 5, 2], [2, 1], True, 3)]  # free list [2, 1, 0]
     assert out.token_ids == [110, 111, 6]
 
 
@@ -273,10 +274,10 @@ def test_in_flight_sequences_are_never_preempted_the_older_waits_for_them() -> N
     assert mb3.is_empty and mb3.preempted == []
     assert s.allocator.block_table(0) == [0]
     s.on_step_done({1: 7})
-    # seq 1 is back: seq 0 (older) preempts it and takes the first freed block
+    # seq 1 is back: seq 0 (older) preempts it and takes the first freed block (seq 1's last)
     mb4 = s.schedule()
     assert mb4.preempted == [1]
-    assert chunks(mb4) == [(0, [2], [2], [0, 1], True, 3)]
+    assert chunks(mb4) == [(0, [2], [4], [0, 2], True, 3)]
     assert [q.seq_id for q in s.waiting] == [1] and s.get(1).output_token_ids == [7]
 
 
@@ -289,12 +290,12 @@ def test_preempted_sequences_rejoin_waiting_in_arrival_order() -> None:
     s.on_step_done({0: 5, 1: 5, 2: 5})
     out = s.schedule()
     assert out.preempted == [2]  # for seq 1; seq 0 took the free block
-    assert chunks(out) == [(0, [2], [6], [0, 1, 6], True, 3), (1, [2], [4], [2, 3, 4], True, 3)]
+    assert chunks(out) == [(0, [2], [6], [0, 1, 6], True, 3), (1, [2], [5], [2, 3, 5], True, 3)]
     assert [q.seq_id for q in s.waiting] == [2, 3]
     s.on_step_done({0: 5, 1: 5})
     out = s.schedule()
     assert out.preempted == [1]  # nothing newer runs: seq 1 preempts itself
-    assert chunks(out) == [(0, [3], [5], [0, 1, 6, 5], True, 4)]
+    assert chunks(out) == [(0, [3], [4], [0, 1, 6, 4], True, 4)]  # free list [4, 5, 3, 2]
     # seq 1 was preempted after seq 2 but arrived before it
     assert [q.seq_id for q in s.waiting] == [1, 2, 3]
     assert s.allocator.num_free_blocks == 3
@@ -334,9 +335,14 @@ def fake_next_token(tokens: list[int]) -> int:
 
 def run_to_completion(s: Scheduler, seqs: list[Sequence], *, pp: int = 1,
                       max_steps: int = 10_000) -> dict[int, list[int]]:
-    """Drive the scheduler with up to ``pp`` micro-batches in flight; check invariants each step."""
+    """Drive the scheduler with up to ``pp`` micro-batches in flight; check invariants each step.
+    A simulated KV cache holds, in each slot a step writes, the tokens up to that position (what
+    a real key and value depend on); every step's context must read back its own tokens, so a
+    prefix hit on wrong blocks, or a block written while another sequence reads it, fails."""
     for q in seqs:
         s.add(q)
+    kv: dict[int, int] = {}
+    size = s.allocator.block_size
     results: dict[int, list[int]] = {}
     in_flight: list[SchedulerOutput] = []
     for _ in range(max_steps):
@@ -361,8 +367,13 @@ def run_to_completion(s: Scheduler, seqs: list[Sequence], *, pp: int = 1,
                 continue
             # the chunk must be exactly the next uncomputed tokens of the sequence
             assert c.token_ids == q.all_token_ids[c.positions[0]:c.context_len]
-            assert c.slot_mapping == [c.block_table[p // s.allocator.block_size] * s.allocator.block_size
-                                      + p % s.allocator.block_size for p in c.positions]
+            assert c.slot_mapping == [c.block_table[p // size] * size + p % size for p in c.positions]
+            tokens = q.all_token_ids
+            for p, slot in zip(c.positions, c.slot_mapping):
+                kv[slot] = hash(tuple(tokens[:p + 1]))
+            for p in range(c.context_len):
+                assert kv.get(c.block_table[p // size] * size + p % size) == hash(tuple(tokens[:p + 1])), \
+                    f"sequence {c.seq_id} reads another's keys and values at position {p}"
             sampled[c.seq_id] = fake_next_token(q.all_token_ids[:c.context_len]) if c.do_sample else None
         for q in s.on_step_done(sampled):
             results[q.seq_id] = list(q.output_token_ids)
@@ -394,6 +405,101 @@ def test_outputs_match_running_alone_under_pressure(lens: list[tuple[int, int]],
     assert run_to_completion(s, seqs, pp=pp) == expected
     assert s.allocator.num_free_blocks == num_blocks
     assert not s.has_unfinished and not s.in_flight
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 10), st.integers(0, 2)),
+                    min_size=1, max_size=10),
+    num_blocks=st.integers(12, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 6),
+    pp=st.integers(1, 3),
+)
+def test_prefix_hits_read_their_own_prefix_under_pressure(shapes: list[tuple[int, int, int, int]], num_blocks: int,
+                                                         block_size: int, budget: int, max_num_seqs: int,
+                                                         pp: int) -> None:
+    """Prompts made of a few shared prefixes (one of 4, 0-3 blocks' worth of a longer one), a
+    suffix and a salt (0: none); caching on: the outputs are those of each sequence alone, every
+    step reads its own prefix, and the blocks all come back."""
+    capacity = num_blocks * block_size
+    seqs = []
+    for i, (prefix, blocks, suffix, salt) in enumerate(shapes):
+        prompt = [10 + prefix] * (block_size * (blocks + 1)) + [50 + i] * suffix
+        if len(prompt) + 5 - 1 <= capacity:
+            seqs.append(Sequence(i, prompt, SamplingParams(max_tokens=5), cache_salt=str(salt) if salt else None))
+    expected = {}
+    for q in seqs:
+        tokens = list(q.prompt_token_ids)
+        for _ in range(5):
+            tokens.append(fake_next_token(tokens))
+        expected[q.seq_id] = tokens[q.num_prompt_tokens:]
+    s = make(num_blocks, block_size, max_num_seqs=max_num_seqs, max_batched_tokens=budget, max_model_len=1000,
+             prefix_caching=True)
+    assert run_to_completion(s, seqs, pp=pp) == expected
+    assert s.allocator.num_free_blocks == num_blocks
+    assert s.prefix_cache_hits <= s.prefix_cache_queries
+    assert not s.has_unfinished and not s.in_flight
+
+
+def test_a_shared_prefix_is_prefilled_once() -> None:
+    s = make(num_blocks=16, block_size=4, prefix_caching=True)
+    system = list(range(10, 22))  # 3 full blocks
+    s.add(Sequence(0, system + [7, 8], SamplingParams(max_tokens=2)))
+    out = s.schedule()
+    assert chunks(out) == [(0, list(range(14)), list(range(14)), [0, 1, 2, 3], True, 14)]
+    s.on_step_done({0: 5})
+    # the second request takes the three full blocks and prefills its own 2 tokens only
+    s.add(Sequence(1, system + [9, 9], SamplingParams(max_tokens=2)))
+    out = s.schedule()
+    assert chunks(out) == [(0, [14], [14], [0, 1, 2, 3], True, 15),
+                           (1, [12, 13], [16, 17], [0, 1, 2, 4], True, 14)]
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (14 + 14, 12)
+    assert [s.allocator.ref_count(b) for b in (0, 1, 2, 3, 4)] == [2, 2, 2, 1, 1]
+    s.on_step_done({0: 6, 1: 6})  # seq 0 finishes; its blocks stay cached on the free list
+    # a prompt that is exactly the cached blocks still runs its last token (its logits are sampled):
+    # the hit stops a block short, and the last block is prefilled into a new one
+    s.add(Sequence(2, list(system), SamplingParams(max_tokens=1)))
+    out = s.schedule()
+    assert [(c.seq_id, c.positions, c.block_table[:2]) for c in out.scheduled] == [
+        (1, [14], [0, 1]), (2, [8, 9, 10, 11], [0, 1])]
+    assert s.prefix_cache_hits == 12 + 8
+
+
+def test_a_preempted_sequence_finds_its_own_blocks_and_salts_keep_requests_apart() -> None:
+    s = make(num_blocks=4, block_size=2, prefix_caching=True)
+    a, b = seq(0, 3, max_tokens=3), seq(1, 3, max_tokens=3)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.on_step_done({0: 10, 1: 20})
+    s.schedule()
+    s.on_step_done({0: 11, 1: 21})
+    assert s.schedule().preempted == [1]  # b's 2 full blocks are cached; its last one is taken by a
+    s.on_step_done({0: 12})
+    out = s.schedule()  # b: 5 tokens; its first block is still cached, its second was evicted
+    assert [(c.seq_id, c.positions) for c in out.scheduled] == [(1, [2, 3, 4])]
+    # b's second block went to a; b's new blocks are a's partial last block and a's second (a's tail
+    # before its head: a's first block stays cached)
+    assert s.allocator.num_evictions == 2
+    s.on_step_done({1: 22})
+    # a's first block, the least recently used, is at the front of the free list: the unsalted
+    # request comes first, so that the salted one's new blocks do not evict it
+    s.add(Sequence(2, list(a.prompt_token_ids), SamplingParams(max_tokens=1)))
+    s.add(Sequence(3, list(a.prompt_token_ids), SamplingParams(max_tokens=1), cache_salt="tenant-b"))
+    out = s.schedule()
+    assert [(c.seq_id, c.positions) for c in out.scheduled] == [(2, [2]), (3, [0, 1, 2])]
+
+
+def test_without_prefix_caching_every_prompt_is_prefilled() -> None:
+    s = make(num_blocks=16, block_size=4)
+    for sid in range(2):
+        s.add(Sequence(sid, list(range(10, 22)) + [sid], SamplingParams(max_tokens=1)))
+        out = s.schedule()
+        assert out.scheduled[0].positions == list(range(13))
+        s.on_step_done({sid: 5})
+    assert s.allocator.num_cached_blocks == 0 and s.prefix_cache_queries == 0
 
 
 def test_tight_kv_budget_preempts_and_still_matches() -> None:
