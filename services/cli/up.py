@@ -75,6 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="weight dtype of each group, or a comma-separated list with one per group, e.g. "
                              "bfloat16,int8 (default: the worker's)")
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per rank in GiB (worker default)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="the groups prefill every prompt from its first token (default: cached prefixes are "
+                             "reused)")
     parser.add_argument("--redis-url", default=None, help="shared health store (default: in the router)")
     parser.add_argument("--registry-url", default=None, help="shard registry (default: the embedded SQLite file)")
     parser.add_argument("--api-key", default=None, help="require this API key at the router (env SHARDLINE_API_KEY)")

@@ -50,7 +50,7 @@ def fleets_from_flags(args: argparse.Namespace, model_dir: Path, dtypes: list[st
     specs = []
     for dtype, replicas in counts.items():
         plan = GroupPlan(tp_degree=args.tp, pp_degree=args.pp, dtype=dtype, kv_cache_cap_gb=args.kv_cache_gb,
-                         model_dir=str(model_dir))
+                         model_dir=str(model_dir), prefix_caching=args.prefix_caching)
         name = fleet_name(model_dir, to_registry_dtype(dtype) if several else "")
         specs.append(FleetSpec(name, plan, replicas, args.served_model_name))
     return specs

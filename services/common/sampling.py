@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (vLLM's de
 # request the router accepts reaches the worker unchanged.
 MAX_SEED = 2**64 - 1  # uint64 seed
 MAX_UINT32 = 2**32 - 1  # top_k, stop_token_ids, token ids, first_step
+MAX_CACHE_SALT_CHARS = 1024
 MAX_INT32 = 2**31 - 1  # max_tokens
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, as common.proto documents
 DEFAULT_TEMPERATURE = 1.0
@@ -69,7 +70,9 @@ class SamplingParams:
     sampling; ``seed`` None draws from the sampler's own generator (not reproducible);
     ``logprobs`` is how many top alternatives to return per token (0 = only the sampled one's);
     ``first_step`` is how many tokens the request generated before its prompt's end (a
-    continuation's: the seeded random stream resumes at that step, not at 0).
+    continuation's: the seeded random stream resumes at that step, not at 0). ``cache_salt``
+    (not a sampling parameter, but it travels with them): the request shares cached prefix
+    blocks only with requests of the same salt; None shares with every unsalted request.
     Construction validates every field and raises :class:`InvalidRequest` naming it.
     """
 
@@ -83,6 +86,7 @@ class SamplingParams:
     logprobs: int = 0
     ignore_eos: bool = False
     first_step: int = 0
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # accept lists for the tuple fields, keep the dataclass hashable
@@ -124,6 +128,10 @@ class SamplingParams:
             raise InvalidRequest(f"first_step must be an integer >= 0, got {self.first_step!r}")
         if self.first_step > MAX_UINT32:
             raise InvalidRequest(f"first_step must be at most 2**32 - 1, got {self.first_step}")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+            raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                 f"characters, got {salt if not isinstance(salt, str) else salt[:40]!r}")
         # every step index the request can reach fits the uint32 field, so a continuation's
         # first_step (this one + the tokens generated so far, fewer than max_tokens) is valid too
         if self.first_step + self.max_tokens > MAX_UINT32:

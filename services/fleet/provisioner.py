@@ -38,6 +38,8 @@ class GroupLaunch:
             flags += ["--max-num-seqs", str(plan.max_concurrent_sequences)]
         if plan.collective_timeout_s is not None:
             flags += ["--collective-timeout", f"{plan.collective_timeout_s:g}"]
+        if not plan.prefix_caching:
+            flags.append("--no-prefix-caching")
         if self.served_model_name:
             flags += ["--served-model-name", self.served_model_name]
         return flags

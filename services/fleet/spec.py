@@ -10,6 +10,7 @@
       kv_cache_cap_gb: 0.25          # KV cache per rank
       max_concurrent_sequences: 64
       collective_timeout_s: 2        # a collective slower than this fails the group (it is healed)
+      prefix_caching: true           # reuse the KV blocks of cached prompt prefixes (the default)
       checkpoint:
         manifest_uri: s3://models/smollm2/bf16/manifest.json   # or model_dir: .models/smollm2-135m-instruct
       env: {}                        # extra environment of the group's processes
@@ -100,6 +101,7 @@ class GroupPlan:
     model_dir: str | None = None  # ... or a model directory every group reads
     env: tuple[tuple[str, str], ...] = ()
     collective_timeout_s: float | None = None  # None: the worker's default
+    prefix_caching: bool = True
 
     @property
     def world_size(self) -> int:
@@ -150,7 +152,7 @@ class FleetSpec:
         """Two revisions with equal keys build interchangeable groups."""
         g = self.group
         return (g.tp_degree, g.pp_degree, g.dtype, g.kv_cache_cap_gb, g.max_concurrent_sequences, g.source, g.env,
-                g.collective_timeout_s, self.served_model_name)
+                g.collective_timeout_s, g.prefix_caching, self.served_model_name)
 
     def bounded(self, replicas: int) -> int:
         """``replicas`` within the autoscaling bounds (the spec's count without autoscaling)."""
@@ -174,6 +176,8 @@ class FleetSpec:
             group["max_concurrent_sequences"] = g.max_concurrent_sequences
         if g.collective_timeout_s is not None:
             group["collective_timeout_s"] = g.collective_timeout_s
+        if not g.prefix_caching:
+            group["prefix_caching"] = False
         if g.env:
             group["env"] = dict(g.env)
         r = self.rollout
@@ -254,6 +258,7 @@ def _group_plan(group: dict[str, Any], base_dir: Path | None) -> GroupPlan:
     collective_timeout = _take(group, "collective_timeout_s", float, None, w)
     if collective_timeout is not None:
         _positive(collective_timeout, "replica_group.collective_timeout_s")
+    prefix_caching = _take(group, "prefix_caching", bool, True, w)
     group.pop("gpus_per_replica", None)  # the seed's shape names it; it is tp x pp here
     group.pop("nvlink_domain", None)
     checkpoint = _section(group, "checkpoint", w)
@@ -275,7 +280,7 @@ def _group_plan(group: dict[str, Any], base_dir: Path | None) -> GroupPlan:
         raise InvalidFleetSpec("replica_group.env maps names to strings")
     _no_extra(group, "replica_group")
     return GroupPlan(tp, pp, dtype, kv, seqs, manifest, model_dir,
-                     tuple(sorted((k, str(v)) for k, v in env.items())), collective_timeout)
+                     tuple(sorted((k, str(v)) for k, v in env.items())), collective_timeout, prefix_caching)
 
 
 def _rollout(section: dict[str, Any]) -> RolloutPolicy:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.errors import ShardlineError
 from services.router.types import Finished
@@ -31,6 +32,35 @@ PROMPT_TOKENS = Counter("shardline_router_prompt_tokens", "Prompt tokens of fini
 GENERATED_TOKENS = Counter("shardline_router_generation_tokens", "Tokens streamed to clients", ["model"])
 TTFT = Histogram("shardline_router_time_to_first_token_seconds", "From arrival at the router to the first token",
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+class PrefixCacheCollector:
+    """Each replica group's prefix-cache counters as its worker last reported them (cumulative
+    since the worker started, so exposed as counters, under vLLM's names for them): prompt tokens
+    looked up and found, evictions, and the cached blocks now."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, tuple[int, int, int, int]] = {}
+
+    def collect(self):
+        queries = CounterMetricFamily("shardline_prefix_cache_queries", "Prompt tokens looked up in each replica "
+                                      "group's prefix cache at admission", labels=["replica_group_id"])
+        hits = CounterMetricFamily("shardline_prefix_cache_hits", "Prompt tokens found in each replica group's "
+                                   "prefix cache (their prefill skipped)", labels=["replica_group_id"])
+        evictions = CounterMetricFamily("shardline_prefix_cache_evictions", "Cached KV blocks each replica group "
+                                        "took for new contents", labels=["replica_group_id"])
+        blocks = GaugeMetricFamily("shardline_prefix_cache_blocks", "KV blocks findable by a prefix hash in each "
+                                   "replica group (held or evictable)", labels=["replica_group_id"])
+        for group, (q, h, cached, evicted) in sorted(self.groups.items()):
+            queries.add_metric([group], q)
+            hits.add_metric([group], h)
+            evictions.add_metric([group], evicted)
+            blocks.add_metric([group], cached)
+        return [queries, hits, evictions, blocks]
+
+
+PREFIX_CACHE = PrefixCacheCollector()
+REGISTRY.register(PREFIX_CACHE)
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -81,11 +111,13 @@ class RouterMetrics:
     def request_failed(self, model: str, exc: BaseException) -> None:
         REQUESTS.labels(model, outcome_of(exc)).inc()
 
-    def group_reported(self, replica_group_id: str, used: int, capacity: int, reserved: int) -> None:
+    def group_reported(self, replica_group_id: str, used: int, capacity: int, reserved: int, *,
+                       prefix_cache: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
         if not replica_group_id:
             return
         KV_USAGE.labels(replica_group_id).set(used / capacity if capacity else 0.0)
         KV_RESERVED.labels(replica_group_id).set(reserved)
+        PREFIX_CACHE.groups[replica_group_id] = prefix_cache
 
 
 # shadow traffic (``shadow.py``): per (incumbent, candidate) pair of replica groups

@@ -4,8 +4,8 @@ Pure functions from JSON bodies to the router's :class:`GenerationRequest` and f
 events back to OpenAI's objects (``text_completion``, ``chat.completion``, their streaming
 chunks, ``usage``, ``logprobs``) and error bodies. No web framework here (``http_api.py``).
 
-Extensions vLLM users expect are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``
-(``repetition_penalty`` only as 1, off: what ``vllm bench serve`` sends). Every
+Extensions vLLM users expect are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``cache_salt`` (``repetition_penalty`` only as 1, off: what ``vllm bench serve`` sends). Every
 response also carries ``replica_group_id``, the group that served it.
 """
 
@@ -40,7 +40,7 @@ class BadRequest(InvalidArgument):
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids",
-                   "logprobs", "ignore_eos", "prompt", "messages", "model")
+                   "logprobs", "ignore_eos", "cache_salt", "prompt", "messages", "model")
 
 
 def error_status(exc: BaseException) -> tuple[int, str]:
@@ -125,6 +125,7 @@ def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int) -> Sampli
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        cache_salt=_get(body, "cache_salt", (str,), None),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.sampling import MAX_INT32, MAX_LOGPROBS, MAX_SEED, MAX_UINT32
+from services.common.sampling import MAX_CACHE_SALT_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_SEED, MAX_UINT32
 from services.router.openai_format import MAX_PROMPTS
 
 _INT = {"type": "integer"}
@@ -49,6 +49,8 @@ _SAMPLING: dict[str, Any] = {
     "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0,
                                                             "maximum": MAX_UINT32}}),
     "ignore_eos": _nullable({"type": "boolean"}),
+    "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                             "description": "share cached prompt prefixes only with requests of this salt"}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _STREAM_OPTIONS,
     "n": _nullable({"const": 1}),

@@ -110,7 +110,8 @@ class RouterProcess:
 
         def on_update(v: ReplicaGroupView) -> None:
             if metrics is not None:
-                metrics.group_reported(v.replica_group_id, v.kv_bytes_used, v.kv_bytes_capacity, v.kv_bytes_reserved)
+                metrics.group_reported(v.replica_group_id, v.kv_bytes_used, v.kv_bytes_capacity, v.kv_bytes_reserved,
+                                       prefix_cache=v.prefix_cache)
 
         poller = GroupPoller(self.core.replicas, view, client, store=self.store, interval_s=self.poll_interval_s,
                              on_update=on_update)

@@ -79,6 +79,10 @@ class WorkerStats:
     blocks_used: int = 0
     blocks_total: int = 0
     draining: bool = False
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (since the worker started)
+    prefix_cache_hits: int = 0  # ... and found there
+    blocks_cached: int = 0
+    prefix_cache_evictions: int = 0
 
 
 class StatsSource(Protocol):
@@ -109,6 +113,7 @@ class ReplicaGroupView:
     max_model_len: int = 0
     running: int = 0
     waiting: int = 0
+    prefix_cache: tuple[int, int, int, int] = (0, 0, 0, 0)  # queries, hits, cached blocks, evictions
     status: GroupStatus = GroupStatus.PROVISIONING
     status_reason: str = ""
     last_report_ms: int = 0  # Unix ms of the last successful Stats
@@ -180,6 +185,8 @@ class ReplicaGroupView:
         self.kv_bytes_per_token = stats.kv_bytes_per_token
         self.max_model_len = stats.max_model_len
         self.running, self.waiting, self.draining = stats.running, stats.waiting, stats.draining
+        self.prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.blocks_cached,
+                             stats.prefix_cache_evictions)
         self.reported_at, self.last_report_ms, self.stats_error = now, wall_ms, ""
         # what our requests hold now is in kv_bytes_used from here on
         total = 0

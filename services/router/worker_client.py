@@ -280,7 +280,9 @@ class WorkerClient:
             pp_degree=r.layout.pp_degree, dtype=DTYPE_FROM_PB.get(r.layout.dtype, ""),
             kv_bytes_used=r.kv_bytes_used, kv_bytes_capacity=r.kv_bytes_capacity,
             kv_bytes_per_token=r.kv_bytes_per_token, max_model_len=r.max_model_len, running=r.running,
-            waiting=r.waiting, blocks_used=r.blocks_used, blocks_total=r.blocks_total, draining=r.draining)
+            waiting=r.waiting, blocks_used=r.blocks_used, blocks_total=r.blocks_total, draining=r.draining,
+            prefix_cache_queries=r.prefix_cache_queries, prefix_cache_hits=r.prefix_cache_hits,
+            blocks_cached=r.blocks_cached, prefix_cache_evictions=r.prefix_cache_evictions)
 
     def serving(self, timeout_s: float) -> bool:
         try:

@@ -56,6 +56,19 @@ def test_the_collective_timeout_reaches_the_workers_flags() -> None:
                                                "collective_timeout_s": 0}})
 
 
+def test_prefix_caching_is_on_unless_the_spec_turns_it_off() -> None:
+    on = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"}}})
+    assert on.group.prefix_caching and "--no-prefix-caching" not in GroupLaunch("smol-1", "smol", 1, on.group) \
+        .worker_flags()
+    off = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
+                                                 "prefix_caching": False}})
+    assert FleetSpec.from_json(off.to_json()) == off and off.plan_key() != on.plan_key()
+    assert "--no-prefix-caching" in GroupLaunch("smol-1", "smol", 1, off.group).worker_flags()
+    with pytest.raises(InvalidFleetSpec, match="prefix_caching must be bool"):
+        FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
+                                               "prefix_caching": "no"}})
+
+
 def test_a_relative_model_dir_is_the_yaml_folders(tmp_path: Path) -> None:
     path = tmp_path / "fleet.yaml"
     path.write_text("replica_group: {name: smol, checkpoint: {model_dir: models/smol}}\nreplicas: 2\n")

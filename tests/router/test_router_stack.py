@@ -174,6 +174,39 @@ def test_metrics_endpoint_exposes_router_metrics(stack):
     assert 'shardline_router_requests_total{model="tiny",outcome="length"}' in text
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_unless_salted(stack):
+    """A 40-token prompt sent again reuses its 2 full blocks on the group that computed it (its
+    worker's Stats and the router's /metrics count them), and gets the same text; with a
+    cache_salt it shares nothing with unsalted requests; an empty salt is a 400 naming it."""
+    prompt = list(range(100, 140))
+    before = {g: w.Stats(worker_pb2.StatsRequest()) for g, w in stack.workers.items()}
+    first = stack.client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    group, worker = first.replica_group_id, stack.workers[first.replica_group_id]
+    again = worker_greedy(stack, group, prompt, 4)
+    after = worker.Stats(worker_pb2.StatsRequest())
+    assert after.prefix_cache_hits - before[group].prefix_cache_hits == 32
+    assert after.prefix_cache_queries - before[group].prefix_cache_queries == 80
+    assert again[1] == first.choices[0].text and after.blocks_cached >= 2
+    salted = worker.Generate(worker_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling(temperature=0, max_tokens=4, cache_salt="t1")))
+    assert "".join(r.token.text for r in list(salted)[:-1]) == first.choices[0].text
+    assert worker.Stats(worker_pb2.StatsRequest()).prefix_cache_hits == after.prefix_cache_hits
+    out = stack.client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                          extra_body={"cache_salt": "t1"})
+    assert out.choices[0].text == first.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        stack.client.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"cache_salt": ""})
+    assert caught.value.body["param"] == "cache_salt"
+    deadline = time.monotonic() + 10
+    hits = f'shardline_prefix_cache_hits_total{{replica_group_id="{group}"}}'
+    while True:  # the router shows the worker's counters from its next Stats poll on
+        lines = [line for line in httpx.get(f"{stack.http}/metrics").text.splitlines() if line.startswith(hits)]
+        if lines and float(lines[0].split()[-1]) >= after.prefix_cache_hits or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert lines and float(lines[0].split()[-1]) >= after.prefix_cache_hits
+
+
 # ---- equal to the worker's greedy output --------------------------------------------------
 
 

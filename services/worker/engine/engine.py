@@ -160,7 +160,7 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params)
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params, cache_salt=params.cache_salt)
         self.scheduler.check_request(seq)
         detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
                  if self.tokenizer is not None else None)
@@ -219,6 +219,10 @@ class LLMEngine:
             "tokens_per_s": len(recent) / 5.0,
             "max_model_len": self.scheduler.max_tokens_supported(),
             "draining": self.draining,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "blocks_cached": alloc.num_cached_blocks,
+            "prefix_cache_evictions": alloc.num_evictions,
         }
 
     @property
