@@ -32,8 +32,10 @@ def served(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8"])
 def test_the_stage_kernel_serves_the_bits_of_the_python_loop(tiny_model_dir, dtype):
+    # prompts split over prefill chunks, mixed with decodes; no prefix caching, so that the second
+    # pass computes every prompt again, in the same steps as the first
     spec = RankSpec(str(tiny_model_dir), dtype=dtype, cache=CacheConfig(kv_cache_bytes=16 << 20),
-                    max_batched_tokens=48)  # prompts split over prefill chunks, mixed with decodes
+                    max_batched_tokens=48, prefix_caching=False)
     runner, layout = start_rank(spec, 0)
     engine = build_engine(spec, runner, layout)
     model = runner.rt.model.model
