@@ -90,9 +90,9 @@ def ratios(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [f"# Prefix-heavy serving: {result['name']}", "", f"Machine: {result['machine']}", "",
-             f"`vllm bench serve --dataset-name prefix_repetition`: {cfg['num_prefixes']} shared prefixes of "
-             f"{cfg['prefix_len']} tokens, {cfg['suffix_len']}-token suffixes, {cfg['output_len']} tokens out, "
-             f"{cfg['dtype']}, medians of {cfg['rounds']} round(s), one server at a time.", "",
+             (f"`vllm bench serve --dataset-name prefix_repetition`: {cfg['num_prefixes']} shared prefixes of "
+              f"{cfg['prefix_len']} tokens, {cfg['suffix_len']}-token suffixes, {cfg['output_len']} tokens out, "
+              f"{cfg['dtype']}, medians of {cfg['rounds']} round(s), one server at a time."), "",
              "| server | c | median TTFT ms | p99 ITL ms | median TPOT ms | output tok/s | failed |",
              "|---|---|---|---|---|---|---|"]
     for server, rows in result["summary"].items():

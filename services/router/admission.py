@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument, ResourceExhausted, ShardlineError, Unavailable
 from services.router.replicas import ReplicaGroupView, ReplicaSet
-from services.router.routing import Reservation, Router, fits_group, kv_estimate
+from services.router.routing import PromptPrefix, Reservation, Router, fits_group, kv_estimate
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_WAIT_S = 30.0
@@ -112,7 +112,7 @@ class AdmissionQueue:
             f"headroom, limit {self.config.max_size}); retry later")
 
     def admit_now(self, model: str, prompt_tokens: int, max_tokens: int, *, max_model_len: int,
-                  request_id: str = "") -> Reservation | None:
+                  request_id: str = "", prefix: PromptPrefix | None = None) -> Reservation | None:
         """Checks 1-5 and the queue's bound without waiting (for an event loop, which must not
         block): a reservation, one of the errors, or None when the request has to wait in the
         queue, which :meth:`admit` (on a thread of its own) then does."""
@@ -123,7 +123,8 @@ class AdmissionQueue:
             check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
             waiting = len(self._waiting.get(model, ()))
             if not waiting:
-                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
+                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id,
+                                                              prefix=prefix)
                 if reservation is not None:
                     return reservation
             if waiting >= self.config.max_size:
@@ -131,7 +132,8 @@ class AdmissionQueue:
         return None
 
     def admit(self, model: str, prompt_tokens: int, max_tokens: int, *, max_model_len: int,
-              request_id: str = "", cancelled: threading.Event | None = None) -> Reservation:
+              request_id: str = "", cancelled: threading.Event | None = None,
+              prefix: PromptPrefix | None = None) -> Reservation:
         """A reservation on some group, after waiting in the queue if needed (module docstring)."""
         error = context_error(max_model_len, prompt_tokens, max_tokens)
         if error is not None:
@@ -141,7 +143,8 @@ class AdmissionQueue:
             check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
             queue = self._waiting[model]
             if not queue:
-                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
+                reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id,
+                                                              prefix=prefix)
                 if reservation is not None:
                     return reservation
             if len(queue) >= self.config.max_size:
@@ -156,7 +159,7 @@ class AdmissionQueue:
                     if queue[0] is ticket:
                         check_placeable(model, self.replicas.for_model(model), prompt_tokens, max_tokens)
                         reservation = self.router.try_reserve_locked(model, prompt_tokens, max_tokens,
-                                                                     request_id=request_id)
+                                                                     request_id=request_id, prefix=prefix)
                         if reservation is not None:
                             return reservation
                     remaining = deadline - self.clock()

@@ -49,10 +49,10 @@ class RouterProcess:
                  max_continuations: int = DEFAULT_MAX_CONTINUATIONS,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  security: TransportSecurity | None = None, metrics_auth: bool = False,
-                 shadow: ShadowConfig | None = None, telemetry_address: str = "") -> None:
+                 shadow: ShadowConfig | None = None, telemetry_address: str = "", prefix_affinity: bool = True) -> None:
         self.security = security or TransportSecurity()
         replicas = ReplicaSet()
-        router = Router(replicas)
+        router = Router(replicas, prefix_affinity=prefix_affinity)
         admission = AdmissionQueue(replicas, router, queue)
         metrics = RouterMetrics()
         metrics.bind_queue_depth(admission.depth)
@@ -114,7 +114,7 @@ class RouterProcess:
                                        prefix_cache=v.prefix_cache)
 
         poller = GroupPoller(self.core.replicas, view, client, store=self.store, interval_s=self.poll_interval_s,
-                             on_update=on_update)
+                             on_update=on_update, prefix_events=self.core.router.prefix_affinity)
         self.pollers.append(poller)
         poller.poll_once()
         poller.start()
@@ -189,5 +189,6 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
                          max_continuations=args.max_continuations, max_body_bytes=max_body,
                          security=TransportSecurity.from_args(args),
                          metrics_auth=resolve("metrics_auth", getattr(args, "metrics_auth", None), False),
-                         shadow=shadow, telemetry_address=telemetry)
+                         shadow=shadow, telemetry_address=telemetry,
+                         prefix_affinity=getattr(args, "routing", "prefix") == "prefix")
 

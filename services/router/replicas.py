@@ -83,12 +83,21 @@ class WorkerStats:
     prefix_cache_hits: int = 0  # ... and found there
     blocks_cached: int = 0
     prefix_cache_evictions: int = 0
+    block_size: int = 0
+    # the prefix-cache events after the cursor the poll sent (worker/engine/prefix_events.py);
+    # empty epoch: the worker caches no prefixes
+    prefix_epoch: str = ""
+    prefix_seq: int = 0
+    prefix_snapshot: bool = False
+    prefix_events: list[tuple[bytes, bool]] = field(default_factory=list)
 
 
 class StatsSource(Protocol):
     """What a poller needs from a worker (``worker_client.WorkerClient`` implements it)."""
 
-    def stats(self, timeout_s: float) -> WorkerStats: ...
+    def stats(self, timeout_s: float, prefix_cursor: tuple[str, int] | None = None) -> WorkerStats:
+        """The worker's Stats; with ``prefix_cursor`` (epoch, seq) also its prefix-cache events
+        after it."""
 
     def serving(self, timeout_s: float) -> bool: ...
 
@@ -114,6 +123,12 @@ class ReplicaGroupView:
     running: int = 0
     waiting: int = 0
     prefix_cache: tuple[int, int, int, int] = (0, 0, 0, 0)  # queries, hits, cached blocks, evictions
+    # the names of the blocks the group's prefix cache holds (services/common/prefix_blocks.py),
+    # mirrored from its events, and the cursor of the next poll; block_size: tokens per block
+    block_size: int = 0
+    prefix_blocks: set[bytes] = field(default_factory=set)
+    prefix_epoch: str = ""
+    prefix_seq: int = 0
     status: GroupStatus = GroupStatus.PROVISIONING
     status_reason: str = ""
     last_report_ms: int = 0  # Unix ms of the last successful Stats
@@ -187,6 +202,8 @@ class ReplicaGroupView:
         self.running, self.waiting, self.draining = stats.running, stats.waiting, stats.draining
         self.prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.blocks_cached,
                              stats.prefix_cache_evictions)
+        self.block_size = stats.block_size
+        self.apply_prefix_events(stats)
         self.reported_at, self.last_report_ms, self.stats_error = now, wall_ms, ""
         # what our requests hold now is in kv_bytes_used from here on
         total = 0
@@ -194,6 +211,21 @@ class ReplicaGroupView:
             reservation.materialized_bytes = reservation.in_cache_bytes()
             total += reservation.materialized_bytes
         self.kv_bytes_materialized = total
+
+    def apply_prefix_events(self, stats: WorkerStats) -> None:
+        """Mirror the group's prefix cache: a snapshot replaces the set, events update it in order."""
+        if not stats.prefix_epoch:  # no prefix caching there (or the poll did not ask)
+            self.prefix_blocks, self.prefix_epoch, self.prefix_seq = set(), "", 0
+            return
+        if stats.prefix_snapshot:
+            self.prefix_blocks = set()
+        blocks = self.prefix_blocks
+        for name, removed in stats.prefix_events:
+            if removed:
+                blocks.discard(name)
+            else:
+                blocks.add(name)
+        self.prefix_epoch, self.prefix_seq = stats.prefix_epoch, stats.prefix_seq
 
     def refresh_status(self, now: float, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> GroupStatus:
         status, reason = self._derive_status(now, stale_after_s)
@@ -290,8 +322,9 @@ class GroupPoller:
     def __init__(self, replicas: ReplicaSet, view: ReplicaGroupView, source: StatsSource, *,
                  store: HealthStore | None, interval_s: float = DEFAULT_POLL_INTERVAL_S,
                  stale_after_s: float = DEFAULT_STALE_AFTER_S,
-                 on_update: Callable[[ReplicaGroupView], None] | None = None) -> None:
+                 on_update: Callable[[ReplicaGroupView], None] | None = None, prefix_events: bool = True) -> None:
         self.replicas = replicas
+        self.prefix_events = prefix_events  # mirror the group's prefix cache (prefix-aware routing)
         self.view = view
         self.source = source
         self.store = store
@@ -324,7 +357,8 @@ class GroupPoller:
         error = ""
         serving = True
         try:
-            stats = self.source.stats(timeout)
+            cursor = (self.view.prefix_epoch, self.view.prefix_seq) if self.prefix_events else None
+            stats = self.source.stats(timeout, cursor)
             serving = self.source.serving(timeout)
         except StatsLate as exc:  # the last report ages instead; staleness makes it unhealthy
             log.debug("%s", exc)

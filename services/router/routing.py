@@ -16,14 +16,24 @@ the worker has not reported it, by the worker as it fills its blocks — and the
 guards the growth still to come. Ties go to the lower replica_group_id (deterministic).
 
 Reserve at pick, release on finish, error or cancel (``Router.release``, idempotent).
+
+**Prefix affinity.** Each group's poller mirrors the names of the blocks its prefix cache holds
+(``ReplicaGroupView.prefix_blocks``). Among the groups that fit by the rule above, the one that
+would reuse the most of the prompt's leading blocks (``PromptPrefix.reusable_tokens``) gets the
+request, fewest requests first among equals, unless it is busier than the least busy fitting
+group by more than :func:`load_slack`: then the headroom rule picks, the hot prefix gets a second
+home, and from then on its requests go to whichever home is less busy. Busy is this router's
+requests on the group plus the group's own queue (``waiting``). So the fit rule always holds, a
+prefix sticks where it is cached, and a hot one spreads instead of starving the rest.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
+from services.common.prefix_blocks import block_hashes, reusable_blocks
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 
 
@@ -60,12 +70,48 @@ def fits_group(view: ReplicaGroupView, prompt_tokens: int, max_tokens: int) -> b
             and kv_estimate(prompt_tokens, max_tokens, view.kv_bytes_per_token) <= view.kv_bytes_capacity)
 
 
-def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int) -> ReplicaGroupView | None:
+@dataclass(eq=False)
+class PromptPrefix:
+    """A prompt's token ids and cache salt, its blocks named on demand, once per block size."""
+
+    token_ids: Sequence[int]
+    salt: str | None = None
+    _names: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+
+    def reusable_tokens(self, view: ReplicaGroupView) -> int:
+        """Prompt tokens the group's prefix cache holds, from the first: what it would not prefill."""
+        cached, size = view.prefix_blocks, view.block_size
+        if not cached or size < 1:
+            return 0
+        names = self._names.get(size)
+        if names is None:
+            names = self._names[size] = block_hashes(self.token_ids, size, self.salt,
+                                                     limit=reusable_blocks(len(self.token_ids), size))
+        blocks = 0
+        for name in names:
+            if name not in cached:
+                break
+            blocks += 1
+        return blocks * size
+
+
+def load(view: ReplicaGroupView) -> int:
+    """How busy a group is for prefix affinity: our requests on it and its own queue."""
+    return len(view.reservations) + view.waiting
+
+
+def load_slack(least: int) -> int:
+    """How much busier than the least busy fitting group a group holding the prefix may be."""
+    return 2 + least // 2
+
+
+def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int,
+         prefix: PromptPrefix | None = None) -> ReplicaGroupView | None:
     """The routable group with the lowest utilization whose headroom covers the estimate, one
-    that is not running a shadow Score first (a Score holds its engine between two steps)."""
+    that is not running a shadow Score first (a Score holds its engine between two steps); with
+    ``prefix``, the fitting group that caches most of it unless too busy (module docstring)."""
     tokens = prompt_tokens + max_tokens
-    best: ReplicaGroupView | None = None
-    best_key: tuple[bool, float, str] | None = None
+    fitting: list[tuple[tuple[bool, float, str], ReplicaGroupView]] = []
     for view in views:
         capacity = view.kv_bytes_capacity
         need = tokens * view.kv_bytes_per_token
@@ -74,23 +120,32 @@ def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int)
         committed = view.kv_bytes_used + view.kv_bytes_reserved - view.kv_bytes_materialized
         if capacity - committed < need:
             continue
-        key = (view.shadow_scores > 0, committed / capacity, view.replica_group_id)
-        if best_key is None or key < best_key:
-            best, best_key = view, key
-    return best
+        fitting.append(((view.shadow_scores > 0, committed / capacity, view.replica_group_id), view))
+    if not fitting:
+        return None
+    balanced = min(fitting, key=lambda kv: kv[0])[1]
+    if prefix is None or len(fitting) == 1:
+        return balanced
+    hits = [(-prefix.reusable_tokens(view), load(view), key, view) for key, view in fitting]
+    best = min(hits, key=lambda h: h[:3])
+    if best[0] == 0 or best[1] > min(h[1] for h in hits) + load_slack(min(h[1] for h in hits)):
+        return balanced
+    return best[3]
 
 
 class Router:
     """Reservations over a ReplicaSet; every method takes the set's lock itself unless its name
     ends in ``_locked``."""
 
-    def __init__(self, replicas: ReplicaSet) -> None:
+    def __init__(self, replicas: ReplicaSet, *, prefix_affinity: bool = True) -> None:
         self.replicas = replicas
+        self.prefix_affinity = prefix_affinity  # False: the headroom rule alone
         self._ids = itertools.count(1)
 
     def try_reserve_locked(self, model: str, prompt_tokens: int, max_tokens: int, *,
-                           request_id: str = "") -> Reservation | None:
-        view = pick(self.replicas.for_model(model), prompt_tokens, max_tokens)
+                           request_id: str = "", prefix: PromptPrefix | None = None) -> Reservation | None:
+        view = pick(self.replicas.for_model(model), prompt_tokens, max_tokens,
+                    prefix if self.prefix_affinity else None)
         if view is None:
             return None
         reservation = Reservation(next(self._ids), request_id, view, prompt_tokens, max_tokens,
@@ -99,9 +154,9 @@ class Router:
         return reservation
 
     def try_reserve(self, model: str, prompt_tokens: int, max_tokens: int, *,
-                    request_id: str = "") -> Reservation | None:
+                    request_id: str = "", prefix: PromptPrefix | None = None) -> Reservation | None:
         with self.replicas.lock:
-            return self.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id)
+            return self.try_reserve_locked(model, prompt_tokens, max_tokens, request_id=request_id, prefix=prefix)
 
     def release(self, reservation: Reservation | None) -> None:
         """Give the reservation back (no-op if already released) and wake queued requests."""

@@ -198,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"default {DEFAULT_MAX_WAIT_S:g})")
     group.add_argument("--poll-interval", type=float, default=None,
                        help=f"seconds between Stats polls of each group (default {DEFAULT_POLL_INTERVAL_S:g})")
+    group.add_argument("--routing", choices=("prefix", "kv"), default="prefix",
+                       help="prefix (default): among the groups with KV headroom for a request, the one whose "
+                            "prefix cache holds most of its prompt, unless much busier; kv: the least utilized")
     group.add_argument("--max-body-bytes", type=int, default=None,
                        help=f"largest HTTP request body accepted, larger ones get 413 (env "
                             f"SHARDLINE_MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES})")

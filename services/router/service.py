@@ -49,7 +49,7 @@ from services.router.admission import AdmissionQueue, RequestCancelled, context_
 from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaGroupView, ReplicaSet
-from services.router.routing import Reservation, Router
+from services.router.routing import PromptPrefix, Reservation, Router
 from services.router.shadow import ShadowJob, ShadowMirror
 from services.router.types import Finished, GenerationRequest, Scored, Timings, TokenAlternative, TokenOut
 from services.router.worker_client import UpstreamFinished, UpstreamScore, UpstreamStream, WorkerFailed, WorkerRejected
@@ -209,7 +209,8 @@ class Generation:
         self._started = True
         p = self.prepared
         try:
-            self.reservation = await self._admit(len(p.prompt_ids), p.sampling.max_tokens)
+            self.reservation = await self._admit(len(p.prompt_ids), p.sampling.max_tokens,
+                                                 PromptPrefix(p.prompt_ids, p.sampling.cache_salt))
             self.admitted_ns = time.monotonic_ns()
             self._open(p.prompt_ids, p.sampling)
         except BaseException as exc:
@@ -254,15 +255,16 @@ class Generation:
             self._done = True
             self._finish_reservation()
 
-    async def _admit(self, prompt_tokens: int, max_tokens: int) -> Reservation:
+    async def _admit(self, prompt_tokens: int, max_tokens: int, prefix: PromptPrefix | None = None) -> Reservation:
         model = self.prepared.model
         reservation = self.core.admission.admit_now(model.name, prompt_tokens, max_tokens,
-                                                    max_model_len=model.max_model_len, request_id=self.request_id)
+                                                    max_model_len=model.max_model_len, request_id=self.request_id,
+                                                    prefix=prefix)
         if reservation is not None:
             return reservation
-        return await self._wait_in_queue(prompt_tokens, max_tokens)
+        return await self._wait_in_queue(prompt_tokens, max_tokens, prefix)
 
-    async def _wait_in_queue(self, prompt_tokens: int, max_tokens: int) -> Reservation:
+    async def _wait_in_queue(self, prompt_tokens: int, max_tokens: int, prefix: PromptPrefix | None) -> Reservation:
         """The blocking ``admit`` on a thread of its own; a reservation it gets after we stopped
         waiting (cancelled) is released at once."""
         loop = asyncio.get_running_loop()
@@ -284,7 +286,7 @@ class Generation:
             try:
                 reservation = self.core.admission.admit(
                     model.name, prompt_tokens, max_tokens, max_model_len=model.max_model_len,
-                    request_id=self.request_id, cancelled=self.cancelled)
+                    request_id=self.request_id, cancelled=self.cancelled, prefix=prefix)
             except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
                 error = exc
             try:
@@ -464,6 +466,7 @@ class Generation:
 
     async def _continue(self, prompt_ids: list[int], sampling: SamplingParams, *, continued_from: int) -> None:
         self._upstream = None
-        self.reservation = await self._admit(len(prompt_ids), sampling.max_tokens)
+        self.reservation = await self._admit(len(prompt_ids), sampling.max_tokens,
+                                             PromptPrefix(prompt_ids, sampling.cache_salt))
         self._continued_from = continued_from
         self._open(prompt_ids, sampling)

@@ -268,9 +268,13 @@ class WorkerClient:
         self._aio_stub: worker_pb2_grpc.WorkerServiceStub | None = None
         self._relay: WorkerRelay | None = None
 
-    def stats(self, timeout_s: float) -> WorkerStats:
+    def stats(self, timeout_s: float, prefix_cursor: tuple[str, int] | None = None) -> WorkerStats:
+        request = worker_pb2.StatsRequest()
+        if prefix_cursor is not None:
+            request.prefix_cache_events = True
+            request.prefix_cache_epoch, request.prefix_cache_after = prefix_cursor
         try:
-            r = self._stub.Stats(worker_pb2.StatsRequest(), timeout=timeout_s)
+            r = self._stub.Stats(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise StatsLate(f"Stats of {self.address}: no answer within {timeout_s:g} s") from None
@@ -282,7 +286,9 @@ class WorkerClient:
             kv_bytes_per_token=r.kv_bytes_per_token, max_model_len=r.max_model_len, running=r.running,
             waiting=r.waiting, blocks_used=r.blocks_used, blocks_total=r.blocks_total, draining=r.draining,
             prefix_cache_queries=r.prefix_cache_queries, prefix_cache_hits=r.prefix_cache_hits,
-            blocks_cached=r.blocks_cached, prefix_cache_evictions=r.prefix_cache_evictions)
+            blocks_cached=r.blocks_cached, prefix_cache_evictions=r.prefix_cache_evictions, block_size=r.block_size,
+            prefix_epoch=r.prefix_cache_epoch, prefix_seq=r.prefix_cache_seq, prefix_snapshot=r.prefix_cache_snapshot,
+            prefix_events=[(e.block_hash, e.removed) for e in r.prefix_cache_events])
 
     def serving(self, timeout_s: float) -> bool:
         try:

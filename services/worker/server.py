@@ -183,11 +183,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Stats(self, request: worker_pb2.StatsRequest, context: grpc.ServicerContext) -> worker_pb2.StatsResponse:
         engine = self.engine
         plan = engine.runner.rt.plan
-        return worker_pb2.StatsResponse(
+        response = worker_pb2.StatsResponse(
             replica_group_id=self.driver.replica_group_id,
             layout=common_pb2.ShardLayout(tp_degree=plan.tp_degree, pp_degree=plan.pp_degree,
                                           dtype=dtype_to_pb(plan.dtype)),
             model_name=self.driver.options.model_name or plan.config.name, **engine.stats())
+        if request.prefix_cache_events and engine.prefix_events is not None:
+            read = engine.prefix_events.read(request.prefix_cache_epoch, request.prefix_cache_after)
+            response.prefix_cache_epoch, response.prefix_cache_seq = read.epoch, read.seq
+            response.prefix_cache_snapshot = read.snapshot
+            response.prefix_cache_events.extend(worker_pb2.PrefixCacheEvent(block_hash=name, removed=removed)
+                                                for name, removed in read.events)
+        return response
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResponse:
         engine = self.engine

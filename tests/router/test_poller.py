@@ -16,7 +16,7 @@ class Source:
         self.stats_error: Exception | None = None
         self.health_error: Exception | None = None
 
-    def stats(self, timeout_s: float) -> WorkerStats:
+    def stats(self, timeout_s: float, prefix_cursor: tuple[str, int] | None = None) -> WorkerStats:
         if self.stats_error is not None:
             raise self.stats_error
         return STATS

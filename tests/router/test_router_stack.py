@@ -207,6 +207,31 @@ def test_a_repeated_prompt_hits_the_prefix_cache_unless_salted(stack):
     assert lines and float(lines[0].split()[-1]) >= after.prefix_cache_hits
 
 
+def metric(stack: Stack, name: str, group: str) -> float:
+    prefix = f'{name}{{replica_group_id="{group}"}} '
+    lines = [line for line in httpx.get(f"{stack.http}/metrics").text.splitlines() if line.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_requests_sharing_a_prefix_follow_it_to_the_group_that_caches_it(stack):
+    """The router mirrors each group's prefix cache from its Stats: once the group that served a
+    64-token system prompt reports its 4 blocks, six requests that start with it all go there (one
+    at a time, so it is never busier than the other), each reusing the 4 blocks."""
+    system = list(range(200, 264))
+    first = stack.client.completions.create(model="tiny", prompt=system + [1], max_tokens=2, temperature=0)
+    home = first.replica_group_id
+    other = SECOND if home == FIRST else FIRST
+    deadline = time.monotonic() + 10
+    while metric(stack, "shardline_prefix_cache_blocks", home) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the Stats reply that counts the blocks brought their names too
+    before = {g: w.Stats(worker_pb2.StatsRequest()).prefix_cache_hits for g, w in stack.workers.items()}
+    groups = [stack.client.completions.create(model="tiny", prompt=system + [i, i], max_tokens=2, temperature=0)
+              .replica_group_id for i in range(2, 8)]
+    assert groups == [home] * 6
+    hits = {g: w.Stats(worker_pb2.StatsRequest()).prefix_cache_hits - before[g] for g, w in stack.workers.items()}
+    assert hits == {home: 6 * 64, other: 0}
+
+
 # ---- equal to the worker's greedy output --------------------------------------------------
 
 

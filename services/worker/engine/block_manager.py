@@ -20,23 +20,24 @@ Blocks are handed out from the front of the free list and returned to its back, 
 entry first, so block ids are deterministic: a fresh allocator gives 0, 1, 2, ...
 
 Prefix caching (the scheduler's, when on): a full block whose keys and values are written may be
-registered under its :func:`block_hash` (``cache_blocks``). A registered block keeps its contents
-when its last table lets go of it: it waits on the free list, still findable by its hash
-(``cached_prefix``), until a new allocation takes it from the front (an eviction), so the free
-list is the LRU order of the cached blocks. A sequence's blocks go back last entry first, so its
-tail, useless once its head is gone, is evicted before its head. A hit on a block on the free
-list takes it back off the list. Only full blocks are ever registered: a sequence writes only
-past its computed tokens, so a shared block is never written (the partial last block of a fork
-is copied first, ``copy_on_write``). Free blocks, cached or not, all count as free: an
-allocation may always evict.
+registered under its name (``services.common.prefix_blocks.block_hash``; ``cache_blocks``). A
+registered block keeps its contents when its last table lets go of it: it waits on the free
+list, still findable by its name (``cached_prefix``), until a new allocation takes it from the
+front (an eviction), so the free list is the LRU order of the cached blocks. A sequence's blocks
+go back last entry first, so its tail, useless once its head is gone, is evicted before its
+head. A hit on a block on the free list takes it back off the list. Only full blocks are ever
+registered: a sequence writes only past its computed tokens, so a shared block is never written
+(the partial last block of a fork is copied first, ``copy_on_write``). Free blocks, cached or
+not, all count as free: an allocation may always evict. ``events`` (a :class:`PrefixCacheLog`),
+when set, hears of every registration and eviction, for the routers that mirror the cache.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from services.worker.engine.prefix_events import PrefixCacheLog
 
 
 class BlockAllocatorError(Exception):
@@ -73,20 +74,6 @@ def blocks_for_tokens(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
-def block_hash(parent: bytes | None, token_ids: Sequence[int], salt: str | None = None) -> bytes:
-    """A full block's identity for prefix caching: a digest of its parent block's hash (None for
-    a sequence's first block), its token ids and, in the first block only, the request's cache
-    salt (requests with different salts share nothing). Everything else its keys and values
-    depend on (weights, dtype, layout) is fixed for one allocator. A 128-bit BLAKE2b digest: a
-    collision would hand one request another's keys and values, and the same bytes on every
-    process, so another process (a router) can compute the same hashes."""
-    digest = hashlib.blake2b(parent or b"", digest_size=16)
-    digest.update(array("q", token_ids).tobytes())
-    if parent is None and salt is not None:
-        digest.update(b"\0salt\0" + salt.encode())
-    return digest.digest()
-
-
 class BlockAllocator:
     """Free list, per-sequence block tables and block reference counts, and the cached blocks
     of prefix caching (see the module docstring).
@@ -110,6 +97,7 @@ class BlockAllocator:
         self._hash_of: dict[int, bytes] = {}  # block -> its hash, for registered blocks
         self._registered: dict[int, int] = {}  # seq_id -> leading table entries registered or seen
         self.num_evictions = 0
+        self.events: PrefixCacheLog | None = None  # told of every registration and eviction
 
     # ---- counters ---------------------------------------------------------------------
 
@@ -227,6 +215,8 @@ class BlockAllocator:
                 self._cached[h] = block
                 self._hash_of[block] = h
                 added += 1
+                if self.events is not None:
+                    self.events.stored(h)
         self._registered[seq_id] = max(self._registered[seq_id], len(hashes))
         return added
 
@@ -330,6 +320,8 @@ class BlockAllocator:
             if h is not None:  # the least recently used cached block: its prefix is gone
                 del self._cached[h]
                 self.num_evictions += 1
+                if self.events is not None:
+                    self.events.removed(h)
         return blocks
 
     def _release(self, block: int) -> int:

@@ -36,6 +36,7 @@ from services.common.sampling import MAX_LOGPROBS, FinishReason, InvalidRequest,
 from services.modeling.parallel.coordinator import ShardGroupUnhealthy
 from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.kv_cache import KVCacheLayout
+from services.worker.engine.prefix_events import PrefixCacheLog
 from services.worker.engine.runner import IDLE_HEARTBEAT_S, StageRunner
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.worker.engine.sequence import Sequence
@@ -126,6 +127,9 @@ class LLMEngine:
         cfg = runner.rt.plan.config
         self.scheduler = Scheduler(BlockAllocator(layout.num_blocks, layout.block_size), scheduler_config,
                                    eos_token_ids=cfg.eos_token_ids)
+        # what the prefix cache holds, for routers that route by prefix (None: no prefix caching)
+        self.prefix_events = PrefixCacheLog() if scheduler_config.prefix_caching else None
+        self.scheduler.allocator.events = self.prefix_events
         self.coordinator = runner.rt.coordinator
         self.groups = runner.rt.groups
         self.max_in_flight = self.groups.pp_degree

@@ -25,8 +25,8 @@ first), and an older sequence is never preempted for a newer one. Each ``schedul
    later steps (chunked prefill), so long prompts never stall running decodes.
 
 **Prefix caching** (``SchedulerConfig.prefix_caching``, on by default). Every full block of a
-sequence's tokens has a hash (``block_manager.block_hash``: its parent's hash and its tokens, and
-the request's cache salt); once a step is planned that writes a block's last token, the block is
+sequence's tokens has a hash (``services.common.prefix_blocks``: its parent's hash and its tokens,
+and the request's cache salt); once a step is planned that writes a block's last token, the block is
 registered under it (``BlockAllocator.cache_blocks``). Admission looks up the sequence's longest
 run of cached blocks from the first, takes them into its table, shared, and counts their tokens
 as computed, so only the rest is prefilled; a preempted sequence finds its own blocks again unless
@@ -61,7 +61,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.sampling import FinishReason, InvalidRequest
-from services.worker.engine.block_manager import BlockAllocator, block_hash
+from services.common.prefix_blocks import block_hash, reusable_blocks
+from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.sequence import Sequence, SequenceStatus
 
 
@@ -370,7 +371,7 @@ class Scheduler:
         """The cached blocks that start ``seq``, short of its last token (which is always run)."""
         if not self.config.prefix_caching:
             return []
-        usable = (seq.num_tokens - 1) // self.allocator.block_size
+        usable = reusable_blocks(seq.num_tokens, self.allocator.block_size)
         return self.allocator.cached_prefix(self._block_hashes(seq)[:usable])
 
     def _make_room(self, seq: Sequence, total_tokens: int, scheduled_ids: set[int],

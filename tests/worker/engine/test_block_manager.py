@@ -7,13 +7,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from services.common.prefix_blocks import block_hash
 from services.worker.engine.block_manager import (
     BlockAllocator,
     DuplicateSequence,
     OutOfBlocks,
     PositionOutOfRange,
     UnknownSequence,
-    block_hash,
     blocks_for_tokens,
 )
 

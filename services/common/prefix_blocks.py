@@ -1,0 +1,43 @@
+"""Prefix-cache block identity, the one rule the worker's block allocator and the router's
+prefix-aware routing share: a full block of ``block_size`` tokens is named by a digest of its
+parent block's name and its own token ids (and, in a sequence's first block, the request's cache
+salt), so a name stands for the whole prefix up to the block's end.
+
+A 128-bit BLAKE2b digest: a collision would hand one request another's keys and values, and the
+same bytes come out of every process, so a router names a prompt's blocks as the worker does.
+Everything else the keys and values depend on (weights, dtype, layout) is fixed for one replica
+group, and a router matches a prompt against each group's own blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+
+def block_hash(parent: bytes | None, token_ids: Sequence[int], salt: str | None = None) -> bytes:
+    """The name of a full block: its parent's name (None for a sequence's first block), its token
+    ids and, in the first block only, the cache salt (requests with different salts share nothing)."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    if parent is None and salt is not None:
+        digest.update(b"\0salt\0" + salt.encode())
+    return digest.digest()
+
+
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a ``num_tokens`` prompt a cache hit may cover: the last
+    token is always run, its logits being what is sampled."""
+    return max(0, num_tokens - 1) // block_size
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None, *,
+                 limit: int | None = None) -> list[bytes]:
+    """The names of the full blocks of ``token_ids`` (the first ``limit`` of them)."""
+    count = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
+    hashes: list[bytes] = []
+    for index in range(count):
+        hashes.append(block_hash(hashes[-1] if hashes else None,
+                                 token_ids[index * block_size:(index + 1) * block_size], salt))
+    return hashes
