@@ -33,7 +33,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.prefix_blocks import block_hashes, reusable_blocks
+from services.common.prefix_blocks import block_hash, reusable_blocks
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 
 
@@ -72,25 +72,30 @@ def fits_group(view: ReplicaGroupView, prompt_tokens: int, max_tokens: int) -> b
 
 @dataclass(eq=False)
 class PromptPrefix:
-    """A prompt's token ids and cache salt, its blocks named on demand, once per block size."""
+    """A prompt's token ids and cache salt, its blocks named only as far as some group holds
+    them (a prompt no group caches costs one name), once per block size."""
 
     token_ids: Sequence[int]
     salt: str | None = None
     _names: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+
+    def name(self, size: int, index: int) -> bytes | None:
+        """Block ``index``'s name at ``size`` tokens per block; None past the reusable blocks."""
+        names = self._names.setdefault(size, [])
+        if index >= reusable_blocks(len(self.token_ids), size):
+            return None
+        while len(names) <= index:
+            start = len(names) * size
+            names.append(block_hash(names[-1] if names else None, self.token_ids[start:start + size], self.salt))
+        return names[index]
 
     def reusable_tokens(self, view: ReplicaGroupView) -> int:
         """Prompt tokens the group's prefix cache holds, from the first: what it would not prefill."""
         cached, size = view.prefix_blocks, view.block_size
         if not cached or size < 1:
             return 0
-        names = self._names.get(size)
-        if names is None:
-            names = self._names[size] = block_hashes(self.token_ids, size, self.salt,
-                                                     limit=reusable_blocks(len(self.token_ids), size))
         blocks = 0
-        for name in names:
-            if name not in cached:
-                break
+        while (name := self.name(size, blocks)) is not None and name in cached:
             blocks += 1
         return blocks * size
 
@@ -109,9 +114,15 @@ def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int,
          prefix: PromptPrefix | None = None) -> ReplicaGroupView | None:
     """The routable group with the lowest utilization whose headroom covers the estimate, one
     that is not running a shadow Score first (a Score holds its engine between two steps); with
-    ``prefix``, the fitting group that caches most of it unless too busy (module docstring)."""
+    ``prefix``, the fitting group that caches most of it unless too busy (module docstring).
+    One pass over the groups, a few field reads each (it runs for every request, over every
+    group); only the groups that hold the prompt's first block are matched further."""
     tokens = prompt_tokens + max_tokens
-    fitting: list[tuple[tuple[bool, float, str], ReplicaGroupView]] = []
+    best: ReplicaGroupView | None = None
+    best_key: tuple[bool, float, str] = (True, 0.0, "")
+    holders: list[tuple[ReplicaGroupView, tuple[bool, float, str], int]] = []
+    least = -1  # the least busy fitting group's load
+    firsts: dict[int, bytes | None] = {}  # block size -> the prompt's first block's name
     for view in views:
         capacity = view.kv_bytes_capacity
         need = tokens * view.kv_bytes_per_token
@@ -120,17 +131,23 @@ def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int,
         committed = view.kv_bytes_used + view.kv_bytes_reserved - view.kv_bytes_materialized
         if capacity - committed < need:
             continue
-        fitting.append(((view.shadow_scores > 0, committed / capacity, view.replica_group_id), view))
-    if not fitting:
-        return None
-    balanced = min(fitting, key=lambda kv: kv[0])[1]
-    if prefix is None or len(fitting) == 1:
-        return balanced
-    hits = [(-prefix.reusable_tokens(view), load(view), key, view) for key, view in fitting]
-    best = min(hits, key=lambda h: h[:3])
-    if best[0] == 0 or best[1] > min(h[1] for h in hits) + load_slack(min(h[1] for h in hits)):
-        return balanced
-    return best[3]
+        key = (view.shadow_scores > 0, committed / capacity, view.replica_group_id)
+        if best is None or key < best_key:
+            best, best_key = view, key
+        if prefix is not None:
+            busy = len(view.reservations) + view.waiting
+            if least < 0 or busy < least:
+                least = busy
+            if view.prefix_blocks:
+                size = view.block_size
+                if size not in firsts:
+                    firsts[size] = prefix.name(size, 0)
+                if firsts[size] in view.prefix_blocks:
+                    holders.append((view, key, busy))
+    if not holders:
+        return best
+    (_, busy, _), view = min(((-prefix.reusable_tokens(v), busy, key), v) for v, key, busy in holders)
+    return view if busy <= least + load_slack(least) else best
 
 
 class Router:
