@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,6 +247,18 @@ class Server:
                 pass
         self.proc.wait()
         self.proc = None
+
+
+def timed_round(server: Server, label: str, errors: list[str], body: Callable[[float], None]) -> None:
+    """One server's turn in a round: started, ``body(start-up seconds)``, stopped whatever
+    happens; an error is recorded under ``label`` and the round goes on with the next server."""
+    try:
+        body(server.start())
+    except Exception as exc:  # noqa: BLE001 - one server's failure is reported, the others still run
+        errors.append(f"{label}: {type(exc).__name__}: {str(exc)[-1500:]}")
+        print(f"{label} failed: {exc}", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
 
 
 def shardline_server(model_dir: Path, dtype: str, port: int, workdir: Path) -> Server:

@@ -21,13 +21,24 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import _chat_trace as chat
 from bench import _serving_report as report
-from bench._peers import SERVED_NAME, Cache, Server, llama_server, run_logged, shardline_server, vllm_server
+from bench._peers import (
+    SERVED_NAME,
+    Cache,
+    Server,
+    llama_server,
+    run_logged,
+    shardline_server,
+    timed_round,
+    vllm_server,
+)
 from bench.serving import RESULTS, machine_line, warm_up
 from bench.soak import REPO
 from services.cli.up import resolve_model
@@ -87,6 +98,27 @@ def ratios(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def chat_summary(chats: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per server, the medians across rounds of the chat trace's figures; our median TTFT over
+    ours without caching and over the best peer's."""
+    out: dict[str, Any] = {}
+    for server, rounds in chats.items():
+        def median(name: str, rounds=rounds) -> float | None:
+            values = [r[name] for r in rounds if r.get(name) is not None]
+            return round(statistics.median(values), 2) if values else None
+
+        out[server] = {"median_ttft_ms": median("median_ttft_ms"), "output_chunks_per_s": median("output_chunks_per_s"),
+                       "median_ttft_ms_by_turn": rounds[0]["median_ttft_ms_by_turn"],
+                       "failed": sum(r["failed"] for r in rounds)}
+    ours, nocache = (out.get(s, {}).get("median_ttft_ms") for s in ("shardline", "shardline-nocache"))
+    peers = {p: out[p]["median_ttft_ms"] for p in PEERS if out.get(p, {}).get("median_ttft_ms")}
+    best = min(peers, key=peers.get, default=None)
+    out["ratios"] = {"ttft_vs_no_cache": round(ours / nocache, 3) if ours and nocache else None,
+                     "ttft_vs_best_peer": round(ours / peers[best], 3) if ours and best else None,
+                     "ttft_best_peer": best}
+    return out
+
+
 def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [f"# Prefix-heavy serving: {result['name']}", "", f"Machine: {result['machine']}", "",
@@ -103,8 +135,21 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| c | our TTFT / ours without caching | our TTFT / best peer's | our tok/s / best peer's |",
               "|---|---|---|---|"]
     for c, r in result["ratios"].items():
-        lines.append(f"| {c[1:]} | {report._cell(r['ttft_vs_no_cache'], 3)} | {report._cell(r['ttft_vs_best_peer'], 3)}"
-                     f" ({r['ttft_best_peer']}) | {report._cell(r['tok_s_vs_best_peer'], 3)} ({r['tok_s_best_peer']}) |")
+        lines.append(f"| {c[1:]} | {report._cell(r['ttft_vs_no_cache'], 3)} | "
+                     f"{report._cell(r['ttft_vs_best_peer'], 3)} ({r['ttft_best_peer']}) | "
+                     f"{report._cell(r['tok_s_vs_best_peer'], 3)} ({r['tok_s_best_peer']}) |")
+    chats = result.get("chat") or {}
+    if len(chats) > 1:
+        lines += ["", "Multi-turn chat trace (every turn re-sends the history; `bench/_chat_trace.py`):", "",
+                  "| server | median TTFT ms | median TTFT by turn, ms | output chunks/s | failed |",
+                  "|---|---|---|---|---|"]
+        for server, row in chats.items():
+            if server != "ratios":
+                lines.append(f"| {server} | {report._cell(row['median_ttft_ms'])} | {row['median_ttft_ms_by_turn']} | "
+                             f"{report._cell(row['output_chunks_per_s'])} | {row['failed']} |")
+        r = chats["ratios"]
+        lines += ["", f"Chat: our median TTFT / ours without caching **{report._cell(r['ttft_vs_no_cache'], 3)}**, / "
+                      f"best peer's ({r['ttft_best_peer']}) **{report._cell(r['ttft_vs_best_peer'], 3)}**."]
     if result["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
     lines += ["", "Commands:", "", "```", *result["commands"], "```", ""]
@@ -146,9 +191,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prompts-c1", type=int, default=8)
     parser.add_argument("--prompts-c8", type=int, default=32)
+    parser.add_argument("--chat-conversations", type=int, default=8, help="multi-turn chat trace (0: none)")
+    parser.add_argument("--chat-turns", type=int, default=6)
+    parser.add_argument("--chat-concurrency", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="serving-prefix")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                        help="go on with an interrupted run: what its result files and chat.json hold is kept")
     args = parser.parse_args(argv)
     args.cache = args.cache.expanduser().resolve()
     args.servers = [s for s in args.servers.split(",") if s]
@@ -164,34 +214,46 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model("smollm2")
     cache = Cache(args.cache)
     cache.setup(model_dir, llama="llama.cpp" in args.servers)
-    run_dir = cache.root / "runs" / f"{args.name}-{time.strftime('%Y%m%dT%H%M%S')}"
-    run_dir.mkdir(parents=True)
+    run_dir = args.resume or cache.root / "runs" / f"{args.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=args.resume is not None)
+    chat_file = run_dir / "chat.json"
     commands: dict[str, str] = {}
     errors: list[str] = []
+    chats: dict[str, list[dict[str, Any]]] = json.loads(chat_file.read_text()) if chat_file.exists() else {}
     for round_ in range(args.rounds):
         for name in args.servers if round_ % 2 == 0 else args.servers[::-1]:
+            chat_done = not args.chat_conversations or len(chats.get(name, ())) > round_
+            if chat_done and all((run_dir / report.result_name(name, c, round_)).exists() for c in (1, 8)):
+                continue  # done in the run resumed
             server = make_server(name, args.dtype, cache, model_dir)
             commands.setdefault(f"{name} server", shlex.join(server.argv))
             print(f"round {round_ + 1}/{args.rounds}: {name} ...", flush=True)
-            try:
-                server.start()
+
+            def body(_started: float, name: str = name, server: Server = server, round_: int = round_,
+                     chat_done: bool = chat_done) -> None:
                 warm_up(server)
                 for concurrency, n in ((1, args.prompts_c1), (8, args.prompts_c8)):
+                    if (run_dir / report.result_name(name, concurrency, round_)).exists():
+                        continue
                     argv_ = bench_argv(cache, server, model_dir, concurrency, n, args, run_dir,
                                        report.result_name(name, concurrency, round_))
                     commands.setdefault(f"{name} bench c={concurrency}", shlex.join(argv_))
                     run_logged(argv_, cache.logs / f"bench-{run_dir.name}.log", env=cache.vllm_env())
-            except Exception as exc:  # noqa: BLE001 - one server's failure is reported, the others still run
-                errors.append(f"round {round_}, {name}: {type(exc).__name__}: {str(exc)[-1000:]}")
-                print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
-            finally:
-                server.stop()
+                if not chat_done:
+                    trace = chat.ChatTrace(conversations=args.chat_conversations, turns=args.chat_turns,
+                                           concurrency=args.chat_concurrency, seed=args.seed + round_)
+                    chats.setdefault(name, []).append(chat.run(server.base_url, SERVED_NAME, trace))
+                    chat_file.write_text(json.dumps(chats))
+                    print(f"  chat trace: {chats[name][-1]}", flush=True)
+
+            timed_round(server, f"round {round_}, {name}", errors, body)
     runs = report.summarize(report.load_runs(run_dir), args.output_len)
     summary = {name: runs[name] for name in args.servers if name in runs}
     result = {"name": args.name, "machine": line,
               "config": {k: getattr(args, k) for k in ("dtype", "rounds", "prefix_len", "suffix_len", "num_prefixes",
                                                        "output_len", "prompts_c1", "prompts_c8", "seed")},
-              "servers": args.servers, "summary": summary, "ratios": ratios(summary), "errors": errors,
+              "servers": args.servers, "summary": summary, "ratios": ratios(summary), "chat": chat_summary(chats),
+              "errors": errors,
               "run_s": round(time.monotonic() - started, 1), "raw_results": str(run_dir),
               "commands": [f"python -m bench.prefix_serving {shlex.join(argv if argv is not None else sys.argv[1:])}",
                            *(f"# {k}\n{v}" for k, v in commands.items())]}

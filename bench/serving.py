@@ -52,7 +52,16 @@ import httpx
 from tokenizers import Tokenizer
 
 from bench import _serving_report as report
-from bench._peers import SERVED_NAME, Cache, Server, llama_server, run_logged, shardline_server, vllm_server
+from bench._peers import (
+    SERVED_NAME,
+    Cache,
+    Server,
+    llama_server,
+    run_logged,
+    shardline_server,
+    timed_round,
+    vllm_server,
+)
 from bench.soak import REPO
 from services.cli.up import resolve_model
 
@@ -144,8 +153,9 @@ def timed_rounds(servers: list[str], cache: Cache, model_dir: Path, args: argpar
             server = make_server(name, args.dtype, cache, model_dir)
             print(f"round {round_ + 1}/{args.rounds}: {name} {args.dtype} ...", flush=True)
             commands.setdefault(f"{name} server", shlex.join(server.argv))
-            try:
-                startup.setdefault(name, []).append(round(server.start(), 1))
+
+            def body(started: float, name: str = name, server: Server = server, round_: int = round_) -> None:
+                startup.setdefault(name, []).append(round(started, 1))
                 warm_up(server)
                 for concurrency, n in prompts.items():
                     filename = report.result_name(name, concurrency, round_)
@@ -154,11 +164,8 @@ def timed_rounds(servers: list[str], cache: Cache, model_dir: Path, args: argpar
                     t0 = time.monotonic()
                     run_logged(argv, cache.logs / f"bench-{run_dir.name}.log", env=cache.vllm_env())
                     print(f"  c={concurrency}: {n} prompts in {time.monotonic() - t0:.0f} s", flush=True)
-            except Exception as exc:  # noqa: BLE001 - one server's failure is reported, the others still run
-                errors.append(f"round {round_}, {name}: {type(exc).__name__}: {str(exc)[-1500:]}")
-                print(f"round {round_ + 1}: {name} failed: {exc}", file=sys.stderr, flush=True)
-            finally:
-                server.stop()
+
+            timed_round(server, f"round {round_}, {name}", errors, body)
     return [f"# {k}\n{v}" for k, v in commands.items()], errors
 
 

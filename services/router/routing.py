@@ -100,13 +100,9 @@ class PromptPrefix:
         return blocks * size
 
 
-def load(view: ReplicaGroupView) -> int:
-    """How busy a group is for prefix affinity: our requests on it and its own queue."""
-    return len(view.reservations) + view.waiting
-
-
 def load_slack(least: int) -> int:
-    """How much busier than the least busy fitting group a group holding the prefix may be."""
+    """How much busier than the least busy fitting group a group holding the prefix may be (busy:
+    this router's requests on a group plus the group's own queue)."""
     return 2 + least // 2
 
 

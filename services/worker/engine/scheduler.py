@@ -60,8 +60,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from services.common.sampling import FinishReason, InvalidRequest
 from services.common.prefix_blocks import block_hash, reusable_blocks
+from services.common.sampling import FinishReason, InvalidRequest
 from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.sequence import Sequence, SequenceStatus
 

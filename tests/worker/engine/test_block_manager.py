@@ -261,7 +261,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         contents.extend(data.draw(st.integers(0, 2)) for _ in range(len(contents), full))
         hashes = self._hashes(contents[:full])
         self.a.cache_blocks(seq, hashes)
-        for block, h in zip(self.a.block_table(seq), hashes):
+        for block, h in zip(self.a.block_table(seq), hashes, strict=False):
             if self.a.cached_prefix([h]) == [block]:
                 self.registered[block] = h
 
@@ -272,7 +272,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         wanted = [data.draw(st.integers(0, 2)) for _ in range(n // 3)]
         prefix = self.a.cached_prefix(self._hashes(wanted))
         hashes = self._hashes(wanted)
-        for block, h in zip(prefix, hashes):
+        for block, h in zip(prefix, hashes, strict=False):
             assert self.registered.get(block) == h, "a prefix hit on a block with other contents"
         if self.a.can_allocate(n, prefix):
             table = self.a.allocate(self.next_id, n, prefix)

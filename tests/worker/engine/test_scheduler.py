@@ -333,6 +333,17 @@ def fake_next_token(tokens: list[int]) -> int:
     return 3 + h % (VOCAB - 3)  # never EOS
 
 
+def alone(seqs: list[Sequence]) -> dict[int, list[int]]:
+    """Each sequence's outputs as if it ran by itself (``fake_next_token`` of its own tokens)."""
+    expected = {}
+    for q in seqs:
+        tokens = list(q.prompt_token_ids)
+        for _ in range(q.sampling_params.max_tokens):
+            tokens.append(fake_next_token(tokens))
+        expected[q.seq_id] = tokens[q.num_prompt_tokens:]
+    return expected
+
+
 def run_to_completion(s: Scheduler, seqs: list[Sequence], *, pp: int = 1,
                       max_steps: int = 10_000) -> dict[int, list[int]]:
     """Drive the scheduler with up to ``pp`` micro-batches in flight; check invariants each step.
@@ -369,7 +380,7 @@ def run_to_completion(s: Scheduler, seqs: list[Sequence], *, pp: int = 1,
             assert c.token_ids == q.all_token_ids[c.positions[0]:c.context_len]
             assert c.slot_mapping == [c.block_table[p // size] * size + p % size for p in c.positions]
             tokens = q.all_token_ids
-            for p, slot in zip(c.positions, c.slot_mapping):
+            for p, slot in zip(c.positions, c.slot_mapping, strict=True):
                 kv[slot] = hash(tuple(tokens[:p + 1]))
             for p in range(c.context_len):
                 assert kv.get(c.block_table[p // size] * size + p % size) == hash(tuple(tokens[:p + 1])), \
@@ -395,12 +406,7 @@ def test_outputs_match_running_alone_under_pressure(lens: list[tuple[int, int]],
     capacity = num_blocks * block_size
     lens = [(p, m) for p, m in lens if p + m - 1 <= capacity]
     seqs = [seq(i, p, max_tokens=m) for i, (p, m) in enumerate(lens)]
-    expected = {}
-    for q in seqs:
-        tokens = list(q.prompt_token_ids)
-        for _ in range(q.sampling_params.max_tokens):
-            tokens.append(fake_next_token(tokens))
-        expected[q.seq_id] = tokens[q.num_prompt_tokens:]
+    expected = alone(seqs)
     s = make(num_blocks, block_size, max_num_seqs=max_num_seqs, max_batched_tokens=budget, max_model_len=1000)
     assert run_to_completion(s, seqs, pp=pp) == expected
     assert s.allocator.num_free_blocks == num_blocks
@@ -429,12 +435,7 @@ def test_prefix_hits_read_their_own_prefix_under_pressure(shapes: list[tuple[int
         prompt = [10 + prefix] * (block_size * (blocks + 1)) + [50 + i] * suffix
         if len(prompt) + 5 - 1 <= capacity:
             seqs.append(Sequence(i, prompt, SamplingParams(max_tokens=5), cache_salt=str(salt) if salt else None))
-    expected = {}
-    for q in seqs:
-        tokens = list(q.prompt_token_ids)
-        for _ in range(5):
-            tokens.append(fake_next_token(tokens))
-        expected[q.seq_id] = tokens[q.num_prompt_tokens:]
+    expected = alone(seqs)
     s = make(num_blocks, block_size, max_num_seqs=max_num_seqs, max_batched_tokens=budget, max_model_len=1000,
              prefix_caching=True)
     assert run_to_completion(s, seqs, pp=pp) == expected
@@ -504,12 +505,7 @@ def test_without_prefix_caching_every_prompt_is_prefilled() -> None:
 
 def test_tight_kv_budget_preempts_and_still_matches() -> None:
     seqs = [seq(i, 10 + i, max_tokens=12) for i in range(6)]
-    expected = {}
-    for q in seqs:
-        tokens = list(q.prompt_token_ids)
-        for _ in range(12):
-            tokens.append(fake_next_token(tokens))
-        expected[q.seq_id] = tokens[q.num_prompt_tokens:]
+    expected = alone(seqs)
     s = make(num_blocks=12, block_size=4, max_batched_tokens=16)
     assert run_to_completion(s, seqs) == expected
     assert sum(q.num_preemptions for q in seqs) > 0
