@@ -102,6 +102,30 @@ class StatsSource(Protocol):
     def serving(self, timeout_s: float) -> bool: ...
 
 
+class PrefixIndex:
+    """Which groups' prefix caches hold each block name: the router's mirror of every group's
+    cache, kept by the groups' views as their Stats bring events, read by the pick (one set
+    intersection per block of a prompt instead of a lookup per group). Mutated under the
+    replica set's lock."""
+
+    def __init__(self) -> None:
+        self.holders: dict[bytes, set[ReplicaGroupView]] = {}
+
+    def add(self, view: ReplicaGroupView, name: bytes) -> None:
+        holders = self.holders.get(name)
+        if holders is None:
+            self.holders[name] = {view}
+        else:
+            holders.add(view)
+
+    def remove(self, view: ReplicaGroupView, name: bytes) -> None:
+        holders = self.holders.get(name)
+        if holders is not None:
+            holders.discard(view)
+            if not holders:
+                del self.holders[name]
+
+
 @dataclass(eq=False)
 class ReplicaGroupView:
     """What the router knows of one replica group. Mutated only under ``ReplicaSet.lock``.
@@ -129,6 +153,7 @@ class ReplicaGroupView:
     prefix_blocks: set[bytes] = field(default_factory=set)
     prefix_epoch: str = ""
     prefix_seq: int = 0
+    prefix_index: PrefixIndex | None = field(default=None, repr=False)  # the replica set's, kept in step
     status: GroupStatus = GroupStatus.PROVISIONING
     status_reason: str = ""
     last_report_ms: int = 0  # Unix ms of the last successful Stats
@@ -213,18 +238,27 @@ class ReplicaGroupView:
         self.kv_bytes_materialized = total
 
     def apply_prefix_events(self, stats: WorkerStats) -> None:
-        """Mirror the group's prefix cache: a snapshot replaces the set, events update it in order."""
-        if not stats.prefix_epoch:  # no prefix caching there (or the poll did not ask)
-            self.prefix_blocks, self.prefix_epoch, self.prefix_seq = set(), "", 0
-            return
-        if stats.prefix_snapshot:
+        """Mirror the group's prefix cache (and the index with it): a snapshot replaces the set,
+        events update it in order."""
+        index = self.prefix_index
+        if not stats.prefix_epoch or stats.prefix_snapshot:  # no prefix caching there, or all anew
+            if index is not None:
+                for name in self.prefix_blocks:
+                    index.remove(self, name)
             self.prefix_blocks = set()
+        if not stats.prefix_epoch:  # (or the poll did not ask)
+            self.prefix_epoch, self.prefix_seq = "", 0
+            return
         blocks = self.prefix_blocks
         for name, removed in stats.prefix_events:
             if removed:
                 blocks.discard(name)
+                if index is not None:
+                    index.remove(self, name)
             else:
                 blocks.add(name)
+                if index is not None:
+                    index.add(self, name)
         self.prefix_epoch, self.prefix_seq = stats.prefix_epoch, stats.prefix_seq
 
     def refresh_status(self, now: float, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> GroupStatus:
@@ -283,6 +317,7 @@ class ReplicaSet:
         self.lock = threading.RLock()  # reentrant: readers may nest (a listing inside a locked section)
         self.changed = threading.Condition(self.lock)
         self._views: dict[str, ReplicaGroupView] = {}
+        self.prefix_index = PrefixIndex()
 
     def add(self, address: str) -> tuple[ReplicaGroupView, bool]:
         """The view of ``address``, created if new (second value True then)."""
@@ -290,7 +325,7 @@ class ReplicaSet:
             view = self._views.get(address)
             if view is not None:
                 return view, False
-            view = self._views[address] = ReplicaGroupView(address=address)
+            view = self._views[address] = ReplicaGroupView(address=address, prefix_index=self.prefix_index)
             return view, True
 
     def known(self, address: str) -> bool:

@@ -18,7 +18,7 @@ guards the growth still to come. Ties go to the lower replica_group_id (determin
 Reserve at pick, release on finish, error or cancel (``Router.release``, idempotent).
 
 **Prefix affinity.** Each group's poller mirrors the names of the blocks its prefix cache holds
-(``ReplicaGroupView.prefix_blocks``). Among the groups that fit by the rule above, the one that
+(``ReplicaGroupView.prefix_blocks``, and ``ReplicaSet.prefix_index``: which groups hold a name). Among the groups that fit by the rule above, the one that
 would reuse the most of the prompt's leading blocks (``PromptPrefix.reusable_tokens``) gets the
 request, fewest requests first among equals, unless it is busier than the least busy fitting
 group by more than :func:`load_slack`: then the headroom rule picks, the hot prefix gets a second
@@ -30,11 +30,11 @@ prefix sticks where it is cached, and a hot one spreads instead of starving the 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.prefix_blocks import block_hash, reusable_blocks
-from services.router.replicas import ReplicaGroupView, ReplicaSet
+from services.common.prefix_blocks import BlockNames, reusable_blocks
+from services.router.replicas import PrefixIndex, ReplicaGroupView, ReplicaSet
 
 
 def kv_estimate(prompt_tokens: int, max_tokens: int, kv_bytes_per_token: int) -> int:
@@ -72,32 +72,52 @@ def fits_group(view: ReplicaGroupView, prompt_tokens: int, max_tokens: int) -> b
 
 @dataclass(eq=False)
 class PromptPrefix:
-    """A prompt's token ids and cache salt, its blocks named only as far as some group holds
-    them (a prompt no group caches costs one name), once per block size."""
+    """A prompt's token ids and cache salt, its reusable blocks named on demand (only as deep as
+    some group holds them: a prompt no group caches costs one name), once per block size."""
 
     token_ids: Sequence[int]
     salt: str | None = None
-    _names: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+    _names: dict[int, BlockNames] = field(default_factory=dict, repr=False)
 
-    def name(self, size: int, index: int) -> bytes | None:
-        """Block ``index``'s name at ``size`` tokens per block; None past the reusable blocks."""
-        names = self._names.setdefault(size, [])
-        if index >= reusable_blocks(len(self.token_ids), size):
-            return None
-        while len(names) <= index:
-            start = len(names) * size
-            names.append(block_hash(names[-1] if names else None, self.token_ids[start:start + size], self.salt))
-        return names[index]
+    def names(self, size: int) -> BlockNames:
+        names = self._names.get(size)
+        if names is None:
+            names = self._names[size] = BlockNames(self.token_ids, size, self.salt,
+                                                   count=reusable_blocks(len(self.token_ids), size))
+        return names
+
+    def deepest_holders(self, index: PrefixIndex, size: int,
+                        among: Container[ReplicaGroupView]) -> tuple[int, set[ReplicaGroupView]]:
+        """The prompt tokens reusable on the groups of ``among`` that hold the longest run of its
+        blocks (of ``size`` tokens), and those groups; (0, empty) when none holds the first."""
+        chain = self.names(size)
+        names = chain.extend(1)
+        if not names:
+            return 0, set()
+        holders = index.holders
+        alive = {view for view in holders.get(names[0], _NONE) if view in among}
+        depth, deepest = 0, alive
+        while alive:
+            depth, deepest = depth + 1, alive
+            if depth >= chain.count:
+                break
+            if depth >= len(names):
+                names = chain.extend(2 * depth)
+            alive = alive & holders.get(names[depth], _NONE)
+        return depth * size, deepest
 
     def reusable_tokens(self, view: ReplicaGroupView) -> int:
         """Prompt tokens the group's prefix cache holds, from the first: what it would not prefill."""
-        cached, size = view.prefix_blocks, view.block_size
-        if not cached or size < 1:
+        if view.block_size < 1:
             return 0
-        blocks = 0
-        while (name := self.name(size, blocks)) is not None and name in cached:
+        chain, cached, blocks = self.names(view.block_size), view.prefix_blocks, 0
+        names = chain.extend(chain.count)
+        while blocks < len(names) and names[blocks] in cached:
             blocks += 1
-        return blocks * size
+        return blocks * view.block_size
+
+
+_NONE: frozenset = frozenset()
 
 
 def load_slack(least: int) -> int:
@@ -107,18 +127,19 @@ def load_slack(least: int) -> int:
 
 
 def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int,
-         prefix: PromptPrefix | None = None) -> ReplicaGroupView | None:
+         prefix: PromptPrefix | None = None, index: PrefixIndex | None = None) -> ReplicaGroupView | None:
     """The routable group with the lowest utilization whose headroom covers the estimate, one
     that is not running a shadow Score first (a Score holds its engine between two steps); with
-    ``prefix``, the fitting group that caches most of it unless too busy (module docstring).
-    One pass over the groups, a few field reads each (it runs for every request, over every
-    group); only the groups that hold the prompt's first block are matched further."""
+    ``prefix`` and the groups' ``index``, the fitting group that caches most of it unless too
+    busy (module docstring). One pass over the groups, a few field reads each (it runs for
+    every request, over every group); the prefix is matched on the index, a set intersection
+    per block."""
     tokens = prompt_tokens + max_tokens
+    affinity = prefix is not None and index is not None and bool(index.holders)
     best: ReplicaGroupView | None = None
     best_key: tuple[bool, float, str] = (True, 0.0, "")
-    holders: list[tuple[ReplicaGroupView, tuple[bool, float, str], int]] = []
-    least = -1  # the least busy fitting group's load
-    firsts: dict[int, bytes | None] = {}  # block size -> the prompt's first block's name
+    fit: list[ReplicaGroupView] = []  # with affinity: every fitting group
+    least = -1  # ... and the least busy one's load
     for view in views:
         capacity = view.kv_bytes_capacity
         need = tokens * view.kv_bytes_per_token
@@ -130,20 +151,29 @@ def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int,
         key = (view.shadow_scores > 0, committed / capacity, view.replica_group_id)
         if best is None or key < best_key:
             best, best_key = view, key
-        if prefix is not None:
+        if affinity:
+            fit.append(view)
             busy = len(view.reservations) + view.waiting
             if least < 0 or busy < least:
                 least = busy
-            if view.prefix_blocks:
-                size = view.block_size
-                if size not in firsts:
-                    firsts[size] = prefix.name(size, 0)
-                if firsts[size] in view.prefix_blocks:
-                    holders.append((view, key, busy))
+    if not affinity or len(fit) < 2:
+        return best
+    among = set(fit)
+    reusable, holders = 0, set()
+    for size in {view.block_size for view in fit if view.block_size > 0}:
+        tokens_here, here = prefix.deepest_holders(index, size, among)
+        if tokens_here > reusable:
+            reusable, holders = tokens_here, here
     if not holders:
         return best
-    (_, busy, _), view = min(((-prefix.reusable_tokens(v), busy, key), v) for v, key, busy in holders)
-    return view if busy <= least + load_slack(least) else best
+    view = min(holders, key=_busy_then_headroom)
+    return view if len(view.reservations) + view.waiting <= least + load_slack(least) else best
+
+
+def _busy_then_headroom(view: ReplicaGroupView) -> tuple[int, bool, float, str]:
+    committed = view.kv_bytes_used + view.kv_bytes_reserved - view.kv_bytes_materialized
+    return (len(view.reservations) + view.waiting, view.shadow_scores > 0, committed / view.kv_bytes_capacity,
+            view.replica_group_id)
 
 
 class Router:
@@ -158,7 +188,7 @@ class Router:
     def try_reserve_locked(self, model: str, prompt_tokens: int, max_tokens: int, *,
                            request_id: str = "", prefix: PromptPrefix | None = None) -> Reservation | None:
         view = pick(self.replicas.for_model(model), prompt_tokens, max_tokens,
-                    prefix if self.prefix_affinity else None)
+                    prefix if self.prefix_affinity else None, self.replicas.prefix_index)
         if view is None:
             return None
         reservation = Reservation(next(self._ids), request_id, view, prompt_tokens, max_tokens,

@@ -22,6 +22,9 @@ def replica_set(*views: ReplicaGroupView) -> ReplicaSet:
     replicas = ReplicaSet()
     for v in views:
         replicas._views[v.address] = v
+        v.prefix_index = replicas.prefix_index
+        for name in v.prefix_blocks:
+            replicas.prefix_index.add(v, name)
     return replicas
 
 
@@ -133,32 +136,39 @@ def test_worker_reports_replace_the_materialized_part_of_a_reservation():
 
 
 def cached(v: ReplicaGroupView, token_ids: list[int], block_size: int = 4) -> ReplicaGroupView:
-    """``v`` holding every full block of ``token_ids`` in its prefix cache."""
+    """``v`` holding every full block of ``token_ids`` in its prefix cache (and its set's index)."""
     v.block_size = block_size
-    v.prefix_blocks |= set(block_hashes(token_ids, block_size))
+    for name in block_hashes(token_ids, block_size):
+        v.prefix_blocks.add(name)
+        if v.prefix_index is not None:
+            v.prefix_index.add(v, name)
     return v
 
 
 def test_prefix_affinity_takes_the_group_caching_most_of_the_prompt():
     system = list(range(10, 30))  # 5 blocks of 4
     a, b, c = view("a"), cached(view("b", used_tokens=300), system[:8]), cached(view("c", used_tokens=500), system)
+    index = replica_set(a, b, c).prefix_index
     prompt = PromptPrefix(system + [7, 7, 7])
     assert prompt.reusable_tokens(c) == 20 and prompt.reusable_tokens(b) == 8 and prompt.reusable_tokens(a) == 0
-    assert pick([a, b, c], 23, 10, prompt) is c
+    assert prompt.deepest_holders(index, 4, {a, b, c}) == (20, {c})
+    assert prompt.deepest_holders(index, 4, {a, b}) == (8, {b})
+    assert pick([a, b, c], 23, 10, prompt, index) is c
     assert pick([a, b, c], 23, 10) is a  # the headroom rule alone
     # the last token always runs: a prompt that is exactly the cached blocks reuses all but the last
     assert PromptPrefix(system).reusable_tokens(c) == 16
     # another salt shares nothing; a prompt that matches no group follows the headroom rule
     assert PromptPrefix(system + [7], salt="t").reusable_tokens(c) == 0
-    assert pick([a, b, c], 23, 10, PromptPrefix([99] * 23)) is a
+    assert pick([a, b, c], 23, 10, PromptPrefix([99] * 23), index) is a
     # the fit rule stands: c has 140 tokens of headroom, b 340: 323 tokens go to b
-    assert pick([a, b, c], 23, 300, prompt) is b
+    assert pick([a, b, c], 23, 300, prompt, index) is b
 
 
 def test_a_hot_prefix_spreads_once_its_group_is_busier_than_the_slack():
     system = list(range(10, 30))
-    a, b = cached(view("a"), system), view("b")
+    a, b = view("a"), view("b")
     replicas = replica_set(a, b)
+    cached(a, system)
     router = Router(replicas)
     prompt = PromptPrefix(system + [1])
     held = [router.try_reserve("m", 21, 4, prefix=prompt) for _ in range(3)]
@@ -166,14 +176,17 @@ def test_a_hot_prefix_spreads_once_its_group_is_busier_than_the_slack():
     assert router.try_reserve("m", 21, 4, prefix=prompt).group is b  # 3 > 0 + 2: the headroom rule
     cached(b, system)  # b computed it: a second home
     assert router.try_reserve("m", 21, 4, prefix=prompt).group is b  # equal hits: the less busy one
-    assert Router(replica_set(view("x"), cached(view("y"), system)), prefix_affinity=False) \
-        .try_reserve("m", 21, 4, prefix=prompt).group.replica_group_id == "x"
+    x, y = view("x"), view("y")
+    headroom_only = Router(replica_set(x, y), prefix_affinity=False)
+    cached(y, system)
+    assert headroom_only.try_reserve("m", 21, 4, prefix=prompt).group is x
     for r in held:
         router.release(r)
 
 
 def test_the_view_mirrors_snapshots_and_events_in_order():
     v = view("a")
+    index = replica_set(v).prefix_index
     stats = WorkerStats("a", "m", 1, 1, "bfloat16", 0, 1000, 10, 100, block_size=4, prefix_epoch="e1",
                         prefix_seq=2, prefix_snapshot=True, prefix_events=[(b"x", False), (b"y", False)])
     v.apply_stats(stats, now=1.0, wall_ms=1)
@@ -181,6 +194,7 @@ def test_the_view_mirrors_snapshots_and_events_in_order():
     later = WorkerStats("a", "m", 1, 1, "bfloat16", 0, 1000, 10, 100, block_size=4, prefix_epoch="e1", prefix_seq=5,
                         prefix_events=[(b"x", True), (b"z", False), (b"z", True)])
     v.apply_stats(later, now=2.0, wall_ms=2)
-    assert v.prefix_blocks == {b"y"} and v.prefix_seq == 5
+    assert v.prefix_blocks == {b"y"} and v.prefix_seq == 5 and index.holders == {b"y": {v}}
     v.apply_stats(WorkerStats("a", "m", 1, 1, "bfloat16", 0, 1000, 10, 100), now=3.0, wall_ms=3)
     assert v.prefix_blocks == set() and v.prefix_epoch == ""  # no prefix caching there now
+    assert index.holders == {}
