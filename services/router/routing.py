@@ -18,13 +18,14 @@ guards the growth still to come. Ties go to the lower replica_group_id (determin
 Reserve at pick, release on finish, error or cancel (``Router.release``, idempotent).
 
 **Prefix affinity.** Each group's poller mirrors the names of the blocks its prefix cache holds
-(``ReplicaGroupView.prefix_blocks``, and ``ReplicaSet.prefix_index``: which groups hold a name). Among the groups that fit by the rule above, the one that
-would reuse the most of the prompt's leading blocks (``PromptPrefix.reusable_tokens``) gets the
-request, fewest requests first among equals, unless it is busier than the least busy fitting
-group by more than :func:`load_slack`: then the headroom rule picks, the hot prefix gets a second
-home, and from then on its requests go to whichever home is less busy. Busy is this router's
-requests on the group plus the group's own queue (``waiting``). So the fit rule always holds, a
-prefix sticks where it is cached, and a hot one spreads instead of starving the rest.
+(``ReplicaGroupView.prefix_blocks``, and ``ReplicaSet.prefix_index``: which groups hold a name).
+Among the groups that fit by the rule above, the one that would reuse the most of the prompt's
+leading blocks (``PromptPrefix.deepest_holders``) gets the request, the least busy first among
+equals, unless it is busier than the least busy fitting group by more than :func:`load_slack`:
+then the headroom rule picks, the hot prefix gets a second home, and from then on its requests
+go to whichever home is less busy. Busy is this router's requests on the group plus the group's
+own queue (``waiting``). So the fit rule always holds, a prefix sticks where it is cached, and a
+hot one spreads instead of starving the rest.
 """
 
 from __future__ import annotations
