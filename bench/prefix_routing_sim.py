@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.serving import machine_line
 from services.common.prefix_blocks import block_hash
 from services.planner.cost_model import Candidate, CostModel
 from services.planner.specs import load_model_spec
@@ -243,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
             row = simulate(int(groups), float(rate), args.seconds, policy, args)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    from bench.serving import machine_line
-
     result = {"name": args.name, "machine": machine_line(),
               "config": {k: getattr(args, k) for k in ("seconds", "blocks", "system_prompts", "model", "topology",
                                                        "seed")},

@@ -156,11 +156,14 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Bars of median TTFT and output tok/s per server and concurrency; False without matplotlib."""
+    try:  # deferred: matplotlib is the optional bench extra; without it there is no plot
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     servers = list(result["summary"])
@@ -178,6 +181,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
