@@ -237,17 +237,21 @@ class ReplicaGroupView:
             total += reservation.materialized_bytes
         self.kv_bytes_materialized = total
 
+    def forget_prefixes(self) -> None:
+        """Drop the mirror of the group's prefix cache (its names leave the index); the next
+        poll's cursor asks for a snapshot."""
+        if self.prefix_index is not None:
+            for name in self.prefix_blocks:
+                self.prefix_index.remove(self, name)
+        self.prefix_blocks, self.prefix_epoch, self.prefix_seq = set(), "", 0
+
     def apply_prefix_events(self, stats: WorkerStats) -> None:
         """Mirror the group's prefix cache (and the index with it): a snapshot replaces the set,
         events update it in order."""
         index = self.prefix_index
-        if not stats.prefix_epoch or stats.prefix_snapshot:  # no prefix caching there, or all anew
-            if index is not None:
-                for name in self.prefix_blocks:
-                    index.remove(self, name)
-            self.prefix_blocks = set()
-        if not stats.prefix_epoch:  # (or the poll did not ask)
-            self.prefix_epoch, self.prefix_seq = "", 0
+        if not stats.prefix_epoch or stats.prefix_snapshot:  # no prefix caching there (or the
+            self.forget_prefixes()  # poll did not ask), or all anew
+        if not stats.prefix_epoch:
             return
         blocks = self.prefix_blocks
         for name, removed in stats.prefix_events:
@@ -266,6 +270,8 @@ class ReplicaGroupView:
         if status is not self.status:
             log.info("replica group %s (%s): %s -> %s %s", self.replica_group_id or "?", self.address,
                      self.status.name, status.name, reason)
+            if status is GroupStatus.DEAD:
+                self.forget_prefixes()  # a dead group never serves again: its names leave the index
         self.status, self.status_reason = status, reason
         self.routable = status.routable
         return status

@@ -198,3 +198,7 @@ def test_the_view_mirrors_snapshots_and_events_in_order():
     v.apply_stats(WorkerStats("a", "m", 1, 1, "bfloat16", 0, 1000, 10, 100), now=3.0, wall_ms=3)
     assert v.prefix_blocks == set() and v.prefix_epoch == ""  # no prefix caching there now
     assert index.holders == {}
+    v.apply_stats(stats, now=4.0, wall_ms=4)
+    assert index.holders == {b"x": {v}, b"y": {v}}
+    v.registry_status = "dead"  # a dead group's names leave the index
+    assert v.refresh_status(4.0) is GroupStatus.DEAD and index.holders == {} and v.prefix_epoch == ""
