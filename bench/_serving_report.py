@@ -183,13 +183,21 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> bool:
-    """Bars of c=1 median TPOT and c=16 output tok/s per server; False without matplotlib."""
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files, or None without matplotlib."""
     try:  # deferred: matplotlib is the optional bench extra; without it there is no plot
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Bars of c=1 median TPOT and c=16 output tok/s per server; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return False
 
     servers = [s for s in result["servers"] if s in result["summary"]]

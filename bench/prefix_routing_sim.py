@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving import machine_line
-from services.common.prefix_blocks import block_hash
+from services.common.prefix_blocks import block_hashes, reusable_blocks
 from services.planner.cost_model import Candidate, CostModel
 from services.planner.specs import load_model_spec
 from services.planner.topology import load_topology
@@ -186,10 +186,7 @@ def simulate(groups: int, rate: float, seconds: float, policy: str, args: argpar
             unplaced += 1
             continue
         engine = by_view[id(reservation.group)]
-        names: list[bytes] = []
-        for i in range((len(prompt) - 1) // BLOCK):
-            names.append(block_hash(names[-1] if names else None, prompt[i * BLOCK:(i + 1) * BLOCK]))
-        hit = engine.admit(names) * BLOCK
+        hit = engine.admit(block_hashes(prompt, BLOCK, limit=reusable_blocks(len(prompt), BLOCK))) * BLOCK
         prompt_tokens += len(prompt)
         hit_tokens += hit
         tpot = tpot_at[min(len(engine.running), len(tpot_at) - 1)]

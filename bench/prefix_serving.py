@@ -29,36 +29,24 @@ from typing import Any
 
 from bench import _chat_trace as chat
 from bench import _serving_report as report
-from bench._peers import (
-    SERVED_NAME,
-    Cache,
-    Server,
-    llama_server,
-    run_logged,
-    shardline_server,
-    timed_round,
-    vllm_server,
-)
+from bench import serving
+from bench._peers import SERVED_NAME, Cache, Server, run_logged, shardline_server, timed_round
 from bench.serving import RESULTS, machine_line, warm_up
 from bench.soak import REPO
 from services.cli.up import resolve_model
 
 SERVERS = ("shardline", "shardline-nocache", "vllm", "llama.cpp")
-PORTS = {"shardline": 18100, "shardline-nocache": 18100, "vllm": 18110, "llama.cpp": 18120}
 PEERS = ("vllm", "llama.cpp")
 
 
 def make_server(name: str, dtype: str, cache: Cache, model_dir: Path) -> Server:
-    port = PORTS[name]
-    if name.startswith("shardline"):
-        server = shardline_server(model_dir, dtype, port, cache.root / name / dtype)
-        if name == "shardline-nocache":
-            server.argv.append("--no-prefix-caching")
-            server.name = name
-        return server
-    if name == "vllm":
-        return vllm_server(cache, model_dir, dtype, port)
-    return llama_server(cache, "f32" if dtype == "float32" else "bf16", port)
+    """``bench.serving``'s servers, and ``shardline up --no-prefix-caching`` on shardline's port."""
+    if name != "shardline-nocache":
+        return serving.make_server(name, dtype, cache, model_dir)
+    server = shardline_server(model_dir, dtype, serving.PORTS["shardline"], cache.root / name / dtype)
+    server.argv.append("--no-prefix-caching")
+    server.name = name
+    return server
 
 
 def bench_argv(cache: Cache, server: Server, model_dir: Path, concurrency: int, prompts: int,
@@ -158,11 +146,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Bars of median TTFT and output tok/s per server and concurrency; False without matplotlib."""
-    try:  # deferred: matplotlib is the optional bench extra; without it there is no plot
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = report.pyplot()
+    if plt is None:
         return False
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

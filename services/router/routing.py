@@ -107,16 +107,6 @@ class PromptPrefix:
             alive = alive & holders.get(names[depth], _NONE)
         return depth * size, deepest
 
-    def reusable_tokens(self, view: ReplicaGroupView) -> int:
-        """Prompt tokens the group's prefix cache holds, from the first: what it would not prefill."""
-        if view.block_size < 1:
-            return 0
-        chain, cached, blocks = self.names(view.block_size), view.prefix_blocks, 0
-        names = chain.extend(chain.count)
-        while blocks < len(names) and names[blocks] in cached:
-            blocks += 1
-        return blocks * view.block_size
-
 
 _NONE: frozenset = frozenset()
 
@@ -172,9 +162,7 @@ def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int,
 
 
 def _busy_then_headroom(view: ReplicaGroupView) -> tuple[int, bool, float, str]:
-    committed = view.kv_bytes_used + view.kv_bytes_reserved - view.kv_bytes_materialized
-    return (len(view.reservations) + view.waiting, view.shadow_scores > 0, committed / view.kv_bytes_capacity,
-            view.replica_group_id)
+    return len(view.reservations) + view.waiting, view.shadow_scores > 0, view.utilization, view.replica_group_id
 
 
 class Router:

@@ -145,20 +145,25 @@ def cached(v: ReplicaGroupView, token_ids: list[int], block_size: int = 4) -> Re
     return v
 
 
+def reusable(prompt: PromptPrefix, index, v: ReplicaGroupView) -> int:
+    """Prompt tokens ``v``'s prefix cache holds, from the first (blocks of 4 tokens)."""
+    return prompt.deepest_holders(index, 4, {v})[0]
+
+
 def test_prefix_affinity_takes_the_group_caching_most_of_the_prompt():
     system = list(range(10, 30))  # 5 blocks of 4
     a, b, c = view("a"), cached(view("b", used_tokens=300), system[:8]), cached(view("c", used_tokens=500), system)
     index = replica_set(a, b, c).prefix_index
     prompt = PromptPrefix(system + [7, 7, 7])
-    assert prompt.reusable_tokens(c) == 20 and prompt.reusable_tokens(b) == 8 and prompt.reusable_tokens(a) == 0
+    assert [reusable(prompt, index, v) for v in (c, b, a)] == [20, 8, 0]
     assert prompt.deepest_holders(index, 4, {a, b, c}) == (20, {c})
     assert prompt.deepest_holders(index, 4, {a, b}) == (8, {b})
     assert pick([a, b, c], 23, 10, prompt, index) is c
     assert pick([a, b, c], 23, 10) is a  # the headroom rule alone
     # the last token always runs: a prompt that is exactly the cached blocks reuses all but the last
-    assert PromptPrefix(system).reusable_tokens(c) == 16
+    assert reusable(PromptPrefix(system), index, c) == 16
     # another salt shares nothing; a prompt that matches no group follows the headroom rule
-    assert PromptPrefix(system + [7], salt="t").reusable_tokens(c) == 0
+    assert reusable(PromptPrefix(system + [7], salt="t"), index, c) == 0
     assert pick([a, b, c], 23, 10, PromptPrefix([99] * 23), index) is a
     # the fit rule stands: c has 140 tokens of headroom, b 340: 323 tokens go to b
     assert pick([a, b, c], 23, 300, prompt, index) is b

@@ -164,7 +164,7 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params, cache_salt=params.cache_salt)
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params)
         self.scheduler.check_request(seq)
         detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
                  if self.tokenizer is not None else None)

@@ -364,7 +364,8 @@ class Scheduler:
         size, hashes = self.allocator.block_size, seq.block_hashes
         for index in range(len(hashes), seq.num_tokens // size):
             hashes.append(block_hash(hashes[-1] if hashes else None,
-                                     seq.token_ids_slice(index * size, (index + 1) * size), seq.cache_salt))
+                                     seq.token_ids_slice(index * size, (index + 1) * size),
+                                     seq.sampling_params.cache_salt))
         return hashes
 
     def _prefix_hit(self, seq: Sequence) -> list[int]:

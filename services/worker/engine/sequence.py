@@ -36,9 +36,8 @@ class Sequence:
     arrival: int = -1
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # prefix caching: requests share cached blocks only with the same salt (None: with every other
-    # unsalted request); the hashes of the full blocks of all_token_ids, filled in by the scheduler
-    cache_salt: str | None = None
+    # prefix caching: the names of the full blocks of all_token_ids (with sampling_params.cache_salt),
+    # filled in by the scheduler
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
