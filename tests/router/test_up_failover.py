@@ -5,9 +5,10 @@ in ``up``. The first test kills one group's worker under 8 concurrent greedy str
 completes with the fault-free run's tokens (the ones on the dead group continue on the other,
 their later chunks naming it) or ends with an error event; the stack keeps serving; the registry
 has the group dead with the exit code; the controller puts a new group of the same plan in
-rotation and the router routes to it. The second kills both groups, so no group is left for a
-continuation: HTTP streams (completions and chat) end with an error event then [DONE], gRPC with
-UNAVAILABLE, a new request gets 503; both are replaced and serve. The last kills the router,
+rotation and the router routes to it. The second kills both groups while `up` is paused (so
+its controller cannot put a replacement in rotation first), so no group is left for a
+continuation: HTTP streams (completions and chat) end with an error event then [DONE], gRPC
+with UNAVAILABLE, a new request gets 503; both are replaced and serve. The last kills the router,
 which stops the whole stack with a non-zero exit.
 """
 
@@ -287,9 +288,18 @@ def test_streams_end_with_an_error_when_no_group_is_left(stack):
         while min(progress) < 4:  # all three streaming
             assert time.monotonic() < deadline, progress
             time.sleep(0.01)
-        first, second = (stack.kill(group) for group in sorted(serving))
-        tokens, code, details = grpc_future.result(timeout=120)
-        streams = [completion.result(timeout=120), chat.result(timeout=120)]
+        # `up` (its fleet controller) is paused while both groups die, so that no replacement can
+        # come into rotation in time to continue the streams: that is the first test's case
+        os.kill(stack.proc.pid, signal.SIGSTOP)
+        try:
+            first, second = (stack.kill(group) for group in sorted(serving))
+            tokens, code, details = grpc_future.result(timeout=120)
+            streams = [completion.result(timeout=120), chat.result(timeout=120)]
+            # a request while no group is left: 503, not a hang
+            with pytest.raises(openai.APIStatusError) as refused:
+                stack.client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
+        finally:
+            os.kill(stack.proc.pid, signal.SIGCONT)
     assert code == grpc.StatusCode.UNAVAILABLE and tokens > 0, (tokens, code, details)
     assert details, "UNAVAILABLE with a message"
     for status, data in streams:
@@ -298,9 +308,6 @@ def test_streams_end_with_an_error_when_no_group_is_left(stack):
         error = json.loads(data[-2])["error"]
         assert error["type"] and error["message"], error
         assert len(data) > 3  # tokens came before the error
-    # a request while no group is left: 503, not a hang
-    with pytest.raises(openai.APIStatusError) as refused:
-        stack.client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
     assert refused.value.status_code == 503
 
     for group in (first, second):
