@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ import grpc
 
 from services.common.errors import ShardlineError
 from services.common.logging import configure_logging
+from services.common.stop_signals import SignalListener
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS
 from services.telemetry.client import raise_alert
 from services.telemetry.rules import Alert, AlertKind, GroupStatus
@@ -155,11 +155,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     monitor = DriftMonitor(checker, telemetry=args.telemetry, groups=args.group, record_results=not args.no_record)
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     log.info("drift check every %g s: %s against %s of %s, %d chunks x %d tokens", args.every,
              ", ".join(args.group) if args.group else "every serving group", args.reference, args.model,
              args.chunks, args.chunk_tokens)
-    try:
+    with SignalListener(lambda _signum: stop.set()):
         rounds = 0
         while not stop.is_set():
             started = time.monotonic()
@@ -168,7 +167,4 @@ def run(args: argparse.Namespace) -> int:
             if args.rounds and rounds >= args.rounds:
                 break
             stop.wait(max(0.0, args.every - (time.monotonic() - started)))
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     return 0

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import sys
 import threading
 import uuid
@@ -42,6 +41,7 @@ from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2
 from services.common.registry.engine import registry_url
 from services.common.registry.repository import ShardRegistry
+from services.common.stop_signals import SignalListener
 from services.common.supervisor import ManagedProcess, StackError, StackStopped, Supervisor
 from services.common.transport_security import TransportSecurity, add_security_arguments
 from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     stop = threading.Event()
     fleets: UpFleets | None = None
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    signals = SignalListener(lambda _signum: stop.set()).start()
     supervisor = Supervisor(stop)
     try:
         ports = internal_ports(args)
@@ -286,8 +286,7 @@ def run(args: argparse.Namespace) -> int:
         if fleets is not None:
             fleets.close()  # the controllers first: nothing is replaced while the stack stops
         supervisor.stop_all()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        signals.stop()
 
 
 def watch(supervisor: Supervisor, router: ManagedProcess, background: list[ManagedProcess],

@@ -25,7 +25,6 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, NoReturn
 
 import grpc
@@ -35,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import ServerConfig
 from services.common.errors import ERROR_CLASSES, InvalidArgument, ShardlineError
 from services.common.logging import configure_logging
+from services.common.stop_signals import SignalListener
 from services.common.transport_security import INTERNAL_SERVICES, TokenInterceptor, TransportSecurity
 
 log = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ def run_until_signal(
     stop_requested = threading.Event()
     running: GrpcServer | None = None
 
-    def handle(signum: int, _frame: FrameType | None) -> None:
+    def on_signal(signum: int) -> None:  # on the signal listener's thread
         name = signal.Signals(signum).name
         if stop_requested.is_set():
             log.warning("second %s: stopping without grace", name)
@@ -310,8 +310,7 @@ def run_until_signal(
         log.info("%s: shutting down (grace %.1f s)", name, config.grace_s)
         stop_requested.set()
 
-    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with SignalListener(on_signal):
         try:
             running = start_server(config, bindings, start_serving=start_serving, security=security)
         except BindError as exc:
@@ -320,17 +319,14 @@ def run_until_signal(
         log.info("%s serving %s on %s", config.service, ", ".join(running.service_names), running.address)
         if on_started is not None and not stop_requested.is_set():
             on_started(running)
-        # A timed wait, so the main thread regularly returns to the interpreter and the signal
-        # handler runs promptly whatever the platform's lock semantics.
+        # a timed wait, so that the main thread returns to the interpreter, where the signal
+        # handler runs, whatever the platform's lock semantics
         while not stop_requested.wait(0.5):
             pass
         running.health.enter_graceful_shutdown()
         if on_stopping is not None:
             on_stopping(running)
         running.stop()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     log.info("%s stopped", config.service)
     return 0
 
