@@ -37,10 +37,22 @@ def median_time(fn: Callable[[], object], *, reps: int, warmup: int = 1) -> floa
     return statistics.median(times)
 
 
+def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's model name and its vector extensions (AVX2, AVX-512, AMX), from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return name, sorted(f for f in set(flags) if f == "avx2" or f.startswith(("avx512", "amx")))
+
+
 def machine() -> dict:
+    name, flags = cpu_model()
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cuda": torch.cuda.is_available()}
+            "cpu_model": name, "cpu_flags": flags, "cuda": torch.cuda.is_available()}
 
 
 def write_results(name: str, payload: dict, markdown: str, *, out_dir: Path = RESULTS) -> tuple[Path, Path]:

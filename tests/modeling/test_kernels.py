@@ -151,6 +151,17 @@ def test_decode_attention_reads_blocks_in_place(cpp, dtype, context_lens, group,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_with_blocks_a_tile_cannot_take(cpp, dtype):
+    """Blocks of 8 tokens: on an AMX machine the bfloat16 scores are not computed on tiles (a
+    tile is 16 rows of one block) but by the vector path, which must agree as well."""
+    q, (k_cache, v_cache), meta = paged_batch(dtype, [5, 37, 70], block_size=8, seed=4)
+    got = cpp.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    want = REF.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_takes_each_token_as_a_decode_row(cpp, dtype):
     """A mixed step (a whole prompt, a decode, a second chunk) against SDPA per sequence; and a
     token's result does not depend on the chunk it came in."""

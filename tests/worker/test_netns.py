@@ -210,6 +210,12 @@ def test_a_group_across_two_network_namespaces_matches_and_fails_with_its_host(h
     assert record.status == "dead" and record.status_reason.startswith(f"node {host}-node1 stopped reporting;"), \
         (record.status, record.status_reason)
     messages = hosts.client("alerts", f"127.0.0.1:{TELEMETRY_PORT}", GROUP, "15")["messages"]
-    assert any(m.endswith(f"[on node {host}-node1]") for m in messages), messages
+    on_node1 = [m for m in messages if m.endswith(f"[on node {host}-node1]")]
+    assert any("is unhealthy" in m for m in on_node1), messages
     lost = [m for m in messages if "peer is gone" in m]
-    assert lost and "is unhealthy" in lost[0], messages
+    if sig == signal.SIGKILL:  # the driver's op fails at once on the closed connection
+        assert lost and "is unhealthy" in lost[0], messages
+    # SIGSTOP: the driver's op is given up on ("peer is gone") only if it is in its retry when node 1
+    # is found silent; a TP peer's all_reduce, waiting on the blocked driver, may time out first and
+    # fail the group (an AVX2-build run here: pp0-tp1's all_reduce after 8.00 s, pp0-tp0 silent)
+    assert all("is unhealthy" in m for m in lost), messages

@@ -36,6 +36,18 @@ at::Tensor pack(const at::Tensor& x);
 void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int64_t K, const float* scale,
               c10::BFloat16* y, int64_t N, int64_t n0, int64_t blocks);
 
+// Attention scores on tiles: scores[n * stride + t] = scale * sum_i k_t[i] q_n[i] for the query
+// heads n < N <= 16 (head n at q + n * q_stride) and the tokens t < ctx rounded up to 16 (the
+// entries past ctx are garbage). Token t's key row is k + off[t]; the 16 tokens of a tile (t a
+// multiple of 16) are rows of one cache block, ldk elements apart (a block size that is a
+// multiple of 16). d a multiple of 32, at most 128. Every score is its own dot product, in 32-wide
+// chunks in order, whatever N is or which other heads and tokens share its tiles: a query row's
+// scores are the same bits in a decode step and in a prefill. Called inside a parallel task;
+// end() after the task's last call.
+bool attention_fits(int64_t d, int64_t block_size, int64_t N);
+void attention_scores(const uint16_t* k, const int64_t* off, int64_t ldk, int64_t ctx, const uint16_t* q,
+                      int64_t q_stride, int64_t N, int64_t d, float scale, float* scores, int64_t stride);
+
 // the task's tiles released (the thread's tile state off again)
 void end();
 

@@ -8,6 +8,9 @@
 // arithmetic in float32, the output rounded once to the query's dtype, like SDPA's CPU kernels.
 // Two implementations of that: explicit AVX-512 for head_dim 64 and 128 (what the kernels are
 // built for here), and portable loops for the rest; tests check both against gather + SDPA.
+// With AMX-BF16 (bfloat16, block size a multiple of 16) the scores come from tiles instead
+// (cpu_amx.h: q . k exact products summed in float32, then scaled), for decode and prefill rows
+// alike, so a token's attention has the same bits in both.
 
 // the few ATen headers it uses, not ATen/ATen.h or torch/extension.h: a third of the compile time
 #include <ATen/Dispatch.h>
@@ -21,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_amx.h"
 #include "cpu_vec.h"
 
 using shardline::Elem;
@@ -199,18 +203,25 @@ void with_head_count(int64_t count, F&& f) {
   }
 }
 
-// up to kMaxG = 16 / kC heads per pass, so that q (scores) or the accumulators (values) fit in registers
+// up to kMaxG = 16 / kC heads per pass, so that q (scores) or the accumulators (values) fit in
+// registers. ``amx``: the scores on AMX tiles (bfloat16 only, amx::attention_fits), where one
+// tile instruction does what head_scores does in ~200 vector instructions.
 template <typename T, int kC>
 void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k, const T* v, const int64_t* off, int64_t ctx,
-                         int64_t G, float scale, T* out, float* scores) {
+                         int64_t ldk, int64_t G, float scale, T* out, float* scores, bool amx) {
   constexpr int kMaxG = 16 / kC < 4 ? 16 / kC : 4;
   constexpr int64_t d = 16 * kC;
   const int64_t stride = (ctx + 15) / 16 * 16;  // head_scores writes whole groups of 16
-  for (int64_t g0 = 0; g0 < G; g0 += kMaxG)
-    with_head_count<kMaxG>(G - g0, [&](auto n) {
-      head_scores<T, kC, decltype(n)::value>(q + g0 * q_head_stride, q_head_stride, k, off, ctx, scale,
-                                             scores + g0 * stride, stride);
-    });
+  if (amx) {
+    shardline::amx::attention_scores(reinterpret_cast<const uint16_t*>(k), off, ldk, ctx,
+                                     reinterpret_cast<const uint16_t*>(q), q_head_stride, G, d, scale, scores, stride);
+  } else {
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxG)
+      with_head_count<kMaxG>(G - g0, [&](auto n) {
+        head_scores<T, kC, decltype(n)::value>(q + g0 * q_head_stride, q_head_stride, k, off, ctx, scale,
+                                               scores + g0 * stride, stride);
+      });
+  }
   for (int64_t g = 0; g < G; ++g) softmax_(scores + g * stride, ctx);
   for (int64_t g0 = 0; g0 < G; g0 += kMaxG)
     with_head_count<kMaxG>(G - g0, [&](auto n) {
@@ -269,6 +280,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 #else
   const bool avx512 = false;
 #endif
+  // the scores on AMX tiles where the machine has them: every query row, decode or prefill, the same way
+  const bool amx = avx512 && q.scalar_type() == at::kBFloat16 && shardline::amx::ready() &&
+                   shardline::amx::attention_fits(d, block_size, G);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
@@ -320,10 +334,12 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
             off_len = ctx;
           }
           auto fast = d == 64 ? attend_group_avx512<scalar_t, 4> : attend_group_avx512<scalar_t, 8>;
-          fast(qh, qs1, kc + h * d, vc + h * d, off.data(), ctx, G, static_cast<float>(scale), oh, scores);
+          fast(qh, qs1, kc + h * d, vc + h * d, off.data(), ctx, row_stride, G, static_cast<float>(scale), oh, scores,
+               amx);
         }
 #endif
       }
+      if (amx) shardline::amx::end();
     };
     // Tasks split between the threads by their rows, not their count: a prefill's rows are its
     // tokens, each over its own prefix, so the last half of a prompt holds three quarters of
