@@ -180,6 +180,34 @@ def test_prefill_attention_takes_each_token_as_a_decode_row(cpp, dtype):
         assert torch.equal(cpp.prefill_attention(tail[lo:hi], k_cache, v_cache, chunk, 0.125), got[24 + lo:24 + hi])
 
 
+@pytest.mark.parametrize(("group", "d"), [(3, 64), (8, 128), (5, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefill_row_has_the_bits_of_its_token_decoded_alone(cpp, dtype, group, d):
+    """The kernel may take a prefill's rows together (on AMX tiles, up to 16 query heads at a
+    time): each row still has the bits of the same token as a decode step of its own."""
+    q, (k_cache, v_cache), meta = paged_batch(dtype, [70], group=group, d=d, seed=9)
+    q = torch.randn(30, *q.shape[1:]).to(dtype)
+    meta.query_lens = [30]
+    rows = cpp.prefill_attention(q, k_cache, v_cache, meta, 0.125)
+    for j in range(30):
+        alone = AttentionMetadata(query_lens=[1], context_lens=[41 + j], block_tables=meta.block_tables)
+        assert torch.equal(cpp.decode_attention(q[j:j + 1], k_cache, v_cache, alone, 0.125), rows[j:j + 1]), j
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_sharing_cached_blocks_keep_their_own_bits(cpp, dtype):
+    """Sequences whose tables start with the same blocks (a cached prefix) may share tiles in a
+    decode step: each row has the bits it has alone, and agrees with the reference."""
+    q, (k_cache, v_cache), meta = paged_batch(dtype, [40, 20, 33], seed=11)
+    meta.block_tables[1:, :2] = meta.block_tables[0, :2]  # both others start on the first's two blocks
+    rows = cpp.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(rows, REF.decode_attention(q, k_cache, v_cache, meta, 0.125), rtol=tol, atol=tol)
+    for i, ctx in enumerate(meta.context_lens):
+        alone = AttentionMetadata(query_lens=[1], context_lens=[ctx], block_tables=meta.block_tables[i:i + 1])
+        assert torch.equal(cpp.decode_attention(q[i:i + 1], k_cache, v_cache, alone, 0.125), rows[i:i + 1]), i
+
+
 def test_decode_attention_rejects_a_table_too_short(cpp):
     q, (k_cache, v_cache), meta = paged_batch(torch.float32, [20])
     meta.context_lens = [40]

@@ -43,7 +43,7 @@ struct alignas(64) TileConfig {
 };
 
 // the tile shapes for a block of `rows` activation rows, loaded when the thread's current
-// configuration is another (loading one zeroes every tile); -N: attention_scores' for N heads
+// configuration is another (loading one zeroes every tile); a negative key: another kernel's (load_tiles)
 thread_local int64_t configured_rows = 0;
 
 void configure(int64_t rows) {
@@ -109,53 +109,6 @@ inline void group(const uint16_t* w, int64_t ldw, const uint16_t* xb, int64_t ro
   store<NB>(acc, rows, scale, y, N, m0, n0);
 }
 
-// attention_scores' tiles: 0 the scores (16 tokens x N heads, float32), 4 and 5 the keys (16
-// tokens x 32 of d, alternately), 6, 7, 2, 3 the query heads' chunks of d (16 d-pairs x N)
-void configure_attention(int64_t N) {
-  if (configured_rows == -N) return;
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int t : {0, 2, 3, 6, 7}) c.rows[t] = 16, c.colsb[t] = static_cast<uint16_t>(N * 4);
-  for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-  configured_rows = -N;
-}
-
-// the scores of every 16-token tile of the context, for NC (2 or 4) chunks of 32 in d; the
-// queries' chunks already in tiles 6, 7 (, 2, 3)
-template <int NC>
-void score_tiles(const uint16_t* k, const int64_t* off, int64_t ldk, int64_t ctx, int64_t N, int64_t d, float scale,
-                 float* scores, int64_t stride) {
-  const int64_t bytes = ldk * 2, lines = d * 2 / 64;
-  const __m512i column = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
-  const __m512 s = _mm512_set1_ps(scale);
-  alignas(64) float acc[256];
-  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-    if (t0 + 32 < ctx) {  // the tile after next: its rows are scattered over the cache
-      const char* ahead = reinterpret_cast<const char*>(k + off[t0 + 32]);
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(ahead + r * bytes + 64 * l, _MM_HINT_T0);
-    }
-    const uint16_t* kt = k + off[t0];
-    _tile_zero(0);
-    _tile_loadd(4, kt, bytes);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(5, kt + 32, bytes);
-    _tile_dpbf16ps(0, 5, 7);
-    if constexpr (NC > 2) {
-      _tile_loadd(4, kt + 64, bytes);
-      _tile_dpbf16ps(0, 4, 2);
-      _tile_loadd(5, kt + 96, bytes);
-      _tile_dpbf16ps(0, 5, 3);
-    }
-    _tile_stored(0, acc, 64);
-    for (int64_t n = 0; n < N; ++n)  // column n of the tile: head n's 16 scores
-      _mm512_storeu_ps(scores + n * stride + t0, _mm512_mul_ps(_mm512_i32gather_ps(column, acc + n, 4), s));
-  }
-}
-
 bool granted() {
   if (const char* v = std::getenv("SHARDLINE_AMX"); v && (!std::strcmp(v, "0") || !std::strcmp(v, "false")))
     return false;
@@ -207,30 +160,17 @@ void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int
   }
 }
 
-bool attention_fits(int64_t d, int64_t block_size, int64_t N) {
-  return (d == 64 || d == 128) && block_size % 16 == 0 && N >= 1 && N <= 16;
-}
-
-void attention_scores(const uint16_t* k, const int64_t* off, int64_t ldk, int64_t ctx, const uint16_t* q,
-                      int64_t q_stride, int64_t N, int64_t d, float scale, float* scores, int64_t stride) {
-  // the heads packed as a tile wants them: row r of chunk c holds d-pair 16 c + r of every head
-  alignas(64) uint32_t qp[4][16][16];
-  const int64_t chunks = d / 32;
-  for (int64_t n = 0; n < N; ++n) {
-    const uint32_t* qn = reinterpret_cast<const uint32_t*>(q + n * q_stride);
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t r = 0; r < 16; ++r) qp[c][r][n] = qn[16 * c + r];
-  }
-  configure_attention(N);
-  _tile_loadd(6, qp[0], 64);
-  _tile_loadd(7, qp[1], 64);
-  if (chunks == 4) {
-    _tile_loadd(2, qp[2], 64);
-    _tile_loadd(3, qp[3], 64);
-    score_tiles<4>(k, off, ldk, ctx, N, d, scale, scores, stride);
-  } else {
-    score_tiles<2>(k, off, ldk, ctx, N, d, scale, scores, stride);
-  }
+void load_tiles(int64_t key, const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
+  if (configured_rows == key) return;
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
+  // the stores above must reach memory first: GCC dropped them as dead (ldtilecfg then faulted
+  // on the stale stack bytes), the intrinsic's read of the struct not being seen
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+  configured_rows = key;
 }
 
 void end() {
@@ -245,9 +185,7 @@ bool ready() { return false; }
 at::Tensor pack(const at::Tensor& x) { return x; }
 void channels(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, c10::BFloat16*, int64_t,
               int64_t, int64_t) {}
-bool attention_fits(int64_t, int64_t, int64_t) { return false; }
-void attention_scores(const uint16_t*, const int64_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
-                      float, float*, int64_t) {}
+void load_tiles(int64_t, const uint8_t (&)[8], const uint16_t (&)[8]) {}
 void end() {}
 
 #endif  // SHARDLINE_AMX

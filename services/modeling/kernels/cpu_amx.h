@@ -36,17 +36,25 @@ at::Tensor pack(const at::Tensor& x);
 void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int64_t K, const float* scale,
               c10::BFloat16* y, int64_t N, int64_t n0, int64_t blocks);
 
-// Attention scores on tiles: scores[n * stride + t] = scale * sum_i k_t[i] q_n[i] for the query
-// heads n < N <= 16 (head n at q + n * q_stride) and the tokens t < ctx rounded up to 16 (the
-// entries past ctx are garbage). Token t's key row is k + off[t]; the 16 tokens of a tile (t a
-// multiple of 16) are rows of one cache block, ldk elements apart (a block size that is a
-// multiple of 16). d a multiple of 32, at most 128. Every score is its own dot product, in 32-wide
-// chunks in order, whatever N is or which other heads and tokens share its tiles: a query row's
-// scores are the same bits in a decode step and in a prefill. Called inside a parallel task;
+// the thread's tiles 0-7 shaped (rows, bytes per row) for another kernel, which names its shapes
+// by a negative `key`; nothing is loaded when they are the thread's current ones (loading zeroes
+// every tile)
+void load_tiles(int64_t key, const uint8_t (&rows)[8], const uint16_t (&colsb)[8]);
+
+// Paged attention on tiles (cpu_amx_attention.cpp), for N = R * G <= 16 query rows: R tokens of
+// one sequence (one block table), each with the G query heads of one KV head. Row (r, g) reads
+// q + r * q_row_stride + g * q_head_stride and writes out + r * out_row_stride + g * d; it sees
+// the first ctx[r] tokens, token t's key and value rows at k + off[t] and v + off[t] (the 16
+// tokens of a tile, t a multiple of 16, are rows of one cache block, ldk elements apart).
+// Scores: q . k exact products summed in float32 in 32-wide chunks of d, then scaled; softmax in
+// float32; the probabilities rounded to bfloat16 and p . v summed in float32 in 32-token chunks
+// (past ctx[r], p is 0). So a row's output has the same bits whatever R is and whichever rows
+// share its tiles: a prefill's tokens and a decode step's agree. Called inside a parallel task;
 // end() after the task's last call.
-bool attention_fits(int64_t d, int64_t block_size, int64_t N);
-void attention_scores(const uint16_t* k, const int64_t* off, int64_t ldk, int64_t ctx, const uint16_t* q,
-                      int64_t q_stride, int64_t N, int64_t d, float scale, float* scores, int64_t stride);
+bool attention_fits(int64_t d, int64_t block_size, int64_t G);
+void attend_rows(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t G,
+                 const int64_t* ctx, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* off, int64_t ldk,
+                 int64_t d, float scale, c10::BFloat16* out, int64_t out_row_stride);
 
 // the task's tiles released (the thread's tile state off again)
 void end();

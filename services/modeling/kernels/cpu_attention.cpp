@@ -8,9 +8,9 @@
 // arithmetic in float32, the output rounded once to the query's dtype, like SDPA's CPU kernels.
 // Two implementations of that: explicit AVX-512 for head_dim 64 and 128 (what the kernels are
 // built for here), and portable loops for the rest; tests check both against gather + SDPA.
-// With AMX-BF16 (bfloat16, block size a multiple of 16) the scores come from tiles instead
-// (cpu_amx.h: q . k exact products summed in float32, then scaled), for decode and prefill rows
-// alike, so a token's attention has the same bits in both.
+// With AMX-BF16 (bfloat16, block size a multiple of 16) rows go to amx::attend_rows instead
+// (cpu_amx.h), several rows of one sequence per call, for decode and prefill rows alike, so a
+// token's attention has the same bits in both.
 
 // the few ATen headers it uses, not ATen/ATen.h or torch/extension.h: a third of the compile time
 #include <ATen/Dispatch.h>
@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -203,25 +204,18 @@ void with_head_count(int64_t count, F&& f) {
   }
 }
 
-// up to kMaxG = 16 / kC heads per pass, so that q (scores) or the accumulators (values) fit in
-// registers. ``amx``: the scores on AMX tiles (bfloat16 only, amx::attention_fits), where one
-// tile instruction does what head_scores does in ~200 vector instructions.
+// up to kMaxG = 16 / kC heads per pass, so that q (scores) or the accumulators (values) fit in registers
 template <typename T, int kC>
 void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k, const T* v, const int64_t* off, int64_t ctx,
-                         int64_t ldk, int64_t G, float scale, T* out, float* scores, bool amx) {
+                         int64_t G, float scale, T* out, float* scores) {
   constexpr int kMaxG = 16 / kC < 4 ? 16 / kC : 4;
   constexpr int64_t d = 16 * kC;
   const int64_t stride = (ctx + 15) / 16 * 16;  // head_scores writes whole groups of 16
-  if (amx) {
-    shardline::amx::attention_scores(reinterpret_cast<const uint16_t*>(k), off, ldk, ctx,
-                                     reinterpret_cast<const uint16_t*>(q), q_head_stride, G, d, scale, scores, stride);
-  } else {
-    for (int64_t g0 = 0; g0 < G; g0 += kMaxG)
-      with_head_count<kMaxG>(G - g0, [&](auto n) {
-        head_scores<T, kC, decltype(n)::value>(q + g0 * q_head_stride, q_head_stride, k, off, ctx, scale,
-                                               scores + g0 * stride, stride);
-      });
-  }
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxG)
+    with_head_count<kMaxG>(G - g0, [&](auto n) {
+      head_scores<T, kC, decltype(n)::value>(q + g0 * q_head_stride, q_head_stride, k, off, ctx, scale,
+                                             scores + g0 * stride, stride);
+    });
   for (int64_t g = 0; g < G; ++g) softmax_(scores + g * stride, ctx);
   for (int64_t g0 = 0; g0 < G; g0 += kMaxG)
     with_head_count<kMaxG>(G - g0, [&](auto n) {
@@ -280,7 +274,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 #else
   const bool avx512 = false;
 #endif
-  // the scores on AMX tiles where the machine has them: every query row, decode or prefill, the same way
+  // on AMX tiles where the machine has them (cpu_amx_attention.cpp): every row, decode or prefill, the same way
   const bool amx = avx512 && q.scalar_type() == at::kBFloat16 && shardline::amx::ready() &&
                    shardline::amx::attention_fits(d, block_size, G);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
@@ -296,6 +290,19 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
       const int64_t blocks = (std::min(lp[a], lp[c]) + block_size - 1) / block_size;
       return std::equal(tp + a * nb, tp + a * nb + blocks, tp + c * nb);
     };
+    // Tasks are (group of rows, KV head). A group is one row, or on AMX tiles up to 16 / G rows
+    // that read the same blocks (a prefill's tokens; decode rows sharing a cached prefix): they
+    // share every tile of keys and values they read.
+    std::vector<int64_t> first{0};  // group i: rows [first[i], first[i + 1])
+    const int64_t per_group = amx ? std::max<int64_t>(1, 16 / G) : 1;
+    for (int64_t b = 1; b < B; ++b) {
+      const int64_t start = first.back();
+      bool joins = b - start < per_group;
+      for (int64_t x = start; joins && x < b; ++x) joins = same_table(x, b);
+      if (!joins) first.push_back(b);
+    }
+    first.push_back(B);
+    const int64_t groups = static_cast<int64_t>(first.size()) - 1;
     auto run = [&](int64_t begin, int64_t end) {
       const int64_t padded = (max_ctx + 15) / 16 * 16;
       std::vector<float> buf(2 * G * d + d + G * padded);
@@ -304,18 +311,41 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
       float *qf = buf.data(), *acc = qf + G * d, *row = acc + G * d, *scores = row + d;
       auto portable = d == 64 ? attend_group<scalar_t, 64> : d == 128 ? attend_group<scalar_t, 128>
                                                                       : attend_group<scalar_t, 0>;
+      // off[0, ctx) for row b: each token's row, once per run of rows sharing a table
+      auto offsets = [&](int64_t b, int64_t ctx) {
+        if (off_row == b) return;
+        if (off_row < 0 || !same_table(off_row, b)) off_len = 0;
+        off_len = std::min(off_len, ctx) / block_size * block_size;  // whole blocks kept
+        for (int64_t t = off_len, blk = off_len / block_size; t < ctx; t += block_size, ++blk) {
+          const int64_t base = tp[b * nb + blk] * block_size * row_stride, n = std::min(block_size, ctx - t);
+          for (int64_t j = 0; j < n; ++j) off[t + j] = base + j * row_stride;
+        }
+        off_row = b;
+        off_len = ctx;
+      };
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / KV, h = task % KV, ctx = lp[b];
-        if (task == begin) prefetch_sequence(kc, vc, tp + b * nb, ctx, block_size, row_stride);
-        if (h == 0 && b + 1 < B && (b + 1) * KV < end) {  // the next sequence, while this one is computed
-          if (!same_table(b, b + 1))
-            prefetch_sequence(kc, vc, tp + (b + 1) * nb, lp[b + 1], block_size, row_stride);
-          else if (lp[b + 1] > ctx)  // one of its own prefill rows: only what it reads beyond this row
-            prefetch_sequence(kc, vc, tp + (b + 1) * nb + ctx / block_size, lp[b + 1] - ctx / block_size * block_size,
-                              block_size, row_stride);
+        const int64_t grp = task / KV, h = task % KV, b = first[grp], rows = first[grp + 1] - b;
+        const int64_t longest = *std::max_element(lp + b, lp + b + rows), last = first[grp + 1] - 1;
+        const int64_t ctx = lp[b];
+        if (task == begin) prefetch_sequence(kc, vc, tp + b * nb, longest, block_size, row_stride);
+        if (h == 0 && last + 1 < B && (grp + 1) * KV < end) {  // the next group, while this one is computed
+          if (!same_table(last, last + 1))
+            prefetch_sequence(kc, vc, tp + (last + 1) * nb, lp[last + 1], block_size, row_stride);
+          else if (lp[last + 1] > longest)  // more of the same prefill: only what it reads beyond these rows
+            prefetch_sequence(kc, vc, tp + (last + 1) * nb + longest / block_size,
+                              lp[last + 1] - longest / block_size * block_size, block_size, row_stride);
         }
         const scalar_t* qh = qp + b * qs0 + h * G * qs1;
         scalar_t* oh = op + (b * H + h * G) * d;
+        if (amx) {
+          using BF16 = const c10::BFloat16*;  // amx is true for bfloat16 only
+          offsets(std::find(lp + b, lp + b + rows, longest) - lp, longest);
+          shardline::amx::attend_rows(reinterpret_cast<BF16>(qh), qs0, qs1, rows, G, lp + b,
+                                      reinterpret_cast<BF16>(kc + h * d), reinterpret_cast<BF16>(vc + h * d), off.data(),
+                                      row_stride, d, static_cast<float>(scale), reinterpret_cast<c10::BFloat16*>(oh),
+                                      H * d);
+          continue;
+        }
         if (!avx512) {
           portable(qh, qs1, kc + h * d, vc + h * d, tp + b * nb, ctx, block_size, row_stride, G, d,
                    static_cast<float>(scale), oh, qf, scores, acc, row);
@@ -323,19 +353,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
         }
 #if defined(__AVX512F__)
         if constexpr (!std::is_same_v<scalar_t, double>) {
-          if (off_row != b) {  // each token's row, once per run of rows sharing a table
-            if (off_row < 0 || !same_table(off_row, b)) off_len = 0;
-            off_len = std::min(off_len, ctx) / block_size * block_size;  // whole blocks kept
-            for (int64_t t = off_len, blk = off_len / block_size; t < ctx; t += block_size, ++blk) {
-              const int64_t base = tp[b * nb + blk] * block_size * row_stride, n = std::min(block_size, ctx - t);
-              for (int64_t j = 0; j < n; ++j) off[t + j] = base + j * row_stride;
-            }
-            off_row = b;
-            off_len = ctx;
-          }
+          offsets(b, ctx);
           auto fast = d == 64 ? attend_group_avx512<scalar_t, 4> : attend_group_avx512<scalar_t, 8>;
-          fast(qh, qs1, kc + h * d, vc + h * d, off.data(), ctx, row_stride, G, static_cast<float>(scale), oh, scores,
-               amx);
+          fast(qh, qs1, kc + h * d, vc + h * d, off.data(), ctx, G, static_cast<float>(scale), oh, scores);
         }
 #endif
       }
@@ -344,9 +364,12 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
     // Tasks split between the threads by their rows, not their count: a prefill's rows are its
     // tokens, each over its own prefix, so the last half of a prompt holds three quarters of
     // the work and an even split of tasks left one thread waiting on the other.
-    const int64_t tasks = B * KV;
+    const int64_t tasks = groups * KV;
     std::vector<int64_t> cost(tasks + 1, 0);  // cost[i]: rows of tasks [0, i), plus 16 for each task's setup
-    for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + lp[i / KV] + 16;
+    for (int64_t i = 0; i < tasks; ++i) {
+      const int64_t grp = i / KV;
+      cost[i + 1] = cost[i] + std::accumulate(lp + first[grp], lp + first[grp + 1], int64_t{16});
+    }
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
     // below ~1k cached rows in all (a few tens of microseconds) waking the other threads costs more
     if (threads <= 1 || cost[tasks] < 1024 + 16 * tasks) {
