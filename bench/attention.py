@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from bench.common import median_time, machine, write_results
+from bench.common import machine, median_time, write_results
 from services.modeling.attention import AttentionMetadata
 from services.modeling.kernels import TorchOps, cpu_kernels, ops_for
 
@@ -68,7 +68,8 @@ def measure(reps: int, methods: list[str]) -> dict[str, dict[str, float]]:
             q, (k, v), meta = inputs(heads, kv_heads, d, new, cached, seqs)
             attend = {"kernel": ops.decode_attention if new == 1 else ops.prefill_attention,
                       "sdpa": ref.decode_attention if new == 1 else ref.prefill_attention}
-            out[f"{shape} / {case}"] = {m: 1e3 * median_time(lambda f=attend[m]: f(q, k, v, meta, 0.125), reps=reps)
+            args = (q, k, v, meta, 0.125)
+            out[f"{shape} / {case}"] = {m: 1e3 * median_time(lambda f=attend[m], a=args: f(*a), reps=reps)
                                         for m in methods}
     return out
 
