@@ -74,15 +74,15 @@ def measure(reps: int, methods: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the vector run, as JSON
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     assert cpu_kernels() is not None, "the CPU kernels did not build"
     if args.child:
         print(json.dumps(measure(args.reps, ["kernel"])))
-        return
+        return 0
     here = measure(args.reps, ["kernel", "sdpa"])
     child = subprocess.run([sys.executable, "-m", "bench.attention", "--child", "--reps", str(args.reps)],
                            env={**os.environ, "SHARDLINE_AMX": "0"}, capture_output=True, text=True, check=True)
@@ -109,7 +109,8 @@ def main() -> None:
               f"{r['kernel_vs_vector']:.2f} | {r['kernel_vs_sdpa']:.2f} | {r['kernel_gflops']:.0f} |" for r in rows]
     write_results("attention", {"machine": info, "reps": args.reps, "rows": rows}, "\n".join(lines) + "\n")
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -212,7 +212,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model directory (default smollm2)")
     parser.add_argument("--streams", type=int, default=8)
@@ -231,7 +231,7 @@ def main() -> int:
     parser.add_argument("--registry-url", default=None, help="default: an SQLite file in a temporary directory")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         workdir = Path(tmp)

@@ -182,7 +182,7 @@ def markdown(results: list[dict], info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget-mb", type=float, default=96.0)
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", type=int, default=[1, 16])
     parser.add_argument("--out", default=str(RESULTS / "quant-kernels.md"))
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model step (needs SmolLM2)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     info = {**machine(), "reps": args.reps, "budget_mb": args.budget_mb, "load": os.getloadavg()[0]}
     kernels = cpu_kernels()
     results = []
