@@ -42,6 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     parser.add_argument("--max-batched-tokens", type=int, default=2048,
                         help="token budget per step (chunked prefill)")
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
+                        help="while any sequence decodes, a step's prefill chunks take at most this many tokens "
+                             "(bounds the gap between decoded tokens; default 512)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion (default: the model's max_position_embeddings)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -69,5 +72,7 @@ def engine_spec(args: argparse.Namespace) -> RankSpec:
     else:  # a GPU: CacheConfig's own default, the plan's budget
         cache = CacheConfig(block_size=args.block_size)
     return rank_spec(args, cache=cache, max_num_seqs=args.max_num_seqs,
-                     max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+                     max_batched_tokens=args.max_batched_tokens,
+                     max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+                     max_model_len=args.max_model_len,
                      cuda_graphs=not args.enforce_eager, prefix_caching=args.prefix_caching)

@@ -50,6 +50,8 @@ class RankSpec:
                                kw_only=True)
     max_num_seqs: int = field(default=256, kw_only=True)
     max_batched_tokens: int = field(default=2048, kw_only=True)
+    # while any sequence decodes, a step's prefill chunks take at most this many tokens
+    max_prefill_tokens_with_decodes: int = field(default=512, kw_only=True)
     max_model_len: int | None = field(default=None, kw_only=True)  # None: the model's max_position_embeddings
     # reuse the KV blocks of a prompt prefix computed before (the scheduler's prefix caching)
     prefix_caching: bool = field(default=True, kw_only=True)
@@ -76,6 +78,7 @@ class RankSpec:
     def scheduler_config(self) -> SchedulerConfig:
         max_position = self.plan.config.max_position_embeddings
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
+                               max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
                                max_model_len=min(self.max_model_len or max_position, max_position),
                                prefix_caching=self.prefix_caching)
 

@@ -22,7 +22,10 @@ first), and an older sequence is never preempted for a newer one. Each ``schedul
    sequences are admitted in order (first come, first served: a sequence that does not fit
    blocks those behind it) while the token budget, free blocks and ``max_num_seqs`` allow. A
    prompt longer than the remaining budget is admitted with a first chunk and continues in
-   later steps (chunked prefill), so long prompts never stall running decodes.
+   later steps (chunked prefill), so long prompts never stall running decodes. While any
+   running sequence decodes, the prefill chunks of 2 and 3 together take at most
+   ``max_prefill_tokens_with_decodes`` tokens of the step, so that its time (which every decode
+   waits for) stays short; with nothing decoding they take the whole budget.
 
 **Prefix caching** (``SchedulerConfig.prefix_caching``, on by default). Every full block of a
 sequence's tokens has a hash (``services.common.prefix_blocks``: its parent's hash and its tokens,
@@ -73,16 +76,20 @@ class SchedulerError(RuntimeError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits. ``max_batched_tokens`` is the per-step token budget shared by decodes
-    and prefill chunks; ``max_model_len`` caps prompt + max_tokens; ``prefix_caching``: reuse
-    the cached blocks of a prefix (see the module docstring)."""
+    and prefill chunks; ``max_prefill_tokens_with_decodes`` caps a step's prefill chunks while
+    any running sequence is decoding (a step's time grows with its tokens and every decode waits
+    for it, so this bounds the gap between their tokens; with nothing decoding, prefills take the
+    whole budget); ``max_model_len`` caps prompt + max_tokens; ``prefix_caching``: reuse the
+    cached blocks of a prefix (see the module docstring)."""
 
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048
+    max_prefill_tokens_with_decodes: int = 512
     max_model_len: int = 2048
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_batched_tokens", "max_prefill_tokens_with_decodes", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -276,12 +283,14 @@ class Scheduler:
         cap = self.config.max_num_seqs if max_seqs is None else max(1, max_seqs)
         self._next_step += 1
         budget = self.config.max_batched_tokens
+        decoding = any(s.status is SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1 for s in self.running)
+        prefill_left = min(budget, self.config.max_prefill_tokens_with_decodes) if decoding else budget
         scheduled_ids: set[int] = set()
         blocked = False  # a running sequence preempted or waited for blocks: admit nobody
 
         for decodes in (True, False):
             for seq in list(self.running):
-                if budget == 0 or len(out.scheduled) >= cap:
+                if budget == 0 or len(out.scheduled) >= cap or (not decodes and prefill_left == 0):
                     break
                 if (seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._in_flight
                         or seq.seq_id in scheduled_ids):
@@ -289,20 +298,22 @@ class Scheduler:
                 remaining = seq.num_uncomputed_tokens
                 if (remaining == 1) != decodes:
                     continue
-                n = min(remaining, budget)
+                n = min(remaining, budget if decodes else min(budget, prefill_left))
                 if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
                     blocked = True
                     continue
                 self._emit(seq, n, out, scheduled_ids)
                 budget -= n
+                if not decodes:
+                    prefill_left -= n
 
         if not blocked and not out.preempted:
-            while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+            while (self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.config.max_num_seqs
                    and len(out.scheduled) < cap):
                 seq = self.waiting[0]
                 hit = self._prefix_hit(seq)  # waiting sequences have nothing else computed
                 computed = len(hit) * self.allocator.block_size
-                n = min(seq.num_tokens - computed, budget)
+                n = min(seq.num_tokens - computed, budget, prefill_left)
                 if not self.allocator.can_allocate(computed + n, hit):
                     break
                 self.allocator.allocate(seq.seq_id, computed + n, hit)
@@ -315,6 +326,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self._emit(seq, n, out, scheduled_ids)
                 budget -= n
+                prefill_left -= n
         return out
 
     def on_step_done(self, sampled: Mapping[int, int | None],

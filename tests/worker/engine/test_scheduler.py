@@ -15,10 +15,12 @@ EOS = 2
 
 
 def make(num_blocks: int = 16, block_size: int = 4, *, max_num_seqs: int = 8,
-         max_batched_tokens: int = 64, max_model_len: int = 256, prefix_caching: bool = False) -> Scheduler:
+         max_batched_tokens: int = 64, max_model_len: int = 256, prefix_caching: bool = False,
+         max_prefill_tokens_with_decodes: int = 64) -> Scheduler:
     """Without prefix caching unless asked: these tests name the blocks a recompute takes."""
     return Scheduler(BlockAllocator(num_blocks, block_size),
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                                     max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                                      max_model_len=max_model_len, prefix_caching=prefix_caching),
                      eos_token_ids=[EOS])
 
@@ -96,6 +98,26 @@ def test_chunked_prefill_splits_exactly_and_decodes_go_first() -> None:
     assert s.get(1).output_token_ids == [30]
     out = s.schedule()
     assert [(c.seq_id, c.positions) for c in out.scheduled] == [(0, [4]), (1, [20])]
+
+
+def test_prefill_chunks_are_capped_while_a_sequence_decodes() -> None:
+    s = make(max_batched_tokens=32, max_prefill_tokens_with_decodes=8)
+    s.add(seq(0, 2, max_tokens=20))
+    s.schedule()
+    s.on_step_done({0: 7})  # seq 0 decodes from now on
+    s.add(seq(1, 30))
+    s.add(seq(2, 3))
+    lens = []
+    for _ in range(5):
+        out = s.schedule()
+        lens.append([(c.seq_id, len(c.positions)) for c in out.scheduled])
+        s.on_step_done({c.seq_id: 5 if c.do_sample else None for c in out.scheduled})
+    # one decode and at most 8 prefill tokens a step; seq 2 waits behind seq 1 (first come, first served)
+    assert lens == [[(0, 1), (1, 8)], [(0, 1), (1, 8)], [(0, 1), (1, 8)], [(0, 1), (1, 6), (2, 2)],
+                    [(0, 1), (1, 1), (2, 1)]]
+    alone = make(max_batched_tokens=32, max_prefill_tokens_with_decodes=8)
+    alone.add(seq(0, 30))
+    assert alone.schedule().query_lens == [30]  # nothing decoding: the whole budget
 
 
 def test_long_prompt_alone_uses_the_whole_budget_each_step() -> None:
