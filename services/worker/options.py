@@ -42,9 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     parser.add_argument("--max-batched-tokens", type=int, default=2048,
                         help="token budget per step (chunked prefill)")
-    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=512,
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=256,
                         help="while any sequence decodes, a step's prefill chunks take at most this many tokens "
-                             "(bounds the gap between decoded tokens; default 512)")
+                             "(bounds the gap between decoded tokens; default 256)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion (default: the model's max_position_embeddings)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

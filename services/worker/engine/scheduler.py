@@ -84,7 +84,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048
-    max_prefill_tokens_with_decodes: int = 512
+    max_prefill_tokens_with_decodes: int = 256
     max_model_len: int = 2048
     prefix_caching: bool = True
 
