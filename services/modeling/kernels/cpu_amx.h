@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <cstdint>
+#include <vector>
 
 namespace shardline::amx {
 
@@ -51,10 +52,17 @@ void load_tiles(int64_t key, const uint8_t (&rows)[8], const uint16_t (&colsb)[8
 // (past ctx[r], p is 0). So a row's output has the same bits whatever R is and whichever rows
 // share its tiles: a prefill's tokens and a decode step's agree. Called inside a parallel task;
 // end() after the task's last call.
+// ValuePairs: the values packed for the tiles, kept between calls on one sequence and KV head
+// whose offsets (off) agree: `whole` leading 32-token chunks are reusable. The caller sets
+// whole to 0 (or fewer) when the offsets change.
+struct ValuePairs {
+  std::vector<uint32_t> data;
+  int64_t whole = 0;
+};
 bool attention_fits(int64_t d, int64_t block_size, int64_t G);
 void attend_rows(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t G,
                  const int64_t* ctx, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* off, int64_t ldk,
-                 int64_t d, float scale, c10::BFloat16* out, int64_t out_row_stride);
+                 int64_t d, float scale, c10::BFloat16* out, int64_t out_row_stride, ValuePairs& pairs);
 
 // the task's tiles released (the thread's tile state off again)
 void end();

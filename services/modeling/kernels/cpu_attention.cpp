@@ -311,11 +311,14 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
       float *qf = buf.data(), *acc = qf + G * d, *row = acc + G * d, *scores = row + d;
       auto portable = d == 64 ? attend_group<scalar_t, 64> : d == 128 ? attend_group<scalar_t, 128>
                                                                       : attend_group<scalar_t, 0>;
+      // AMX: each KV head's values packed for the tiles, valid while the offsets they came from are
+      std::vector<shardline::amx::ValuePairs> pairs(amx ? KV : 0);
       // off[0, ctx) for row b: each token's row, once per run of rows sharing a table
       auto offsets = [&](int64_t b, int64_t ctx) {
         if (off_row == b) return;
         if (off_row < 0 || !same_table(off_row, b)) off_len = 0;
         off_len = std::min(off_len, ctx) / block_size * block_size;  // whole blocks kept
+        for (auto& p : pairs) p.whole = std::min(p.whole, off_len / 32);
         for (int64_t t = off_len, blk = off_len / block_size; t < ctx; t += block_size, ++blk) {
           const int64_t base = tp[b * nb + blk] * block_size * row_stride, n = std::min(block_size, ctx - t);
           for (int64_t j = 0; j < n; ++j) off[t + j] = base + j * row_stride;
@@ -343,7 +346,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
           shardline::amx::attend_rows(reinterpret_cast<BF16>(qh), qs0, qs1, rows, G, lp + b,
                                       reinterpret_cast<BF16>(kc + h * d), reinterpret_cast<BF16>(vc + h * d), off.data(),
                                       row_stride, d, static_cast<float>(scale), reinterpret_cast<c10::BFloat16*>(oh),
-                                      H * d);
+                                      H * d, pairs[h]);
           continue;
         }
         if (!avx512) {
