@@ -62,6 +62,7 @@ from bench._peers import (
     timed_round,
     vllm_server,
 )
+from bench.common import cpu_model
 from bench.soak import REPO
 from services.cli.up import resolve_model
 
@@ -73,15 +74,10 @@ AGREEMENT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n",
 
 
 def machine_line() -> str:
-    model = "unknown CPU"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    model, flags = cpu_model()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{model}, {os.cpu_count()} cores, load average {load} (uptime, at start)"
+    return (f"{model or 'unknown CPU'} ({' '.join(flags) or 'no AVX2'}), {os.cpu_count()} cores, "
+            f"load average {load} (uptime, at start)")
 
 
 def make_server(name: str, dtype: str, cache: Cache, model_dir: Path) -> Server:

@@ -249,8 +249,9 @@ class ReplicaGroupView:
         """Mirror the group's prefix cache (and the index with it): a snapshot replaces the set,
         events update it in order."""
         index = self.prefix_index
-        if not stats.prefix_epoch or stats.prefix_snapshot:  # no prefix caching there (or the
-            self.forget_prefixes()  # poll did not ask), or all anew
+        # no prefix caching there (or the poll did not ask for events), or a snapshot: all anew
+        if not stats.prefix_epoch or stats.prefix_snapshot:
+            self.forget_prefixes()
         if not stats.prefix_epoch:
             return
         blocks = self.prefix_blocks

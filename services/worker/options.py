@@ -11,6 +11,7 @@ import argparse
 
 from services.modeling.parallel.groups import DEVICES, resolve_device
 from services.worker.engine.kv_cache import CacheConfig
+from services.worker.engine.scheduler import SchedulerConfig
 from services.worker.runtime import CPU_DEFAULT_KV_CACHE_BYTES, RankSpec
 
 
@@ -39,12 +40,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=None,
                         help="KV cache budget per rank in GiB (default 1 on the CPU, the plan's 20 on a GPU)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
-    parser.add_argument("--max-batched-tokens", type=int, default=2048,
-                        help="token budget per step (chunked prefill)")
-    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=256,
+    limits = SchedulerConfig()
+    parser.add_argument("--max-num-seqs", type=int, default=limits.max_num_seqs,
+                        help=f"most sequences running at once (default {limits.max_num_seqs})")
+    parser.add_argument("--max-batched-tokens", type=int, default=limits.max_batched_tokens,
+                        help=f"token budget per step (chunked prefill; default {limits.max_batched_tokens})")
+    cap = limits.max_prefill_tokens_with_decodes
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=cap,
                         help="while any sequence decodes, a step's prefill chunks take at most this many tokens "
-                             "(bounds the gap between decoded tokens; default 256)")
+                             f"(bounds the gap between decoded tokens; default {cap})")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion (default: the model's max_position_embeddings)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

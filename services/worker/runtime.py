@@ -48,10 +48,11 @@ class RankSpec:
     checkpoint: str | None = field(default=None, kw_only=True)  # manifest URI of a pre-sharded checkpoint
     cache: CacheConfig = field(default_factory=lambda: CacheConfig(kv_cache_bytes=CPU_DEFAULT_KV_CACHE_BYTES),
                                kw_only=True)
-    max_num_seqs: int = field(default=256, kw_only=True)
-    max_batched_tokens: int = field(default=2048, kw_only=True)
-    # while any sequence decodes, a step's prefill chunks take at most this many tokens
-    max_prefill_tokens_with_decodes: int = field(default=256, kw_only=True)
+    # the scheduler's batching limits (SchedulerConfig says what each means; its defaults)
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, kw_only=True)
+    max_batched_tokens: int = field(default=SchedulerConfig.max_batched_tokens, kw_only=True)
+    max_prefill_tokens_with_decodes: int = field(default=SchedulerConfig.max_prefill_tokens_with_decodes,
+                                                 kw_only=True)
     max_model_len: int | None = field(default=None, kw_only=True)  # None: the model's max_position_embeddings
     # reuse the KV blocks of a prompt prefix computed before (the scheduler's prefix caching)
     prefix_caching: bool = field(default=True, kw_only=True)
