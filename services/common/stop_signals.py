@@ -58,9 +58,15 @@ class SignalListener:
         return self
 
     def stop(self) -> None:
+        """Restore the handlers and end the thread; a second call does nothing (closing the
+        pipe's number twice could close another file that took the number meanwhile)."""
+        if self._write_fd < 0:
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
-        os.close(self._write_fd)  # the thread reads what is left, then the end of the pipe
+        self._previous = {}
+        write_fd, self._write_fd = self._write_fd, -1
+        os.close(write_fd)  # the thread reads what is left, then the end of the pipe
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
