@@ -39,6 +39,7 @@ from services.common.healthcheck import check
 from services.common.registry import IN_ROTATION, FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
 from services.fleet import metrics
 from services.fleet.autoscale import Autoscaler
+from services.fleet.heartbeats import HeartbeatWatch
 from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate
 from services.fleet.load_signal import registry_utilization
 from services.fleet.paging import Page
@@ -111,6 +112,7 @@ class FleetController:
         self._specs: dict[int, FleetSpec] = {}
         self._golden: dict[tuple[Any, ...], GoldenSet] = {}
         self._started_at: dict[str, float] = {}
+        self.heartbeats = HeartbeatWatch(heartbeat_timeout_s)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -223,9 +225,9 @@ class FleetController:
         if g.status in IN_ROTATION:
             shards = self.registry.shards_of(g.replica_group_id)
             if shards:
-                age = time.time() - max(s.last_heartbeat for s in shards).timestamp()
-                if age > self.heartbeat_timeout_s:
-                    return f"no heartbeat for {age:.0f} s"
+                silent = self.heartbeats.silent_for(g.name or "", max(s.last_heartbeat for s in shards), now)
+                if silent > self.heartbeat_timeout_s:
+                    return f"no heartbeat for {silent:.0f} s"
             unhealthy = self._unhealthy_ranks(g.name or "")
             if unhealthy:
                 return f"the health store marks {', '.join(unhealthy)} unhealthy"
@@ -243,6 +245,8 @@ class FleetController:
 
     def _heal(self, rows: list[ReplicaGroup], procs: dict[str, GroupProcess], now: float) -> list[ReplicaGroup]:
         """The fleet's live groups, after taking the failed ones out."""
+        self.heartbeats.reading(now)
+        self.heartbeats.keep_only(g.name or "" for g in rows if g.status != "dead")
         by_name = {g.name: g for g in rows}
         for name, proc in procs.items():  # processes of a group that is dead in the registry
             row = by_name.get(name)

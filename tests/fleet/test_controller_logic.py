@@ -30,6 +30,7 @@ class SimulatedProvisioner:
         self.exited: dict[str, str] = {}
         self.stopped: list[str] = []
         self.fail_with = ""  # set: every group started exits with it before loading
+        self.silent: set[str] = set()  # loaded groups whose heartbeats stopped
 
     def start(self, launch: GroupLaunch) -> None:
         self.started[launch.name] = launch
@@ -47,6 +48,9 @@ class SimulatedProvisioner:
         self.started.clear()
 
     def load_all(self) -> None:
+        """Load the groups started since, and beat for every loaded one that is not silent."""
+        for name in self.loaded & set(self.started) - self.silent:
+            self.registry.heartbeat(f"{name}:0", 0)
         for name, launch in list(self.started.items()):
             if name in self.loaded or name in self.exited:
                 continue
@@ -199,6 +203,31 @@ def test_heal_replaces_a_group_the_health_store_marks_unhealthy(sim: Sim) -> Non
     row = sim.registry.get_group(registry_group_id(victim))
     assert row.status == "dead" and row.status_reason == "the health store marks pp0_tp0 unhealthy"
     assert victim in sim.provisioner.stopped and not sim.pages  # it failed serving, not provisioning
+
+
+def test_heal_replaces_a_group_whose_heartbeats_stopped(sim: Sim) -> None:
+    victim = sim.groups()[0].name
+    sim.provisioner.silent.add(victim)  # its process lives on, its heartbeats stop
+    sim.tick(10)  # 10 s of silence on the controller's clock: not yet more than the timeout
+    assert victim in {g.name for g in sim.groups()}
+    sim.until(lambda: victim not in {g.name for g in sim.groups()} and sim.in_rotation() == 2)
+    row = sim.registry.get_group(registry_group_id(victim))
+    assert row.status == "dead" and row.status_reason == "no heartbeat for 11 s", row.status_reason
+    assert victim in sim.provisioner.stopped
+
+
+def test_silence_the_controller_did_not_watch_condemns_no_group(sim: Sim) -> None:
+    """The controller (or the registry under it) stalled for 30 s, so nobody could beat: when it
+    reads again, the old heartbeats start a new measure instead of killing groups that served."""
+    names = {g.name for g in sim.groups()}
+    sim.provisioner.silent |= names
+    sim.tick(5)
+    sim.now += 30.0  # a stalled controller process: no reading for 30 s
+    sim.tick()
+    sim.provisioner.silent.clear()  # the beats written during the stall land now
+    sim.tick(20)
+    assert {g.name for g in sim.groups()} == names and sim.in_rotation() == 2
+    assert not sim.provisioner.stopped
 
 
 def test_a_group_failing_while_provisioning_pages_and_retries_after_a_back_off(tmp_path: Path) -> None:
