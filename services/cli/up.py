@@ -66,6 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="model directory, or 'smollm2' / 'tiny' (made under .models/ if missing; "
                              "default smollm2)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template instead of the model's own (the router's flag)")
     parser.add_argument("-f", "--file", type=Path, default=None, metavar="FLEET.yaml",
                         help="serve this declared fleet (the shard-plan.yaml shape) instead of the layout flags")
     parser.add_argument("--replicas", type=int, default=1, help="replica groups to run (default 1)")
@@ -170,6 +172,8 @@ def router_flags(args: argparse.Namespace, model_dir: Path, registry: str, telem
              "--telemetry-metrics-url", telemetry_metrics_url]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
+    if args.chat_template:
+        flags += ["--chat-template", str(Path(args.chat_template).expanduser().resolve())]
     if args.redis_url:
         flags += ["--redis-url", args.redis_url]
     if args.api_key:

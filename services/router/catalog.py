@@ -102,8 +102,9 @@ class ServedModel:
 
     def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise InvalidArgument(f"model {self.name!r} has no chat template (tokenizer_config.json "
-                                  f"chat_template): use /v1/completions")
+            raise InvalidArgument(f"model {self.name!r} has no chat template (chat_template.jinja or "
+                                  f"tokenizer_config.json's chat_template; the router's --chat-template FILE "
+                                  f"gives one): use /v1/completions")
         return render_chat(self.chat_template, messages, bos_token=self.bos_token or "",
                            eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt)
 
@@ -115,10 +116,30 @@ def _special(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def chat_template_of(root: Path, tok_config: dict, override: str | Path | None = None) -> str | None:
+    """The model's chat template, where transformers looks for it: ``override`` (a file: the
+    router's --chat-template), else ``chat_template.jinja`` (what current transformers saves),
+    else tokenizer_config.json's ``chat_template``: a string, or a list of named templates of
+    which ``default`` is the one used."""
+    if override is not None:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise ModelDirError(f"--chat-template {path}: no such file")
+        return path.read_text()
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 def load_served_model(model_dir: str | Path, *, name: str | None = None,
-                      max_model_len: int | None = None) -> ServedModel:
+                      max_model_len: int | None = None, chat_template: str | Path | None = None) -> ServedModel:
     """Read a Hugging Face model directory. ``name`` defaults to the directory's name (what a
-    worker reports when started without --served-model-name)."""
+    worker reports when started without --served-model-name); ``chat_template``: a template file
+    to use instead of the model's own."""
     root = Path(model_dir).expanduser().resolve()
     config_path = root / "config.json"
     if not config_path.is_file():
@@ -141,7 +162,7 @@ def load_served_model(model_dir: str | Path, *, name: str | None = None,
     return ServedModel(
         name=name or root.name, model_dir=root, tokenizer=tokenizer, max_model_len=context,
         vocab_size=int(config.get("vocab_size", 0)), eos_token_ids=eos_ids,
-        chat_template=tok_config.get("chat_template") if isinstance(tok_config.get("chat_template"), str) else None,
+        chat_template=chat_template_of(root, tok_config, chat_template),
         bos_token=_special(tok_config.get("bos_token")), eos_token=_special(tok_config.get("eos_token")))
 
 

@@ -2,6 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``,
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes, ``tokenize_api.py``), ``GET /version``,
 ``GET /health`` (200 while a replica group takes requests, else 503), ``GET /metrics``
 (Prometheus, the process's default registry) and ``GET /openapi.json`` (``openapi.py``; no docs
 UIs). Bodies are read and checked by ``edge.py`` first (400/413/415). Errors use OpenAI's body
@@ -22,6 +23,7 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
+from importlib.metadata import version as package_version
 from typing import Any
 
 import uvicorn
@@ -36,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 from services.common.errors import InvalidArgument, NotFound, PayloadTooLarge, ShardlineError
 from services.common.sampling import FinishReason
 from services.common.transport_security import TransportSecurity
-from services.router import edge
+from services.router import edge, tokenize_api
 from services.router import openai_format as oa
 from services.router.admission import RequestCancelled
 from services.router.auth import ApiKeyCheck
@@ -45,6 +47,7 @@ from services.router.service import Generation, RouterCore
 from services.router.types import Finished, TokenOut, trace_context_of
 
 log = logging.getLogger(__name__)
+VERSION = package_version("shardline")
 # Chat bodies up to this size are templated and tokenized on the loop (a millisecond or two).
 INLINE_CHAT_BYTES = 16 * 1024
 # How much of a too-large body is read (and dropped) before answering 413.
@@ -156,6 +159,25 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "shardline",
                  "max_model_len": m.max_model_len} for m in core.catalog]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": VERSION})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        authorize(request)
+        body, size = await json_body(request)
+        model = core.catalog.get(_model_name(body))
+        if size <= INLINE_CHAT_BYTES:
+            return JSONResponse(tokenize_api.tokenize(body, model))
+        return JSONResponse(await core.off_loop(tokenize_api.tokenize, body, model))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        authorize(request)
+        body, _size = await json_body(request)
+        return JSONResponse(tokenize_api.detokenize(body, core.catalog.get(_model_name(body))))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

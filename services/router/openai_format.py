@@ -4,9 +4,9 @@ Pure functions from JSON bodies to the router's :class:`GenerationRequest` and f
 events back to OpenAI's objects (``text_completion``, ``chat.completion``, their streaming
 chunks, ``usage``, ``logprobs``) and error bodies. No web framework here (``http_api.py``).
 
-Extensions vLLM users expect are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``cache_salt`` (``repetition_penalty`` only as 1, off: what ``vllm bench serve`` sends). Every
-response also carries ``replica_group_id``, the group that served it.
+Which fields are honoured, accepted as hints, or refused unless "off" is ``request_fields.py``'s
+table (vLLM's ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``cache_salt`` are honoured).
+Every response also carries ``replica_group_id``, the group that served it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
+from services.router.request_fields import check_fields
 from services.router.types import Finished, GenerationRequest, Scored, TokenOut
 
 # Most prompts one /v1/completions request may carry (``prompt`` as a list of them): each is its
@@ -95,24 +96,6 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
 
 
-def _reject_unsupported(body: dict[str, Any], *, echo: bool = False) -> None:
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadRequest(f"n must be 1 (one choice per request), got {n!r}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise BadRequest(f"{name} is not supported (only 0), got {body.get(name)!r}", name)
-    penalty = body.get("repetition_penalty")  # vLLM's; its bench client sends 1.0 (off)
-    if penalty is not None and (isinstance(penalty, bool) or penalty != 1):
-        raise BadRequest(f"repetition_penalty is not supported (only 1), got {penalty!r}", "repetition_penalty")
-    if body.get("logit_bias"):
-        raise BadRequest("logit_bias is not supported", "logit_bias")
-    if body.get("echo") and not echo:
-        raise BadRequest("echo is a completions parameter", "echo")
-    if body.get("best_of") not in (None, 1):
-        raise BadRequest(f"best_of must be 1, got {body.get('best_of')!r}", "best_of")
-
-
 def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     return SamplingParams(
@@ -144,13 +127,16 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise BadRequest("stream_options.continuous_usage_stats is not supported (usage comes in the last chunk, "
+                         "with include_usage)", "stream_options")
     return stream, bool(options.get("include_usage", False))
 
 
 def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     """/v1/completions: ``prompt`` as a string, token ids, or a one-element list of either.
     ``echo`` (not streamed) puts the prompt first; with ``max_tokens: 0`` nothing is generated."""
-    _reject_unsupported(body, echo=True)
+    check_fields(body, "completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -211,7 +197,7 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
     adding special tokens (the template spells them). ``token_limit`` is the most tokens any group
     could hold, which bounds the default max_tokens. ``release_gil``: the caller is off the event
     loop (a large request), so tokenize letting go of the GIL."""
-    _reject_unsupported(body)
+    check_fields(body, "chat")
     try:
         messages = parse_messages(body.get("messages"))
     except InvalidArgument as exc:

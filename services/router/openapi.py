@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document of the router's HTTP API, served at ``GET /openapi.json``.
 
 Written by hand, next to what it describes: the request bodies ``openai_format.py`` parses (it
-validates them itself, so its 400s keep OpenAI's error body), the objects it builds, the SSE
+validates them itself, so its 400s keep OpenAI's error body; the hints and unsupported fields come
+from ``request_fields.py``'s table), the objects it builds, the SSE
 chunks (``text/event-stream``: each event's ``data:`` is one of the chunk schemas, the last one
 is ``[DONE]``) and OpenAI's ``{"error": {...}}``. tests/router/test_openapi.py fuzzes the server
 against it, so a field added on one side and not the other fails there.
@@ -13,6 +14,7 @@ from typing import Any
 
 from services.common.sampling import MAX_CACHE_SALT_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_SEED, MAX_UINT32
 from services.router.openai_format import MAX_PROMPTS
+from services.router.request_fields import BY_ENDPOINT, Endpoint
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
@@ -53,12 +55,21 @@ _SAMPLING: dict[str, Any] = {
                              "description": "share cached prompt prefixes only with requests of this salt"}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _STREAM_OPTIONS,
-    "n": _nullable({"const": 1}),
-    "presence_penalty": _nullable({"const": 0}),
-    "frequency_penalty": _nullable({"const": 0}),
-    "repetition_penalty": _nullable({"const": 1, "description": "vLLM's; only 1 (off)"}),
-    "user": _nullable(_STR),
 }
+
+
+def _table_fields(endpoint: Endpoint) -> dict[str, Any]:
+    """The hints and the unsupported fields of ``request_fields.py``'s table: a hint takes any
+    value; an unsupported field only null or a value that asks for nothing."""
+    out: dict[str, Any] = {}
+    for field in BY_ENDPOINT[endpoint].values():
+        if field.status == "hint":
+            out[field.name] = {"description": f"accepted, no effect: {field.note}"}
+        elif field.status == "unsupported":
+            what = "not supported" + (f": {field.note}" if field.note else "")
+            out[field.name] = ({"anyOf": [{"enum": list(field.off)}, {"type": "null"}], "description": what}
+                               if field.off else {"type": "null", "description": what})
+    return out
 
 _PROMPT = {"anyOf": [
     {"type": "string", "minLength": 1},
@@ -110,21 +121,34 @@ SCHEMAS: dict[str, Any] = {
     "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj({
         "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "max_model_len": _INT},
         ("id", "object", "created", "owned_by", "max_model_len"))}}, ("object", "data")),
-    "CompletionRequest": _obj({**_SAMPLING, "prompt": _PROMPT,
+    "CompletionRequest": _obj({**_table_fields("completions"), **_SAMPLING, "prompt": _PROMPT,
                                "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
                                "max_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_INT32,
                                                         "description": "0 only with echo: score the prompt"}),
                                "echo": _nullable({"type": "boolean", "description":
-                                                  "the prompt and its logprobs first; not with stream"}),
-                               "best_of": _nullable({"const": 1})},
+                                                  "the prompt and its logprobs first; not with stream"})},
                               ("prompt",)),
-    "ChatCompletionRequest": _obj({**_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+    "ChatCompletionRequest": _obj({**_table_fields("chat"), **_SAMPLING,
+                                   "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                                    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1,
                                                                        "maximum": MAX_INT32}),
                                    "logprobs": _nullable({"type": "boolean"}),
                                    "top_logprobs": _nullable({"type": "integer", "minimum": 0,
                                                               "maximum": MAX_LOGPROBS})},
                                   ("messages",)),
+    "TokenizeRequest": _obj({
+        "model": _nullable(_STR), "prompt": _nullable({**_STR, "description": "either prompt or messages"}),
+        "messages": _nullable({"type": "array", "items": _MESSAGE, "minItems": 1}),
+        "add_special_tokens": _nullable({"type": "boolean", "description": "default: true for prompt, false for "
+                                                                          "messages"}),
+        "add_generation_prompt": _nullable({"type": "boolean", "description": "messages: default true"}),
+        "return_token_strs": _nullable({"type": "boolean"})}),
+    "TokenizeResponse": _obj({"count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},
+                              "token_strs": _nullable({"type": "array", "items": _STR})},
+                             ("count", "max_model_len", "tokens", "token_strs")),
+    "DetokenizeRequest": _obj({"model": _nullable(_STR), "tokens": {"type": "array", "items": _INT}}, ("tokens",)),
+    "DetokenizeResponse": _obj({"prompt": _STR}, ("prompt",)),
+    "Version": _obj({"version": _STR}, ("version",)),
     "Completion": _response("text_completion", _obj({
         "index": _INT, "text": _STR, "finish_reason": _FINISH, "logprobs": _COMPLETION_LOGPROBS},
         ("index", "text", "finish_reason", "logprobs")), usage=True),
@@ -175,6 +199,14 @@ def _generate(request: str, response: str, chunk: str, summary: str) -> dict[str
             **_errors("400", "401", "404", "413", "415", "429", "503")}}}
 
 
+def _post(request: str, response: str, summary: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": response, "content": {"application/json": {"schema": _ref(response)}}},
+                      **_errors("400", "401", "404", "413", "415")}}}
+
+
 def openapi_document(*, title: str = "shardline router") -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
@@ -185,6 +217,11 @@ def openapi_document(*, title: str = "shardline router") -> dict[str, Any]:
             "/v1/completions": _generate("CompletionRequest", "Completion", "CompletionChunk", "Text completion"),
             "/v1/chat/completions": _generate("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk",
                                               "Chat completion"),
+            "/tokenize": _post("TokenizeRequest", "TokenizeResponse",
+                               "A prompt's or a chat's token ids, as a completion or chat request would send them"),
+            "/detokenize": _post("DetokenizeRequest", "DetokenizeResponse", "Token ids as text"),
+            "/version": {"get": {"summary": "The server's version", "responses": {
+                "200": {"description": "the version", "content": {"application/json": {"schema": _ref("Version")}}}}}},
             "/v1/models": {"get": {"summary": "Served models", "responses": {
                 "200": {"description": "the models", "content": {"application/json": {"schema": _ref("ModelList")}}},
                 **_errors("401")}}},

@@ -164,8 +164,12 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
     names = args.served_model_name or []
     if len(names) > len(model_dirs):
         raise InvalidArgument(f"{len(names)} --served-model-name for {len(model_dirs)} --model")
+    templates = getattr(args, "chat_template", None) or []
+    if len(templates) > len(model_dirs):
+        raise InvalidArgument(f"{len(templates)} --chat-template for {len(model_dirs)} --model")
     catalog = ModelCatalog([load_served_model(d, name=names[i] if i < len(names) else None,
-                                              max_model_len=args.max_model_len)
+                                              max_model_len=args.max_model_len,
+                                              chat_template=templates[i] if i < len(templates) else None)
                             for i, d in enumerate(model_dirs)])
     queue = QueueConfig(max_size=resolve("max_queue", args.max_queue, DEFAULT_MAX_QUEUE),
                         max_wait_s=resolve("queue_timeout_s", args.queue_timeout, DEFAULT_MAX_WAIT_S))

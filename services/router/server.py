@@ -171,6 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "name, as workers report it)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + completion accepted (default: the model's max_position_embeddings)")
+    group.add_argument("--chat-template", action="append", default=None, metavar="FILE",
+                       help="a Jinja chat template for the --model of the same position, instead of its own "
+                            "(chat_template.jinja or tokenizer_config.json's chat_template)")
     group.add_argument("--worker", action="append", default=None, metavar="HOST:PORT",
                        help="a replica group's WorkerService; repeatable (env SHARDLINE_WORKERS, comma-separated)")
     group.add_argument("--registry-url", default=None,

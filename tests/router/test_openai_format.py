@@ -97,7 +97,7 @@ def test_several_completions_response_has_a_choice_per_prompt():
     ({"prompt": "a", "temperature": -0.5}, "temperature", "temperature must be a finite number >= 0, got -0.5"),
     ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be in (0, 1], got 0"),
     ({"prompt": "a", "top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
-    ({"prompt": "a", "n": 2}, "n", "n must be 1 (one choice per request), got 2"),
+    ({"prompt": "a", "n": 2}, "n", "n is not supported (only 1), got 2: one choice per request"),
     ({"prompt": "a", "stop": 3}, "stop", "stop must be a string or a list of strings, got 3"),
     ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature must be int or float, got 'hot'"),
     ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty",

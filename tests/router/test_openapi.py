@@ -39,12 +39,25 @@ def http(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
 def test_the_document_describes_the_api(http):
     document = httpx.get(f"{http}/openapi.json", timeout=10).json()
     assert document["openapi"].startswith("3.1")
-    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                      "/tokenize", "/detokenize", "/version"}
     stream = document["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
     data = stream["schema"]["properties"]["data"]["anyOf"]
     assert data[1]["contentSchema"]["anyOf"][0]["$ref"] == "#/components/schemas/CompletionChunk"
     for ui in ("/docs", "/redoc"):
         assert httpx.get(f"{http}{ui}", timeout=10).status_code == 404
+
+
+def test_tokenize_detokenize_and_version_over_http(http):
+    from importlib.metadata import version
+
+    ids = httpx.post(f"{http}/tokenize", json={"model": "tiny", "prompt": "hello there"}, timeout=10).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 256
+    text = httpx.post(f"{http}/detokenize", json={"model": "tiny", "tokens": ids["tokens"]}, timeout=10).json()
+    assert text == {"prompt": "hello there"}
+    missing = httpx.post(f"{http}/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{http}/version", timeout=10).json() == {"version": version("shardline")}
 
 
 @pytest.mark.slow
