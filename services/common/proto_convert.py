@@ -32,14 +32,21 @@ def sampling_from_pb(pb: common_pb2.SamplingParameters) -> SamplingParams:
         seed=pb.seed if pb.HasField("seed") else None,
         max_tokens=pb.max_tokens if pb.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), logprobs=pb.logprobs,
-        ignore_eos=pb.ignore_eos, first_step=pb.first_step, cache_salt=pb.cache_salt or None)
+        ignore_eos=pb.ignore_eos, first_step=pb.first_step, cache_salt=pb.cache_salt or None,
+        min_p=pb.min_p, logit_bias=tuple(pb.logit_bias.items()), min_tokens=pb.min_tokens,
+        presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0)
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
     pb = common_pb2.SamplingParameters(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_tokens,
         stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), logprobs=params.logprobs,
-        ignore_eos=params.ignore_eos, first_step=params.first_step, cache_salt=params.cache_salt or "")
+        ignore_eos=params.ignore_eos, first_step=params.first_step, cache_salt=params.cache_salt or "",
+        min_p=params.min_p, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
+    if params.repetition_penalty != 1:
+        pb.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         pb.seed = params.seed
     return pb

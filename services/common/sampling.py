@@ -24,6 +24,9 @@ MAX_INT32 = 2**31 - 1  # max_tokens
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, as common.proto documents
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries one request's logit_bias may hold
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 
 
 class InvalidRequest(InvalidArgument):
@@ -70,7 +73,16 @@ class SamplingParams:
     sampling; ``seed`` None draws from the sampler's own generator (not reproducible);
     ``logprobs`` is how many top alternatives to return per token (0 = only the sampled one's);
     ``first_step`` is how many tokens the request generated before its prompt's end (a
-    continuation's: the seeded random stream resumes at that step, not at 0). ``cache_salt``
+    continuation's: the seeded random stream resumes at that step, not at 0). ``min_p`` (vLLM's)
+    drops tokens less likely than ``min_p`` times the most likely one, after temperature, 0 off;
+    ``logit_bias`` (OpenAI's) is ``((token_id, bias), ...)`` added to those logits before any
+    choice, greedy included (logprobs stay the model's own); ``min_tokens`` (vLLM's) keeps EOS and
+    the stop_token_ids from being sampled until that many tokens exist, counting the ones before
+    ``first_step`` (a continuation keeps the rule). ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract from a token's logit once if it was
+    generated and once per time it was; ``repetition_penalty`` (vLLM's, > 0, 1 off) divides a
+    positive logit (multiplies a negative one) of every token in the prompt or the output. Generated
+    tokens are counted across a continuation: its prompt's last ``first_step`` ids. ``cache_salt``
     (not a sampling parameter, but it travels with them): the request shares cached prefix
     blocks only with requests of the same salt; None shares with every unsalted request.
     Construction validates every field and raises :class:`InvalidRequest` naming it.
@@ -87,11 +99,19 @@ class SamplingParams:
     ignore_eos: bool = False
     first_step: int = 0
     cache_salt: str | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        # accept lists for the tuple fields, keep the dataclass hashable
+        # accept lists and mappings for the tuple fields, keep the dataclass hashable
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {t!r}")
@@ -132,6 +152,28 @@ class SamplingParams:
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
             raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                                  f"characters, got {salt if not isinstance(salt, str) else salt[:40]!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 = off), got {m!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                                 f"got {len(self.logit_bias)}")
+        for tok, b in self.logit_bias:
+            if not is_integer(tok) or not 0 <= tok <= MAX_UINT32:
+                raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if isinstance(b, bool) or not isinstance(b, int | float) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {tok}")
+        if not is_integer(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.first_step + self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise InvalidRequest(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or not 0 < r <= 100:
+            raise InvalidRequest(f"repetition_penalty must be a number in (0, 100] (1 = off), got {r!r}")
         # every step index the request can reach fits the uint32 field, so a continuation's
         # first_step (this one + the tokens generated so far, fewer than max_tokens) is valid too
         if self.first_step + self.max_tokens > MAX_UINT32:
@@ -141,3 +183,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1

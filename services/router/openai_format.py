@@ -41,7 +41,8 @@ class BadRequest(InvalidArgument):
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids",
-                   "logprobs", "ignore_eos", "cache_salt", "prompt", "messages", "model")
+                   "logprobs", "ignore_eos", "cache_salt", "prompt", "messages", "model", "min_p", "logit_bias",
+                   "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def error_status(exc: BaseException) -> tuple[int, str]:
@@ -96,9 +97,30 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
 
 
-def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int) -> SamplingParams:
+def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) as ``((id, bias), ...)``."""
+    raw = _get(body, "logit_bias", (dict,), {})
+    out = []
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise BadRequest(f"logit_bias: token {token} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        out.append((token, bias))
+    return tuple(out)
+
+
+def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int, vocab_size: int) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     return SamplingParams(
+        min_p=_get(body, "min_p", (int, float), 0.0),
+        logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=_get(body, "min_tokens", (int,), 0),
+        presence_penalty=_get(body, "presence_penalty", (int, float), 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0),
         temperature=_get(body, "temperature", (int, float), 1.0),
         top_p=_get(body, "top_p", (int, float), 1.0),
         top_k=max(0, _get(body, "top_k", (int,), 0)),  # vLLM spells "off" as -1
@@ -163,7 +185,8 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     if echo and stream:
         raise BadRequest("echo is served without streaming: send stream false", "echo")
     generate = not (echo and max_tokens == 0)  # echo alone scores the prompt, as vLLM does
-    sampling = _sampling(body, max_tokens=max_tokens if generate else 1, logprobs=logprobs or 0)
+    sampling = _sampling(body, max_tokens=max_tokens if generate else 1, logprobs=logprobs or 0,
+                         vocab_size=model.vocab_size)
     request = GenerationRequest(model=model.name, prompt_text=text, prompt_ids=ids, sampling=sampling)
     return ParsedRequest(request, stream, include_usage, logprobs is not None, echo=echo, generate=generate)
 
@@ -219,7 +242,8 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
         max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, room))
     want_logprobs = _get(body, "logprobs", (bool,), False)
     top = _get(body, "top_logprobs", (int,), 0)
-    sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0)
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0,
+                         vocab_size=model.vocab_size)
     stream, include_usage = _stream_flags(body)
     request = GenerationRequest(model=model.name, prompt_ids=tuple(ids), sampling=sampling)
     return ParsedRequest(request, stream, include_usage, want_logprobs)

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.sampling import MAX_CACHE_SALT_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_SEED, MAX_UINT32
+from services.common.sampling import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_SEED,
+    MAX_UINT32,
+)
 from services.router.openai_format import MAX_PROMPTS
 from services.router.request_fields import BY_ENDPOINT, Endpoint
 
@@ -53,6 +62,17 @@ _SAMPLING: dict[str, Any] = {
     "ignore_eos": _nullable({"type": "boolean"}),
     "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
                              "description": "share cached prompt prefixes only with requests of this salt"}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1, "description": "vLLM's; 0: off"}),
+    "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+                             "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                      "maximum": MAX_LOGIT_BIAS},
+                             "description": "token id (as a string) -> bias added to its logit"}),
+    "min_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_INT32,
+                             "description": "vLLM's; at most max_tokens"}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 100,
+                                     "description": "vLLM's; 1: off"}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _STREAM_OPTIONS,
 }

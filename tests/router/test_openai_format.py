@@ -100,9 +100,10 @@ def test_several_completions_response_has_a_choice_per_prompt():
     ({"prompt": "a", "n": 2}, "n", "n is not supported (only 1), got 2: one choice per request"),
     ({"prompt": "a", "stop": 3}, "stop", "stop must be a string or a list of strings, got 3"),
     ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature must be int or float, got 'hot'"),
-    ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty",
-     "repetition_penalty is not supported (only 1), got 1.2"),
-    ({"prompt": "a", "repetition_penalty": True}, "repetition_penalty", "repetition_penalty is not supported"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty",
+     "repetition_penalty must be a number in (0, 100] (1 = off), got 0"),
+    ({"prompt": "a", "repetition_penalty": True}, "repetition_penalty", "repetition_penalty must be int or float"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be a number in [-2, 2]"),
 ])
 def test_bad_fields_give_400_with_the_param(tiny, body, param, message):
     with pytest.raises(InvalidArgument) as caught:

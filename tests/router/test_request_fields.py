@@ -18,8 +18,8 @@ BASE = {"completions": {"prompt": "hello there"}, "chat": {"messages": [{"role":
 
 # a value of each unsupported field that asks for something
 ASKING: dict[str, typing.Any] = {
-    "n": 2, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
-    "logit_bias": {"50": 10}, "min_p": 0.1, "min_tokens": 4, "suffix": " end",
+    "n": 2, "best_of": 3,
+    "suffix": " end",
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
     "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structured_outputs": {"json": {}},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
@@ -99,3 +99,17 @@ def test_the_readme_lists_every_field_with_its_status():
         assert row is not None, f"README has no row for {field.name}"
         word = {"honoured": "honoured", "hint": "no effect", "unsupported": "400 unless"}[field.status]
         assert word in row, (field.name, row)
+
+
+def test_logit_bias_min_p_and_min_tokens_reach_the_sampling_params(tiny):
+    body = {**BASE["completions"], "logit_bias": {"7": 5, "3": -100}, "min_p": 0.2, "min_tokens": 4,
+            "max_tokens": 8}
+    sampling = oa.parse_completion(body, tiny).request.sampling
+    assert (sampling.logit_bias, sampling.min_p, sampling.min_tokens) == (((3, -100), (7, 5)), 0.2, 4)
+    chat = oa.parse_chat({**BASE["chat"], "logit_bias": {"7": 5}}, tiny, token_limit=256).request.sampling
+    assert chat.logit_bias == ((7, 5),)
+    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {str(tiny.vocab_size): 1}}, {"logit_bias": {"1": 500}},
+                {"logit_bias": [1]}, {"min_p": 2}, {"min_tokens": 9, "max_tokens": 8}):
+        with pytest.raises(InvalidArgument) as caught:
+            oa.parse_completion({**BASE["completions"], **bad}, tiny)
+        assert oa.error_body(caught.value)[1]["error"]["param"] == next(iter(bad)), bad

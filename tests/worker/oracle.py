@@ -23,16 +23,20 @@ def reference_logprobs(model_dir: str, ids: list[int], dtype: str = "float32") -
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
 
 
-def reference_greedy(model_dir: str, ids: list[int], max_new_tokens: int, dtype: str = "float32") -> list[int]:
-    """transformers' greedy tokens; computed once per process for the same arguments (the layouts
-    of one test all compare against the same reference)."""
-    return list(_greedy(str(model_dir), tuple(ids), max_new_tokens, dtype))
+def reference_greedy(model_dir: str, ids: list[int], max_new_tokens: int, dtype: str = "float32", *,
+                     repetition_penalty: float = 1.0) -> list[int]:
+    """transformers' greedy tokens (with its repetition_penalty over prompt and output, the rule
+    vLLM's follows); computed once per process for the same arguments (the layouts of one test
+    all compare against the same reference)."""
+    return list(_greedy(str(model_dir), tuple(ids), max_new_tokens, dtype, repetition_penalty))
 
 
 @functools.lru_cache(maxsize=64)
-def _greedy(model_dir: str, ids: tuple[int, ...], max_new_tokens: int, dtype: str) -> tuple[int, ...]:
+def _greedy(model_dir: str, ids: tuple[int, ...], max_new_tokens: int, dtype: str,
+            repetition_penalty: float) -> tuple[int, ...]:
     model = _load(model_dir, dtype)
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                             repetition_penalty=repetition_penalty)
     return tuple(out[0, len(ids):].tolist())

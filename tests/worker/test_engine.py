@@ -156,8 +156,53 @@ def test_stop_strings(tiny_model_dir):
     assert stopped.text == free.text[:free.text.index(stop)]
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
+def test_repetition_penalty_equals_transformers_and_a_continuation_keeps_it(tiny_model_dir, tp, pp):
+    """Greedy with repetition_penalty 1.5 gives transformers' tokens; continued from prompt + the
+    first 10 generated ids (first_step 10), the rest is the same: the penalty counts those too."""
+    prompt = prompts_of([9], seed=5)[0]
+    params = replace(GREEDY, repetition_penalty=1.5)
+    expected = reference_greedy(tiny_model_dir, prompt, 32, repetition_penalty=1.5)
+    assert expected != reference_greedy(tiny_model_dir, prompt, 32)  # the penalty changes the text
+    out, rest = generate(tiny_model_dir, [prompt, prompt + expected[:10]],
+                         [params, replace(params, max_tokens=22, first_step=10)], tp=tp, pp=pp)
+    assert out.token_ids == expected
+    assert rest.token_ids == expected[10:]
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_across_a_continuation(tiny_model_dir):
+    prompt = prompts_of([9], seed=8)[0]
+    params = replace(GREEDY, presence_penalty=1.5, frequency_penalty=1.0)
+    free, out = generate(tiny_model_dir, [prompt, prompt], [GREEDY, params])
+    assert out.token_ids != free.token_ids
+    assert max(out.token_ids.count(t) for t in set(out.token_ids)) < max(free.token_ids.count(t)
+                                                                          for t in set(free.token_ids))
+    [rest] = generate(tiny_model_dir, [prompt + out.token_ids[:12]], replace(params, max_tokens=20, first_step=12))
+    assert rest.token_ids == out.token_ids[12:]
+
+
+def test_min_tokens_keeps_the_stop_ids_out_and_logit_bias_steers_greedy(tiny_model_dir):
+    """At TP1 and PP2: a stop id that greedy would emit first ends the request at once, unless
+    min_tokens holds it off; a logit bias of 100 makes greedy pick its token at every step."""
+    prompt = prompts_of([12], seed=3)[0]
+    for pp in (1, 2):
+        free, steered = generate(tiny_model_dir, [prompt, prompt],
+                                 [GREEDY, replace(GREEDY, max_tokens=6, logit_bias={77: 100.0})], pp=pp)
+        assert steered.token_ids == [77] * 6
+        first = free.token_ids[0]
+        stop = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=(first,))
+        ended, held = generate(tiny_model_dir, [prompt, prompt], [stop, replace(stop, min_tokens=5)], pp=pp)
+        assert ended.token_ids == [first] and ended.finish_reason == "eos_token"
+        assert len(held.token_ids) > 5 and first not in held.token_ids[:5]
+        assert held.token_ids[-1] == first or len(held.token_ids) == 32
+
+
 @pytest.mark.parametrize(("params", "field"), [
     (dict(max_tokens=0), "max_tokens"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+    (dict(logit_bias={3: 101.0}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),

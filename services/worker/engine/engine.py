@@ -164,6 +164,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params)
         self.scheduler.check_request(seq)
         detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
@@ -341,9 +344,16 @@ class LLMEngine:
         for s in out.scheduled:
             seq = self.scheduler.get(s.seq_id)
             p = seq.sampling_params
+            banned = tuple(sorted(seq.stop_ids)) if s.do_sample and seq.sampling_step < p.min_tokens else ()
+            generated = prompt = ()
+            if s.do_sample and p.has_penalties:  # a continuation's generated ids end its prompt
+                cut = len(seq.prompt_token_ids) - p.first_step
+                generated = (*seq.prompt_token_ids[cut:], *seq.output_token_ids)
+                prompt = tuple(seq.prompt_token_ids[:cut]) if p.repetition_penalty != 1 else ()
             steps.append(SeqStep(s.seq_id, s.token_ids, s.positions, s.slot_mapping, s.block_table, s.context_len,
                                  s.do_sample, p.temperature, p.top_p, p.top_k, p.seed, seq.sampling_step,
-                                 p.logprobs))
+                                 p.logprobs, p.min_p, p.logit_bias, banned, p.presence_penalty,
+                                 p.frequency_penalty, p.repetition_penalty, generated, prompt))
         plan = StepPlan(out.step_id, "run", steps)
         for listener in tuple(self.step_listeners):
             listener.on_step_scheduled(plan)

@@ -9,6 +9,12 @@ For each row (one sequence's last position), in float32:
   renormalised kept set. The draw is an exponential race, ``argmax(p_i / q_i)`` with
   ``q_i ~ Exp(1)``, which picks ``i`` with probability ``p_i``.
 
+Before any of that, greedy rows included, a row's penalties are applied to its logits (repetition
+over its prompt and generated tokens, then frequency and presence over the generated ones), its
+``logit_bias`` is added and its ``banned`` tokens (what min_tokens keeps out) go to -inf;
+``min_p`` then drops, after temperature, the tokens less likely than ``min_p`` times the most
+likely one (before top-k and top-p, in vLLM's order).
+
 Reproducibility: a row whose request has a ``seed`` draws its ``q`` from its own
 ``torch.Generator`` seeded with ``mix(seed, n)``, ``n`` being the number of tokens the request
 has generated so far: ``first_step + i`` for the sequence's token ``i``, where ``first_step``
@@ -62,6 +68,22 @@ class SamplingRow(Protocol):
     def num_generated(self) -> int: ...  # tokens the request generated before this one (first_step included)
     @property
     def top_logprobs(self) -> int: ...  # alternatives to return (SamplingParams.logprobs)
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def logit_bias(self) -> Seq[tuple[int, float]]: ...
+    @property
+    def banned(self) -> Seq[int]: ...  # tokens not to sample this step (min_tokens)
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def generated(self) -> Seq[int]: ...  # the request's generated tokens (with penalties)
+    @property
+    def prompt(self) -> Seq[int]: ...  # the rest of its prompt (with repetition_penalty)
 
 
 @dataclass(frozen=True)
@@ -74,13 +96,24 @@ class RowParams:
     seed: int | None
     num_generated: int
     top_logprobs: int
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    generated: tuple[int, ...] = ()
+    prompt: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, params: SamplingParams, num_generated: int) -> RowParams:
+    def of(cls, params: SamplingParams, num_generated: int, banned: tuple[int, ...] = (),
+           generated: tuple[int, ...] = (), prompt: tuple[int, ...] = ()) -> RowParams:
         """``num_generated``: tokens the sequence generated (after its prompt); the row's step
-        adds the request's ``first_step``."""
+        adds the request's ``first_step``. ``banned``: the tokens min_tokens keeps out now;
+        ``generated`` and ``prompt``: what the penalties count."""
         return cls(params.temperature, params.top_p, params.top_k, params.seed,
-                   params.first_step + num_generated, params.logprobs)
+                   params.first_step + num_generated, params.logprobs, params.min_p, params.logit_bias, banned,
+                   params.presence_penalty, params.frequency_penalty, params.repetition_penalty, generated, prompt)
 
 
 @dataclass
@@ -148,11 +181,16 @@ class Sampler:
         token_ids, log_normalizer = greedy_logsumexp(logits)
         sampled_rows = [i for i, r in enumerate(rows) if r.temperature != 0]
         k_max = min(max(r.top_logprobs for r in rows), vocab)
-        if sampled_rows or k_max > 0:
+        adjusted_rows = [i for i, r in enumerate(rows) if r.logit_bias or r.banned or r.presence_penalty
+                         or r.frequency_penalty or r.repetition_penalty != 1]
+        if sampled_rows or k_max > 0 or adjusted_rows:
             logits = logits.float()
+        # what the token is chosen from: the logits with the rows' biases added and banned tokens
+        # removed (the returned logprobs stay the raw ones, from `logits`)
+        choice = self._adjusted(logits, rows, adjusted_rows, token_ids) if adjusted_rows else logits
         if sampled_rows:
             index = torch.tensor(sampled_rows, device=device)
-            probs = self._filtered_probs(logits[index], [rows[i] for i in sampled_rows], vocab)
+            probs = self._filtered_probs(choice[index], [rows[i] for i in sampled_rows], vocab)
             q = torch.empty_like(probs)
             shared = self._shared_generator(device)
             for j, i in enumerate(sampled_rows):
@@ -176,18 +214,55 @@ class Sampler:
         return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
 
     @staticmethod
+    def _adjusted(logits: torch.Tensor, rows: Seq[SamplingRow], adjusted: list[int],
+                  token_ids: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` with each adjusted row's penalties applied (repetition first, then
+        frequency and presence, as vLLM does), its logit_bias added and its banned tokens at -inf;
+        those rows' greedy choice in ``token_ids`` is redone on it (in place)."""
+        out = logits.clone()
+        vocab = logits.shape[-1]
+        device = logits.device
+        for i in adjusted:
+            r = rows[i]
+            if r.repetition_penalty != 1 and (r.prompt or r.generated):
+                seen = torch.tensor(sorted({t for t in (*r.prompt, *r.generated) if t < vocab}), device=device)
+                x = out[i, seen]
+                out[i, seen] = torch.where(x > 0, x / r.repetition_penalty, x * r.repetition_penalty)
+            if (r.presence_penalty or r.frequency_penalty) and r.generated:
+                counts = torch.bincount(torch.tensor([t for t in r.generated if t < vocab], dtype=torch.int64,
+                                                     device=device), minlength=vocab)[:vocab].to(out.dtype)
+                out[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).to(out.dtype)
+            bias = [(t, b) for t, b in r.logit_bias if t < vocab]
+            if bias:
+                ids = torch.tensor([t for t, _ in bias], device=logits.device)
+                out[i, ids] += torch.tensor([b for _, b in bias], dtype=out.dtype, device=logits.device)
+            banned = [t for t in r.banned if t < vocab]
+            if banned:
+                out[i, torch.tensor(banned, device=logits.device)] = float("-inf")
+            token_ids[i] = out[i].argmax()
+        return out
+
+    @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: Seq[SamplingRow], vocab: int) -> torch.Tensor:
-        """Probabilities after temperature, top-k and top-p, renormalised; [rows, vocab].
+        """Probabilities after temperature, min-p, top-k and top-p, renormalised; [rows, vocab].
 
         Which computation a row goes through depends on its own parameters only (never on the
         rest of the batch), so a row's probabilities are bit-identical alone or batched."""
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        z_all = logits / temps[:, None]
+        probs = torch.softmax(z_all, dim=-1)
+        min_p = [i for i, p in enumerate(params) if p.min_p > 0]
+        if min_p:  # drop what is less likely than min_p x the most likely token (vLLM's order: before top-k/p)
+            index = torch.tensor(min_p, device=logits.device)
+            p = probs[index]
+            floor = torch.tensor([params[i].min_p for i in min_p], dtype=p.dtype, device=p.device)[:, None]
+            z_all[index] = z_all[index].masked_fill(p < floor * p.max(dim=-1, keepdim=True).values, float("-inf"))
+            probs[index] = torch.softmax(z_all[index], dim=-1)
         filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
         if not filtered:
             return probs
         rows = torch.tensor(filtered, device=logits.device)
-        z = logits[rows] / temps[rows][:, None]
+        z = z_all[rows]
         top_ks = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in filtered]
         # top_p = 1 means off: a threshold above 1 is never reached, even by a rounded cumsum
         top_ps = [params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in filtered]

@@ -256,6 +256,8 @@ class Scheduler:
             raise InvalidRequest(f"sequence {seq.seq_id} must be new (WAITING, nothing computed), "
                                  f"got {seq.status.name} with {seq.num_computed_tokens} computed")
         self.check_request(seq)
+        params = seq.sampling_params  # what ends it: its stop ids and, unless ignored, EOS
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq.arrival = self._next_arrival
         self._next_arrival += 1
         self._seqs[seq.seq_id] = seq
@@ -365,7 +367,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.sampling_params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in seq.stop_ids:
             return FinishReason.EOS_TOKEN
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH

@@ -39,6 +39,8 @@ class Sequence:
     # prefix caching: the names of the full blocks of all_token_ids (with sampling_params.cache_salt),
     # filled in by the scheduler
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # the token ids that end it (its stop_token_ids, and EOS unless ignored), set by the scheduler
+    stop_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -28,6 +28,17 @@ class SeqStep:
     # included: with ``seed`` it fixes the random stream (Sequence.sampling_step)
     num_generated: int = 0
     top_logprobs: int = 0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # tokens this step must not sample (EOS and the stop ids while the request is under min_tokens)
+    banned: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # with penalties only: the request's generated tokens (a continuation's included) and the rest
+    # of its prompt (repetition_penalty counts both)
+    generated: tuple[int, ...] = ()
+    prompt: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

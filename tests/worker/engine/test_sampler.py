@@ -170,3 +170,45 @@ def test_a_row_with_first_step_k_draws_the_steps_after_k_of_a_row_from_zero() ->
     assert after_k == from_zero[5:]
     assert after_k != from_zero[:15]  # restarting the step index at 0 would draw another stream
     assert RowParams.of(continued, 3) == RowParams.of(params, 8)
+
+
+def test_logit_bias_moves_the_choice_greedy_included_and_logprobs_stay_raw() -> None:
+    logits = logits_batch(3, seed=4)
+    target = int(logits[1].argmin())
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={target: 100.0}),
+              SamplingParams(temperature=0.8, seed=3, logit_bias={target: 100.0})]
+    out = Sampler()(logits, params, [0, 0, 0])
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[1] == target and out.token_ids[2] == int((logits[2] + 100 * (torch.arange(VOCAB) == target))
+                                                                    .argmax())
+    raw = torch.log_softmax(logits, -1)
+    assert out.logprobs[1] == pytest.approx(float(raw[1, target]), abs=1e-5)  # the model's, not the biased one
+    # -100 keeps a token out even where it is the most likely
+    best = int(logits[0].argmax())
+    assert Sampler()(logits[:1], [SamplingParams(temperature=0, logit_bias={best: -100})], [0]).token_ids[0] != best
+
+
+def test_banned_tokens_are_never_sampled_and_rows_stay_batch_invariant() -> None:
+    logits = logits_batch(1, seed=6)
+    best = int(logits[0].argmax())
+    greedy = RowParams(0.0, 1.0, 0, None, 0, 0, banned=(best,))
+    assert Sampler().sample(logits, [greedy]).token_ids == [int(logits[0].topk(2).indices[1])]
+    sampled = RowParams(3.0, 1.0, 0, 11, 0, 0, banned=tuple(range(0, VOCAB, 2)))
+    draws = {Sampler().sample(logits, [RowParams(3.0, 1.0, 0, 11, n, 0, banned=sampled.banned)]).token_ids[0]
+             for n in range(50)}
+    assert draws and all(t % 2 == 1 for t in draws) and len(draws) > 5
+    mine = RowParams(1.0, 0.9, 0, 5, 2, 0, min_p=0.05, logit_bias=((3, 4.0),), banned=(best,))
+    alone = Sampler().sample(logits, [mine]).token_ids[0]
+    batch = torch.cat([logits_batch(2, seed=9), logits, logits_batch(1, seed=10)])
+    rows = [RowParams(0.0, 1.0, 0, None, 0, 0), RowParams(0.7, 1.0, 5, None, 0, 0, min_p=0.2), mine,
+            RowParams(1.0, 1.0, 0, 1, 0, 0, logit_bias=((7, -3.0),))]
+    assert Sampler(seed=1).sample(batch, rows).token_ids[2] == alone
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, [4, 5, 6]] = torch.tensor([2.0, 2.0 + math.log(0.5), 2.0 + math.log(0.05)])  # p ratio 1 : 0.5 : 0.05
+    params = SamplingParams(temperature=1.0, min_p=0.1, seed=0)
+    draws = [Sampler()(logits, [params], [n]).token_ids[0] for n in range(200)]
+    assert set(draws) == {4, 5}  # 6 is below 0.1 x the best; the rest far below
+    assert 0.5 < draws.count(4) / len(draws) < 0.85  # renormalised: 2/3 and 1/3
