@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -44,6 +43,7 @@ from services.router.admission import RequestCancelled
 from services.router.auth import ApiKeyCheck
 from services.router.openapi import openapi_document
 from services.router.service import Generation, RouterCore
+from services.router.sse import choices_stream
 from services.router.types import Finished, TokenOut, trace_context_of
 
 log = logging.getLogger(__name__)
@@ -55,29 +55,20 @@ DRAIN_MAX_BYTES = 64 * 2**20
 
 
 class CancellingStreamingResponse(StreamingResponse):
-    """A streaming response that cancels and closes its generation however it ends (done, error,
-    disconnect): the worker call stops and the reservation is released."""
+    """A streaming response that cancels and closes its generations (one per choice) however it
+    ends (done, error, disconnect): the worker calls stop and the reservations are released."""
 
-    def __init__(self, content: AsyncIterator[str], generation: Generation, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], generations: list[Generation], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self._generation = generation
+        self._generations = generations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._generation.cancel()
-            self._generation.close()
-
-
-# Characters that some clients take for line breaks (Python's str.splitlines, httpx's iter_lines)
-# though SSE does not: escaped inside the JSON strings, so an event is always one line.
-_LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
-
-
-def sse_event(payload: dict[str, Any]) -> str:
-    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).translate(_LINE_SEPARATORS)
-    return f"data: {data}\n\n"
+            for generation in self._generations:
+                generation.cancel()
+                generation.close()
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -185,6 +176,12 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         body, _size = await json_body(request)
         model = core.catalog.get(_model_name(body))
         batch = oa.parse_completions(body, model)
+        first = batch[0]
+        if first.best_of > 1 and first.stream:  # several choices of one prompt, streamed
+            return await _serve_choices(request, first, "cmpl", chat=False)
+        if first.best_of > 1:  # each prompt's choices, in order
+            return await _serve_several(request, [c for p in batch for c in oa.choice_requests(p)],
+                                        per_prompt=first.best_of, keep=first.n)
         if len(batch) > 1:
             return await _serve_several(request, batch)
         parsed = batch[0]
@@ -202,6 +199,11 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
             parsed = oa.parse_chat(body, model, token_limit=limit)
         else:  # many or long messages: templating and tokenizing them would hold the loop
             parsed = await core.off_loop(oa.parse_chat, body, model, token_limit=limit, release_gil=True)
+        if parsed.n > 1 and parsed.stream:
+            return await _serve_choices(request, parsed, "chatcmpl", chat=True)
+        if parsed.n > 1:
+            return await _serve_several(request, oa.choice_requests(parsed), per_prompt=parsed.n, keep=parsed.n,
+                                        chat=True)
         return await _serve(request, parsed, "chatcmpl", chat=True)
 
     async def _serve_echo(request: Request, parsed: oa.ParsedRequest) -> Response:
@@ -247,8 +249,9 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         head = oa.ResponseHeader(f"cmpl-{scored.request_id}", model.name, groups[-1] if groups else "")
         return oa.echo_completion_response(head, scored, prompt_text, tokens, finished, parsed.want_logprobs), groups
 
-    async def _plain_answer(parsed: oa.ParsedRequest, trace: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
-        """A non-streamed completion of one of several prompts: its body and groups."""
+    async def _plain_answer(parsed: oa.ParsedRequest, trace: dict[str, str], *,
+                            chat: bool = False) -> tuple[dict[str, Any], list[str], float]:
+        """One non-streamed choice of several: its body, groups and the sum of its tokens' logprobs."""
         generation = await core.generate(dataclasses.replace(parsed.request, trace_context=trace),
                                          token_texts=parsed.want_logprobs)
         tokens: list[TokenOut] = []
@@ -267,18 +270,26 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         finally:
             generation.close()
         groups = generation.replica_group_ids or [generation.replica_group_id]
-        head = oa.ResponseHeader(f"cmpl-{generation.request_id}", generation.prepared.model.name, groups[-1])
-        return oa.completion_response(head, tokens, finished, parsed.want_logprobs), groups
+        head = oa.ResponseHeader(f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}",
+                                 generation.prepared.model.name, groups[-1])
+        build = oa.chat_response if chat else oa.completion_response
+        return build(head, tokens, finished, parsed.want_logprobs), groups, sum(t.logprob for t in tokens)
 
-    async def _serve_several(request: Request, batch: list[oa.ParsedRequest]) -> Response:
-        """Several prompts in one request: each admitted and served as its own request, all at
-        once; the answer has one choice per prompt. One that fails fails the request (the others
-        are cancelled), and so does the client leaving."""
+    async def _with_score(answer: Any) -> tuple[dict[str, Any], list[str], float]:
+        body, groups = await answer
+        return body, groups, 0.0
+
+    async def _serve_several(request: Request, batch: list[oa.ParsedRequest], *, per_prompt: int = 1,
+                             keep: int = 1, chat: bool = False) -> Response:
+        """Several choices in one request (several prompts, ``per_prompt`` candidates each): each
+        admitted and served as its own request, all at once; of each prompt's candidates the
+        ``keep`` with the highest logprob sum are answered (``best_of``). One that fails fails the
+        request (the others are cancelled), and so does the client leaving."""
         trace = trace_context_of(request.headers.items())
-        tasks = [asyncio.ensure_future(_echo_answer(None, p, trace) if p.echo else _plain_answer(p, trace))
-                 for p in batch]
+        tasks = [asyncio.ensure_future(_with_score(_echo_answer(None, p, trace)) if p.echo else
+                                       _plain_answer(p, trace, chat=chat)) for p in batch]
 
-        async def all_answers() -> list[tuple[dict[str, Any], list[str]]]:
+        async def all_answers() -> list[tuple[dict[str, Any], list[str], float]]:
             return list(await asyncio.gather(*tasks))
 
         work = asyncio.ensure_future(all_answers())
@@ -295,10 +306,36 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         if not work.done() or work.cancelled():
             raise RequestCancelled("a request of several prompts: the client disconnected")
         answers = work.result()  # the first prompt's error, if one failed
-        groups = [g for _answer, answer_groups in answers for g in answer_groups]
-        body = oa.several_completions_response([answer for answer, _groups in answers])
+        groups = [g for _answer, answer_groups, _score in answers for g in answer_groups]
+        if keep < per_prompt:  # best_of: each prompt's best candidates, best first
+            answers = [a for start in range(0, len(answers), per_prompt)
+                       for a in sorted(answers[start:start + per_prompt], key=lambda a: -a[2])[:keep]]
+        body = oa.several_completions_response([answer for answer, _groups, _score in answers], per_prompt=keep)
         return JSONResponse(body, headers={"x-shardline-replica-group-id": body["replica_group_id"],
                                            "x-shardline-replica-group-ids": ",".join(dict.fromkeys(groups))})
+
+    async def _serve_choices(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
+        """``n`` choices of one prompt, streamed together (``sse.choices_stream``): every one admitted
+        before the first byte, so a refusal is still a plain HTTP error."""
+        trace = trace_context_of(request.headers.items())
+        generations: list[Generation] = []
+        try:
+            for choice in oa.choice_requests(parsed):
+                generation = await core.generate(dataclasses.replace(choice.request, trace_context=trace),
+                                                 token_texts=parsed.want_logprobs)
+                generations.append(generation)
+                await _unless_disconnected(request, generation.start(), generation)
+        except BaseException:
+            for generation in generations:
+                generation.cancel()
+                generation.close()
+            raise
+        name = generations[0].prepared.model.name
+        heads = [oa.ResponseHeader(f"{prefix}-{generations[0].request_id}", name, g.replica_group_id)
+                 for g in generations]
+        headers = {"x-shardline-replica-group-id": generations[0].replica_group_id, "cache-control": "no-cache"}
+        return CancellingStreamingResponse(choices_stream(generations, heads, parsed, chat=chat), generations,
+                                           media_type="text/event-stream", headers=headers)
 
     async def _serve(request: Request, parsed: oa.ParsedRequest, prefix: str, *, chat: bool) -> Response:
         generation_request = dataclasses.replace(parsed.request,
@@ -312,8 +349,8 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         # started on, and each chunk names the group that produced it (the last ones the final group)
         headers = {"x-shardline-replica-group-id": generation.replica_group_id}
         if parsed.stream:
-            stream = _chat_stream(generation, head, parsed) if chat else _completion_stream(generation, head, parsed)
-            return CancellingStreamingResponse(stream, generation, media_type="text/event-stream",
+            return CancellingStreamingResponse(choices_stream([generation], [head], parsed, chat=chat), [generation],
+                                               media_type="text/event-stream",
                                                headers={**headers, "cache-control": "no-cache"})
         tokens: list[TokenOut] = []
 
@@ -372,53 +409,6 @@ def _model_name(body: dict[str, Any]) -> str:
     if model is not None and not isinstance(model, str):
         raise oa.BadRequest(f"model must be a string, got {model!r}", "model")
     return model or ""
-
-
-async def _completion_stream(generation: Generation, head: oa.ResponseHeader,
-                             parsed: oa.ParsedRequest) -> AsyncIterator[str]:
-    offset = 0
-    try:
-        async for event in generation:
-            head.replica_group_id = generation.replica_group_id  # the group that produced this event
-            if isinstance(event, Finished):
-                yield sse_event(oa.completion_chunk(head, "", finish_reason=event.reason.openai))
-                if parsed.include_usage:
-                    yield sse_event(oa.usage_chunk(head, "text_completion", event))
-                break
-            if not event.text and not parsed.want_logprobs:
-                continue  # inside a multi-byte character: its text comes with a later token
-            logprobs = oa.completion_logprobs([event], offset) if parsed.want_logprobs else None
-            offset += len(event.text)
-            yield sse_event(oa.completion_chunk(head, event.text, logprobs=logprobs))
-    except Exception as exc:  # noqa: BLE001 - a stream ends with an error event and [DONE], never a silent cut
-        yield _stream_error(generation, exc)
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_stream(generation: Generation, head: oa.ResponseHeader,
-                       parsed: oa.ParsedRequest) -> AsyncIterator[str]:
-    yield sse_event(oa.chat_chunk(head, {"role": "assistant", "content": ""}))
-    try:
-        async for event in generation:
-            head.replica_group_id = generation.replica_group_id  # the group that produced this event
-            if isinstance(event, Finished):
-                yield sse_event(oa.chat_chunk(head, {}, finish_reason=event.reason.openai))
-                if parsed.include_usage:
-                    yield sse_event(oa.usage_chunk(head, "chat.completion.chunk", event))
-                break
-            if not event.text and not parsed.want_logprobs:
-                continue
-            logprobs = oa.chat_logprobs([event]) if parsed.want_logprobs else None
-            yield sse_event(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs))
-    except Exception as exc:  # noqa: BLE001 - a stream ends with an error event and [DONE], never a silent cut
-        yield _stream_error(generation, exc)
-    yield "data: [DONE]\n\n"
-
-
-def _stream_error(generation: Generation, exc: Exception) -> str:
-    if not isinstance(exc, ShardlineError):
-        log.exception("request %s: the stream failed", generation.request_id, exc_info=exc)
-    return sse_event(oa.error_body(exc)[1])
 
 
 class _EmbeddedServer(uvicorn.Server):

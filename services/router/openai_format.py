@@ -12,7 +12,7 @@ Every response also carries ``replica_group_id``, the group that served it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.errors import InvalidArgument, ShardlineError
@@ -26,6 +26,10 @@ from services.router.types import Finished, GenerationRequest, Scored, TokenOut
 # Most prompts one /v1/completions request may carry (``prompt`` as a list of them): each is its
 # own request to the groups, answered as one choice.
 MAX_PROMPTS = 128
+
+# Most choices one request may ask for (n, or best_of candidates): each is its own generation.
+MAX_CHOICES = 16
+SEED_SPACE = 2**64  # choice i of a request with seed s samples with seed (s + i) mod 2**64
 
 # A chat request without max_tokens may use the rest of the context, up to this many tokens:
 # the router reserves KV for max_tokens up front, so "the whole context" would reserve it all.
@@ -142,6 +146,34 @@ class ParsedRequest:
     want_logprobs: bool  # chat: logprobs=true; completions: logprobs given
     echo: bool = False  # completions: the prompt's own tokens (and their logprobs) come first
     generate: bool = True  # False: echo with max_tokens 0, only the prompt is scored
+    n: int = 1  # choices to answer with
+    best_of: int = 1  # candidates generated (completions); the n with the highest logprob sum are kept
+
+
+def _choice_counts(body: dict[str, Any], stream: bool, *, best_of: bool) -> tuple[int, int]:
+    """``n`` and (completions) ``best_of``, checked."""
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
+    candidates = _get(body, "best_of", (int,), n) if best_of else n
+    if not n <= candidates <= MAX_CHOICES:
+        raise BadRequest(f"best_of must be an integer in [n, {MAX_CHOICES}] (n is {n}), got {candidates}", "best_of")
+    if candidates > n and stream:
+        raise BadRequest("best_of above n is served without streaming: send stream false", "best_of")
+    return n, candidates
+
+
+def choice_requests(parsed: ParsedRequest) -> list[ParsedRequest]:
+    """One request per candidate choice (``best_of`` of them): the same request, each with its
+    own seed when the request has one (choice i: seed + i, mod 2**64), so that every choice is
+    reproducible on its own as an n=1 request with that seed."""
+    out = []
+    for i in range(parsed.best_of):
+        sampling = parsed.request.sampling
+        if sampling.seed is not None:
+            sampling = replace(sampling, seed=(sampling.seed + i) % SEED_SPACE)
+        out.append(replace(parsed, request=replace(parsed.request, sampling=sampling), n=1, best_of=1))
+    return out
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -184,11 +216,15 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     stream, include_usage = _stream_flags(body)
     if echo and stream:
         raise BadRequest("echo is served without streaming: send stream false", "echo")
+    n, best_of = _choice_counts(body, stream, best_of=True)
+    if echo and best_of > 1:
+        raise BadRequest("echo is served with one choice: send n and best_of 1", "echo")
     generate = not (echo and max_tokens == 0)  # echo alone scores the prompt, as vLLM does
     sampling = _sampling(body, max_tokens=max_tokens if generate else 1, logprobs=logprobs or 0,
                          vocab_size=model.vocab_size)
     request = GenerationRequest(model=model.name, prompt_text=text, prompt_ids=ids, sampling=sampling)
-    return ParsedRequest(request, stream, include_usage, logprobs is not None, echo=echo, generate=generate)
+    return ParsedRequest(request, stream, include_usage, logprobs is not None, echo=echo, generate=generate,
+                         n=n, best_of=best_of)
 
 
 def _is_ids(value: Any) -> bool:
@@ -245,8 +281,9 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0,
                          vocab_size=model.vocab_size)
     stream, include_usage = _stream_flags(body)
+    n, _ = _choice_counts(body, stream, best_of=False)
     request = GenerationRequest(model=model.name, prompt_ids=tuple(ids), sampling=sampling)
-    return ParsedRequest(request, stream, include_usage, want_logprobs)
+    return ParsedRequest(request, stream, include_usage, want_logprobs, n=n, best_of=n)
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -292,12 +329,14 @@ def echo_completion_response(head: ResponseHeader, scored: Scored, prompt_text: 
                   "total_tokens": len(scored.token_ids) + completion_tokens}}
 
 
-def several_completions_response(answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """One answer to several prompts: each prompt's completion is a choice, ``index`` its prompt's
-    position; usage is the sum; the id is the first prompt's, the group the last one's."""
+def several_completions_response(answers: list[dict[str, Any]], *, per_prompt: int = 1) -> dict[str, Any]:
+    """One answer of several choices (several prompts, ``per_prompt`` choices each, in order):
+    ``index`` is the choice's position, as OpenAI numbers them; usage counts each prompt once and
+    every choice's completion; the id is the first choice's, the group the last one's."""
     choices = [{**answer["choices"][0], "index": i} for i, answer in enumerate(answers)]
-    totals = {key: sum(a["usage"][key] for a in answers) for key in ("prompt_tokens", "completion_tokens",
-                                                                      "total_tokens")}
+    prompt = sum(a["usage"]["prompt_tokens"] for a in answers[::per_prompt])
+    completion = sum(a["usage"]["completion_tokens"] for a in answers)
+    totals = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     return {**answers[0], "replica_group_id": answers[-1]["replica_group_id"], "choices": choices, "usage": totals}
 
 
@@ -343,16 +382,22 @@ def chat_response(head: ResponseHeader, tokens: list[TokenOut], finished: Finish
 
 
 def completion_chunk(head: ResponseHeader, text: str, *, finish_reason: str | None = None,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                     logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
     return {**head.base("text_completion"),
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def chat_chunk(head: ResponseHeader, delta: dict[str, Any], *, finish_reason: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
     return {**head.base("chat.completion.chunk"),
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def usage_chunk(head: ResponseHeader, obj: str, finished: Finished) -> dict[str, Any]:
-    return {**head.base(obj), "choices": [], "usage": usage(finished)}
+def usage_chunk(head: ResponseHeader, obj: str, finished: Finished, *, completion_tokens: int | None = None) -> \
+        dict[str, Any]:
+    """The usage chunk; ``completion_tokens``: the sum over a request's choices (default: this one's)."""
+    body = usage(finished)
+    if completion_tokens is not None:
+        body = {**body, "completion_tokens": completion_tokens,
+                "total_tokens": body["prompt_tokens"] + completion_tokens}
+    return {**head.base(obj), "choices": [], "usage": body}

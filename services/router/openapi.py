@@ -22,7 +22,7 @@ from services.common.sampling import (
     MAX_SEED,
     MAX_UINT32,
 )
-from services.router.openai_format import MAX_PROMPTS
+from services.router.openai_format import MAX_CHOICES, MAX_PROMPTS
 from services.router.request_fields import BY_ENDPOINT, Endpoint
 
 _INT = {"type": "integer"}
@@ -73,6 +73,8 @@ _SAMPLING: dict[str, Any] = {
     "frequency_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
     "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 100,
                                      "description": "vLLM's; 1: off"}),
+    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                    "description": "choices; with seed s, choice i samples with seed s + i (mod 2**64)"}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _STREAM_OPTIONS,
 }
@@ -146,7 +148,10 @@ SCHEMAS: dict[str, Any] = {
                                "max_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_INT32,
                                                         "description": "0 only with echo: score the prompt"}),
                                "echo": _nullable({"type": "boolean", "description":
-                                                  "the prompt and its logprobs first; not with stream"})},
+                                                  "the prompt and its logprobs first; not with stream"}),
+                               "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                                                     "description": "candidates (at least n): the n of highest "
+                                                                    "logprob sum are answered; not with stream"})},
                               ("prompt",)),
     "ChatCompletionRequest": _obj({**_table_fields("chat"), **_SAMPLING,
                                    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},

@@ -86,6 +86,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("logprobs", BOTH, "honoured", note="completions: an integer; chat: a boolean"),
     _F("top_logprobs", CHAT, "honoured"),
     _F("echo", COMPLETIONS, "honoured", note="not streamed; with max_tokens 0 only the prompt is scored"),
+    _F("n", BOTH, "honoured", note="up to 16 choices; with seed s, choice i samples with seed s + i"),
+    _F("best_of", COMPLETIONS, "honoured", note="candidates, the n of highest logprob sum kept; not streamed"),
     _F("stream", BOTH, "honoured"),
     _F("stream_options", BOTH, "honoured", note="include_usage"),
     _F("cache_salt", BOTH, "honoured", note="vLLM's: prefix-cache hits only among requests of the same salt"),
@@ -105,8 +107,6 @@ FIELDS: tuple[RequestField, ...] = (
     _F("prediction", CHAT, "hint", note="predicted outputs only speed a response up; not used"),
     _F("parallel_tool_calls", CHAT, "hint", note="meaningful only with tools, which are not supported"),
     # -- unsupported: a 400 unless "off" ---------------------------------------------------
-    _F("n", BOTH, "unsupported", (1,), "one choice per request"),
-    _F("best_of", COMPLETIONS, "unsupported", (1,)),
     _F("suffix", COMPLETIONS, "unsupported", ("",)),
     _F("response_format", CHAT, "unsupported", ({"type": "text"},), "structured outputs are not implemented yet"),
     _F("guided_json", BOTH, "unsupported", note="vLLM's structured outputs are not implemented yet"),

@@ -10,7 +10,7 @@ from services.common.errors import InvalidArgument, NotFound, ResourceExhausted,
 from services.router import openai_format as oa
 from services.router.catalog import ModelCatalog, load_served_model
 from services.router.chat import ChatMessage, parse_messages
-from services.router.http_api import sse_event
+from services.router.sse import sse_event
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? ünïcödé"},
             {"role": "assistant", "content": "4"}, {"role": "user", "content": [{"type": "text", "text": "And 3+3?"}]}]
@@ -97,7 +97,9 @@ def test_several_completions_response_has_a_choice_per_prompt():
     ({"prompt": "a", "temperature": -0.5}, "temperature", "temperature must be a finite number >= 0, got -0.5"),
     ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be in (0, 1], got 0"),
     ({"prompt": "a", "top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
-    ({"prompt": "a", "n": 2}, "n", "n is not supported (only 1), got 2: one choice per request"),
+    ({"prompt": "a", "n": 17}, "n", "n must be an integer in [1, 16], got 17"),
+    ({"prompt": "a", "n": 2, "best_of": 1}, "best_of", "best_of must be an integer in [n, 16] (n is 2), got 1"),
+    ({"prompt": "a", "best_of": 2, "stream": True}, "best_of", "best_of above n is served without streaming"),
     ({"prompt": "a", "stop": 3}, "stop", "stop must be a string or a list of strings, got 3"),
     ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature must be int or float, got 'hot'"),
     ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty",

@@ -60,6 +60,42 @@ def test_tokenize_detokenize_and_version_over_http(http):
     assert httpx.get(f"{http}/version", timeout=10).json() == {"version": version("shardline")}
 
 
+def test_n_choices_each_equal_their_own_seeded_request(http):
+    """n=3, seed=7: choice i is what an n=1 request with seed 7 + i answers, streamed or not, on
+    completions and chat; best_of=3 keeps the candidate of the highest logprob sum."""
+    client = openai.OpenAI(base_url=f"{http}/v1", api_key="none", max_retries=0)
+    args = dict(model="tiny", prompt="once upon a time", max_tokens=12, temperature=1.0)
+    alone = [client.completions.create(**args, seed=7 + i, logprobs=0) for i in range(3)]
+    texts = [a.choices[0].text for a in alone]
+    assert len(set(texts)) > 1  # the seeds differ, and so do the texts
+    several = client.completions.create(**args, seed=7, n=3)
+    assert [c.text for c in sorted(several.choices, key=lambda c: c.index)] == texts
+    assert several.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert several.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    streamed = ["", "", ""]
+    chunks = client.completions.create(**args, seed=7, n=3, stream=True, stream_options={"include_usage": True})
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == several.usage.completion_tokens
+    assert streamed == texts
+    best = client.completions.create(**args, seed=7, n=1, best_of=3)
+    scores = [sum(a.choices[0].logprobs.token_logprobs) for a in alone]
+    assert [c.text for c in best.choices] == [texts[scores.index(max(scores))]]
+    messages = [{"role": "user", "content": "tell me a story"}]
+    chat_alone = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, seed=3 + i)
+                  .choices[0].message.content for i in range(2)]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, seed=3, n=2)
+    assert [c.message.content for c in sorted(chat.choices, key=lambda c: c.index)] == chat_alone
+    deltas = ["", ""]
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, seed=3, n=2,
+                                                stream=True):
+        for choice in chunk.choices:
+            deltas[choice.index] += choice.delta.content or ""
+    assert deltas == chat_alone
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_schemathesis_finds_nothing(http):

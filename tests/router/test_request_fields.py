@@ -18,7 +18,6 @@ BASE = {"completions": {"prompt": "hello there"}, "chat": {"messages": [{"role":
 
 # a value of each unsupported field that asks for something
 ASKING: dict[str, typing.Any] = {
-    "n": 2, "best_of": 3,
     "suffix": " end",
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
     "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structured_outputs": {"json": {}},
