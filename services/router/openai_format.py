@@ -147,6 +147,7 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt's own tokens (and their logprobs) come first
     generate: bool = True  # False: echo with max_tokens 0, only the prompt is scored
     n: int = 1  # choices to answer with
+    continuous_usage: bool = False  # streamed: every chunk carries its choice's usage so far
     best_of: int = 1  # candidates generated (completions); the n with the highest logprob sum are kept
 
 
@@ -176,15 +177,23 @@ def choice_requests(parsed: ParsedRequest) -> list[ParsedRequest]:
     return out
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage`` (a usage chunk last) and vLLM's
+    ``stream_options.continuous_usage_stats`` (every chunk carries its choice's usage so far)."""
     stream = _get(body, "stream", (bool,), False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
-    if options.get("continuous_usage_stats"):
-        raise BadRequest("stream_options.continuous_usage_stats is not supported (usage comes in the last chunk, "
-                         "with include_usage)", "stream_options")
-    return stream, bool(options.get("include_usage", False))
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name, False)
+        if not isinstance(value, bool):
+            raise BadRequest(f"stream_options.{name} must be a boolean, got {value!r}", "stream_options")
+        flags.append(value)
+    include_usage, continuous = flags
+    if continuous and not include_usage:
+        raise BadRequest("stream_options.continuous_usage_stats needs include_usage true", "stream_options")
+    return stream, include_usage, continuous
 
 
 def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
@@ -213,7 +222,7 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     logprobs = _get(body, "logprobs", (int,), None)
     max_tokens = _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
     echo = _get(body, "echo", (bool,), False)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     if echo and stream:
         raise BadRequest("echo is served without streaming: send stream false", "echo")
     n, best_of = _choice_counts(body, stream, best_of=True)
@@ -224,7 +233,7 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
                          vocab_size=model.vocab_size)
     request = GenerationRequest(model=model.name, prompt_text=text, prompt_ids=ids, sampling=sampling)
     return ParsedRequest(request, stream, include_usage, logprobs is not None, echo=echo, generate=generate,
-                         n=n, best_of=best_of)
+                         n=n, best_of=best_of, continuous_usage=continuous)
 
 
 def _is_ids(value: Any) -> bool:
@@ -280,10 +289,10 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
     top = _get(body, "top_logprobs", (int,), 0)
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0,
                          vocab_size=model.vocab_size)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     n, _ = _choice_counts(body, stream, best_of=False)
     request = GenerationRequest(model=model.name, prompt_ids=tuple(ids), sampling=sampling)
-    return ParsedRequest(request, stream, include_usage, want_logprobs, n=n, best_of=n)
+    return ParsedRequest(request, stream, include_usage, want_logprobs, n=n, best_of=n, continuous_usage=continuous)
 
 
 # ---- responses --------------------------------------------------------------------------

@@ -44,7 +44,9 @@ def _obj(properties: dict[str, Any], required: tuple[str, ...] = (), **extra: An
 
 _STOP = _nullable({"anyOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "items": {"type": "string", "minLength": 1}}]})
-_STREAM_OPTIONS = _nullable(_obj({"include_usage": {"type": "boolean"}}))
+_STREAM_OPTIONS = _nullable(_obj({"include_usage": {"type": "boolean"},
+                                  "continuous_usage_stats": {"type": "boolean", "description":
+                                                             "vLLM's: usage in every chunk; needs include_usage"}}))
 
 # The sampling fields both endpoints take (vLLM's extensions included), with the ranges
 # services.common.sampling enforces.

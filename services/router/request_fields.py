@@ -18,6 +18,7 @@ describes each field from it, and the README lists it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -89,7 +90,7 @@ FIELDS: tuple[RequestField, ...] = (
     _F("n", BOTH, "honoured", note="up to 16 choices; with seed s, choice i samples with seed s + i"),
     _F("best_of", COMPLETIONS, "honoured", note="candidates, the n of highest logprob sum kept; not streamed"),
     _F("stream", BOTH, "honoured"),
-    _F("stream_options", BOTH, "honoured", note="include_usage"),
+    _F("stream_options", BOTH, "honoured", note="include_usage; vLLM's continuous_usage_stats"),
     _F("cache_salt", BOTH, "honoured", note="vLLM's: prefix-cache hits only among requests of the same salt"),
     _F("logit_bias", BOTH, "honoured", note="added before the choice, greedy included; logprobs stay the model's"),
     _F("min_p", BOTH, "honoured", note="vLLM's; after temperature, before top-k/top-p; 0: off"),
@@ -153,3 +154,24 @@ def check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
                 raise UnsupportedField(f"{name} is a {' and '.join(other.endpoints)} parameter", name)
             field = other
         field.check(value)
+
+
+def markdown_table() -> str:
+    """The table as README lists it (tests/router/test_request_fields.py keeps the two equal):
+    ``python -c 'from services.router.request_fields import markdown_table; print(markdown_table())'``."""
+    lines = ["| field | endpoint | status |", "|---|---|---|"]
+    for f in FIELDS:
+        where = "both" if len(f.endpoints) == 2 else f.endpoints[0]
+        if f.status == "honoured":
+            status = "honoured" + (f": {f.note}" if f.note else "")
+        elif f.status == "hint":
+            status = f"accepted, no effect: {f.note}"
+        else:
+            offs = " or ".join(f"`{_json(o)}`" for o in f.off)
+            status = "400 unless null" + (f" or {offs}" if offs else "") + (f": {f.note}" if f.note else "")
+        lines.append(f"| `{f.name}` | {where} | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)

@@ -3,7 +3,8 @@ objects (``openai_format.py`` builds them) as ``data:`` lines, ending with ``dat
 
 Each choice streams from its own generation; several (``n``) stream at once, each choice's chunks
 going out as its generation produces them, ``index`` naming the choice. The usage chunk (with
-``include_usage``) counts the prompt once and every choice's tokens. A stream that fails ends with
+``include_usage``) counts the prompt once and every choice's tokens; with vLLM's
+``continuous_usage_stats`` every chunk also carries its choice's usage so far. A stream that fails ends with
 an error event and ``[DONE]``, never a silent cut; a choice that fails ends the others.
 """
 
@@ -43,25 +44,35 @@ def stream_error(generation: Generation, exc: Exception) -> str:
 async def _choice_chunks(generation: Generation, head: oa.ResponseHeader, parsed: oa.ParsedRequest, index: int,
                          chat: bool, out: asyncio.Queue) -> Finished:
     """Put one choice's chunks (dicts) on ``out`` as its generation produces them; its Finished."""
+    prompt_tokens, tokens = len(generation.prepared.prompt_ids), 0
+
+    async def put(chunk: dict[str, Any]) -> None:
+        if parsed.continuous_usage:  # vLLM's continuous_usage_stats: this choice's usage so far
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                              "total_tokens": prompt_tokens + tokens}
+        await out.put(chunk)
+
     if chat:
-        await out.put(oa.chat_chunk(head, {"role": "assistant", "content": ""}, index=index))
+        await put(oa.chat_chunk(head, {"role": "assistant", "content": ""}, index=index))
     offset = 0
     async for event in generation:
         head.replica_group_id = generation.replica_group_id  # the group that produced this event
         if isinstance(event, Finished):
             reason = event.reason.openai
-            await out.put(oa.chat_chunk(head, {}, finish_reason=reason, index=index) if chat else
-                          oa.completion_chunk(head, "", finish_reason=reason, index=index))
+            tokens = event.completion_tokens
+            await put(oa.chat_chunk(head, {}, finish_reason=reason, index=index) if chat else
+                      oa.completion_chunk(head, "", finish_reason=reason, index=index))
             return event
+        tokens += 1
         if not event.text and not parsed.want_logprobs:
             continue  # inside a multi-byte character: its text comes with a later token
         if chat:
             logprobs = oa.chat_logprobs([event]) if parsed.want_logprobs else None
-            await out.put(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs, index=index))
+            await put(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs, index=index))
         else:
             logprobs = oa.completion_logprobs([event], offset) if parsed.want_logprobs else None
             offset += len(event.text)
-            await out.put(oa.completion_chunk(head, event.text, logprobs=logprobs, index=index))
+            await put(oa.completion_chunk(head, event.text, logprobs=logprobs, index=index))
     raise AssertionError("a stream always ends with Finished or an error")
 
 

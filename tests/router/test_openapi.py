@@ -80,6 +80,10 @@ def test_n_choices_each_equal_their_own_seeded_request(http):
         if chunk.usage is not None:
             assert chunk.usage.completion_tokens == several.usage.completion_tokens
     assert streamed == texts
+    usage = [chunk.usage for chunk in client.completions.create(
+        **args, seed=7, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})]
+    assert all(u is not None and u.prompt_tokens == alone[0].usage.prompt_tokens for u in usage)
+    assert [u.completion_tokens for u in usage][-2:] == [alone[0].usage.completion_tokens] * 2  # finish, usage
     best = client.completions.create(**args, seed=7, n=1, best_of=3)
     scores = [sum(a.choices[0].logprobs.token_logprobs) for a in alone]
     assert [c.text for c in best.choices] == [texts[scores.index(max(scores))]]
