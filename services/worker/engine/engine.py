@@ -350,10 +350,10 @@ class LLMEngine:
                 cut = len(seq.prompt_token_ids) - p.first_step
                 generated = (*seq.prompt_token_ids[cut:], *seq.output_token_ids)
                 prompt = tuple(seq.prompt_token_ids[:cut]) if p.repetition_penalty != 1 else ()
-            steps.append(SeqStep(s.seq_id, s.token_ids, s.positions, s.slot_mapping, s.block_table, s.context_len,
-                                 s.do_sample, p.temperature, p.top_p, p.top_k, p.seed, seq.sampling_step,
-                                 p.logprobs, p.min_p, p.logit_bias, banned, p.presence_penalty,
-                                 p.frequency_penalty, p.repetition_penalty, generated, prompt))
+            steps.append(SeqStep.of(p, seq.num_output_tokens, banned=banned, generated=generated, prompt=prompt,
+                                    seq_id=s.seq_id, token_ids=s.token_ids, positions=s.positions,
+                                    slots=s.slot_mapping, block_table=s.block_table, context_len=s.context_len,
+                                    sample=s.do_sample))
         plan = StepPlan(out.step_id, "run", steps)
         for listener in tuple(self.step_listeners):
             listener.on_step_scheduled(plan)

@@ -33,12 +33,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from services.common.sampling import SamplingParams
 from services.modeling.kernels import greedy_logsumexp
+from services.worker.engine.step import RowSampling
 
 _MASK64 = 2**64 - 1
 
@@ -50,70 +50,6 @@ def mix_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-class SamplingRow(Protocol):
-    """What the sampler needs to know about one row. ``StepPlan``'s per-sequence entries carry
-    these fields; ``Sampler.__call__`` builds them from ``SamplingParams``."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def seed(self) -> int | None: ...
-    @property
-    def num_generated(self) -> int: ...  # tokens the request generated before this one (first_step included)
-    @property
-    def top_logprobs(self) -> int: ...  # alternatives to return (SamplingParams.logprobs)
-    @property
-    def min_p(self) -> float: ...
-    @property
-    def logit_bias(self) -> Seq[tuple[int, float]]: ...
-    @property
-    def banned(self) -> Seq[int]: ...  # tokens not to sample this step (min_tokens)
-    @property
-    def presence_penalty(self) -> float: ...
-    @property
-    def frequency_penalty(self) -> float: ...
-    @property
-    def repetition_penalty(self) -> float: ...
-    @property
-    def generated(self) -> Seq[int]: ...  # the request's generated tokens (with penalties)
-    @property
-    def prompt(self) -> Seq[int]: ...  # the rest of its prompt (with repetition_penalty)
-
-
-@dataclass(frozen=True)
-class RowParams:
-    """A ``SamplingRow`` built from a request's ``SamplingParams``."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    num_generated: int
-    top_logprobs: int
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    banned: tuple[int, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    generated: tuple[int, ...] = ()
-    prompt: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, params: SamplingParams, num_generated: int, banned: tuple[int, ...] = (),
-           generated: tuple[int, ...] = (), prompt: tuple[int, ...] = ()) -> RowParams:
-        """``num_generated``: tokens the sequence generated (after its prompt); the row's step
-        adds the request's ``first_step``. ``banned``: the tokens min_tokens keeps out now;
-        ``generated`` and ``prompt``: what the penalties count."""
-        return cls(params.temperature, params.top_p, params.top_k, params.seed,
-                   params.first_step + num_generated, params.logprobs, params.min_p, params.logit_bias, banned,
-                   params.presence_penalty, params.frequency_penalty, params.repetition_penalty, generated, prompt)
 
 
 @dataclass
@@ -161,10 +97,10 @@ class Sampler:
         row i's sequence has generated so far, after ``params[i].first_step``) describe row i."""
         if len(params) != len(num_generated):
             raise SamplerError(f"got {len(params)} params but {len(num_generated)} num_generated")
-        return self.sample(logits, [RowParams.of(p, n) for p, n in zip(params, num_generated, strict=True)])
+        return self.sample(logits, [RowSampling.of(p, n) for p, n in zip(params, num_generated, strict=True)])
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: Seq[SamplingRow]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, rows: Seq[RowSampling]) -> SampleResult:
         """``logits``: ``[n, vocab]`` in any float dtype (computed on in float32); ``rows[i]``
         describes row i."""
         if logits.dim() != 2:
@@ -214,7 +150,7 @@ class Sampler:
         return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
 
     @staticmethod
-    def _adjusted(logits: torch.Tensor, rows: Seq[SamplingRow], adjusted: list[int],
+    def _adjusted(logits: torch.Tensor, rows: Seq[RowSampling], adjusted: list[int],
                   token_ids: torch.Tensor) -> torch.Tensor:
         """A copy of ``logits`` with each adjusted row's penalties applied (repetition first, then
         frequency and presence, as vLLM does), its logit_bias added and its banned tokens at -inf;
@@ -243,7 +179,7 @@ class Sampler:
         return out
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: Seq[SamplingRow], vocab: int) -> torch.Tensor:
+    def _filtered_probs(logits: torch.Tensor, params: Seq[RowSampling], vocab: int) -> torch.Tensor:
         """Probabilities after temperature, min-p, top-k and top-p, renormalised; [rows, vocab].
 
         Which computation a row goes through depends on its own parameters only (never on the

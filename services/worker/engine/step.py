@@ -8,18 +8,16 @@ step gets a new token sampled (a decode, or the chunk that completes a prefill).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Self
+
+from services.common.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
-class SeqStep:
-    seq_id: int
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    block_table: list[int]
-    context_len: int  # tokens in the cache once this step's are written
-    sample: bool
-    # sampling parameters travel with the step: the last stage samples, statelessly
+@dataclass(frozen=True, kw_only=True)
+class RowSampling:
+    """How one row's next token is chosen: the sampler's input (``sampler.py`` says what each
+    field does). Every SeqStep carries its own, so that the last stage samples statelessly."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -39,6 +37,28 @@ class SeqStep:
     # of its prompt (repetition_penalty counts both)
     generated: tuple[int, ...] = ()
     prompt: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, params: SamplingParams, num_generated: int, *, banned: tuple[int, ...] = (),
+           generated: tuple[int, ...] = (), prompt: tuple[int, ...] = (), **more: Any) -> Self:
+        """From a request's parameters; ``num_generated``: tokens the sequence generated after its
+        prompt (the request's ``first_step`` is added). ``more``: a SeqStep's own fields."""
+        return cls(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+                   num_generated=params.first_step + num_generated, top_logprobs=params.logprobs,
+                   min_p=params.min_p, logit_bias=params.logit_bias, banned=banned,
+                   presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                   repetition_penalty=params.repetition_penalty, generated=generated, prompt=prompt, **more)
+
+
+@dataclass(frozen=True)
+class SeqStep(RowSampling):
+    seq_id: int
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_table: list[int]
+    context_len: int  # tokens in the cache once this step's are written
+    sample: bool
 
 
 @dataclass(frozen=True)

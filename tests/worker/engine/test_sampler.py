@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.worker.engine.sampler import RowParams, Sampler, SamplerError, mix_seed
+from services.worker.engine.sampler import Sampler, SamplerError, mix_seed
+from services.worker.engine.step import RowSampling
 
 VOCAB = 300
 
@@ -153,7 +154,7 @@ def test_sample_takes_step_rows_and_iterates_as_tuples() -> None:
              for i, (p, n) in enumerate(zip(params, generated, strict=True))]
     by_steps = Sampler().sample(logits, steps)
     assert by_steps == by_params
-    assert Sampler().sample(logits, [RowParams.of(p, n) for p, n in zip(params, generated, strict=True)]) == by_params
+    assert Sampler().sample(logits, [RowSampling.of(p, n) for p, n in zip(params, generated, strict=True)]) == by_params
     rows = list(by_steps)
     assert len(by_steps) == 3 and rows[1] == (by_params.token_ids[1], by_params.logprobs[1], [])
     assert len(rows[0][2]) == 2
@@ -169,7 +170,7 @@ def test_a_row_with_first_step_k_draws_the_steps_after_k_of_a_row_from_zero() ->
     after_k = [Sampler()(logits, [continued], [n]).token_ids[0] for n in range(15)]
     assert after_k == from_zero[5:]
     assert after_k != from_zero[:15]  # restarting the step index at 0 would draw another stream
-    assert RowParams.of(continued, 3) == RowParams.of(params, 8)
+    assert RowSampling.of(continued, 3) == RowSampling.of(params, 8)
 
 
 def test_logit_bias_moves_the_choice_greedy_included_and_logprobs_stay_raw() -> None:
@@ -191,18 +192,34 @@ def test_logit_bias_moves_the_choice_greedy_included_and_logprobs_stay_raw() -> 
 def test_banned_tokens_are_never_sampled_and_rows_stay_batch_invariant() -> None:
     logits = logits_batch(1, seed=6)
     best = int(logits[0].argmax())
-    greedy = RowParams(0.0, 1.0, 0, None, 0, 0, banned=(best,))
+    greedy = RowSampling(banned=(best,))
     assert Sampler().sample(logits, [greedy]).token_ids == [int(logits[0].topk(2).indices[1])]
-    sampled = RowParams(3.0, 1.0, 0, 11, 0, 0, banned=tuple(range(0, VOCAB, 2)))
-    draws = {Sampler().sample(logits, [RowParams(3.0, 1.0, 0, 11, n, 0, banned=sampled.banned)]).token_ids[0]
-             for n in range(50)}
+    odd_only = tuple(range(0, VOCAB, 2))
+    draws = {Sampler().sample(logits, [RowSampling(temperature=3.0, seed=11, num_generated=n, banned=odd_only)])
+             .token_ids[0] for n in range(50)}
     assert draws and all(t % 2 == 1 for t in draws) and len(draws) > 5
-    mine = RowParams(1.0, 0.9, 0, 5, 2, 0, min_p=0.05, logit_bias=((3, 4.0),), banned=(best,))
+    mine = RowSampling(temperature=1.0, top_p=0.9, seed=5, num_generated=2, min_p=0.05, logit_bias=((3, 4.0),),
+                       banned=(best,), presence_penalty=0.5, repetition_penalty=1.3, generated=(3, 3, 8), prompt=(9,))
     alone = Sampler().sample(logits, [mine]).token_ids[0]
     batch = torch.cat([logits_batch(2, seed=9), logits, logits_batch(1, seed=10)])
-    rows = [RowParams(0.0, 1.0, 0, None, 0, 0), RowParams(0.7, 1.0, 5, None, 0, 0, min_p=0.2), mine,
-            RowParams(1.0, 1.0, 0, 1, 0, 0, logit_bias=((7, -3.0),))]
+    rows = [RowSampling(), RowSampling(temperature=0.7, top_k=5, min_p=0.2), mine,
+            RowSampling(temperature=1.0, seed=1, logit_bias=((7, -3.0),))]
     assert Sampler(seed=1).sample(batch, rows).token_ids[2] == alone
+
+
+def test_penalties_follow_their_definitions() -> None:
+    logits = logits_batch(1, seed=12)
+    generated, prompt = (5, 5, 9), (9, 11)
+    row = RowSampling(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, generated=generated,
+                      prompt=prompt)
+    expected = logits[0].clone()
+    for t in {5, 9, 11}:  # repetition: prompt and generated tokens, positive logits divided, negative multiplied
+        expected[t] = expected[t] / 2 if expected[t] > 0 else expected[t] * 2
+    for t in {5, 9}:  # then frequency (per occurrence) and presence (once) over the generated ones
+        expected[t] -= 0.25 * generated.count(t) + 0.5
+    out = Sampler().sample(logits, [row])
+    assert out.token_ids == [int(expected.argmax())]
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[out.token_ids[0]]), abs=1e-5)
 
 
 def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
