@@ -35,7 +35,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParameters) -> SamplingParams:
         ignore_eos=pb.ignore_eos, first_step=pb.first_step, cache_salt=pb.cache_salt or None,
         min_p=pb.min_p, logit_bias=tuple(pb.logit_bias.items()), min_tokens=pb.min_tokens,
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
-        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0)
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        guide=(pb.guide.kind, pb.guide.spec) if pb.HasField("guide") else None)
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
@@ -47,6 +48,8 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
     if params.repetition_penalty != 1:
         pb.repetition_penalty = params.repetition_penalty
+    if params.guide is not None:
+        pb.guide.kind, pb.guide.spec = params.guide
     if params.seed is not None:
         pb.seed = params.seed
     return pb

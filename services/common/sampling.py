@@ -14,6 +14,8 @@ from enum import Enum
 
 from services.common.errors import InvalidArgument
 
+GUIDE_KINDS = ("json_schema", "regex", "choice")  # services.common.guided compiles them
+
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (vLLM's default cap)
 # What the proto's fields can carry: a value is valid only if its wire type holds it, so a
 # request the router accepts reaches the worker unchanged.
@@ -82,7 +84,8 @@ class SamplingParams:
     ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract from a token's logit once if it was
     generated and once per time it was; ``repetition_penalty`` (vLLM's, > 0, 1 off) divides a
     positive logit (multiplies a negative one) of every token in the prompt or the output. Generated
-    tokens are counted across a continuation: its prompt's last ``first_step`` ids. ``cache_salt``
+    tokens are counted across a continuation: its prompt's last ``first_step`` ids. ``guide``:
+    structured outputs, ``(kind, spec)`` (``services.common.guided``). ``cache_salt``
     (not a sampling parameter, but it travels with them): the request shares cached prefix
     blocks only with requests of the same salt; None shares with every unsalted request.
     Construction validates every field and raises :class:`InvalidRequest` naming it.
@@ -105,6 +108,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    guide: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         # accept lists and mappings for the tuple fields, keep the dataclass hashable
@@ -174,6 +178,12 @@ class SamplingParams:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or not 0 < r <= 100:
             raise InvalidRequest(f"repetition_penalty must be a number in (0, 100] (1 = off), got {r!r}")
+        if self.guide is not None:
+            guide = tuple(self.guide)
+            object.__setattr__(self, "guide", guide)
+            if len(guide) != 2 or guide[0] not in GUIDE_KINDS or not isinstance(guide[1], str) or not guide[1]:
+                raise InvalidRequest(f"guide must be (kind, spec) with kind one of {', '.join(GUIDE_KINDS)} and "
+                                     f"a non-empty spec, got {str(guide)[:80]}")
         # every step index the request can reach fits the uint32 field, so a continuation's
         # first_step (this one + the tokens generated so far, fewer than max_tokens) is valid too
         if self.first_step + self.max_tokens > MAX_UINT32:

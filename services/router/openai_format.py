@@ -11,11 +11,13 @@ Every response also carries ``replica_group_id``, the group that served it.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.errors import InvalidArgument, ShardlineError
+from services.common.guided import InvalidGuide, grammar_of
 from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.admission import context_error
 from services.router.catalog import ServedModel
@@ -116,9 +118,56 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
     return tuple(out)
 
 
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def _response_format(value: Any) -> tuple[str, str] | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest(f"response_format must be an object whose type is text, json_object or json_schema, "
+                         f"got {str(value)[:80]}", "response_format")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return "json_schema", '{"type": "object"}'
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise BadRequest("response_format: a json_schema response format needs json_schema.schema, an object",
+                         "response_format")
+    return "json_schema", json.dumps(spec["schema"])
+
+
+def _guide(body: dict[str, Any]) -> tuple[str, str] | None:
+    """Structured outputs from OpenAI's ``response_format`` or vLLM's ``guided_json``,
+    ``guided_regex`` and ``guided_choice`` (one of them), compiled once here so that a bad one is a
+    400 before any stream."""
+    given = [name for name in GUIDE_FIELDS if body.get(name) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"only one of {', '.join(given)} may be given", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        guide = _response_format(value)
+    elif name == "guided_json" and isinstance(value, dict | str):
+        guide = "json_schema", value if isinstance(value, str) else json.dumps(value)
+    elif name == "guided_regex" and isinstance(value, str):
+        guide = "regex", value
+    elif name == "guided_choice" and isinstance(value, list):
+        guide = "choice", json.dumps(value)
+    else:
+        raise BadRequest(f"{name} has the wrong type: {str(value)[:80]}", name)
+    if guide is not None:
+        try:
+            grammar_of(*guide)
+        except InvalidGuide as exc:
+            raise BadRequest(f"{name}: {exc}", name) from None
+    return guide
+
+
 def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int, vocab_size: int) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     return SamplingParams(
+        guide=_guide(body),
         min_p=_get(body, "min_p", (int, float), 0.0),
         logit_bias=_logit_bias(body, vocab_size),
         min_tokens=_get(body, "min_tokens", (int,), 0),

@@ -75,6 +75,13 @@ _SAMPLING: dict[str, Any] = {
     "frequency_penalty": _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}),
     "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 100,
                                      "description": "vLLM's; 1: off"}),
+    "response_format": _nullable(_obj({
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": _obj({"name": _STR, "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"}),
+                             "description": _STR}, ("schema",))}, ("type",))),
+    "guided_json": _nullable({"anyOf": [{"type": "object"}, _STR], "description": "vLLM's: a JSON schema"}),
+    "guided_regex": _nullable({**_STR, "description": "vLLM's: the whole output matches it"}),
+    "guided_choice": _nullable({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
     "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
                     "description": "choices; with seed s, choice i samples with seed s + i (mod 2**64)"}),
     "stream": _nullable({"type": "boolean"}),

@@ -103,3 +103,35 @@ def test_a_seeded_sampled_stream_continued_elsewhere_has_the_fault_free_tokens(t
                                                 ignore_eos=True)
         assert on_b(prompt + reference[:switch], restart) != reference[switch:]
         print(f"\nrg-a streamed {switch} of {max_tokens} tokens before its rank was killed")
+
+
+def test_a_guided_stream_continued_elsewhere_keeps_its_grammar(tiny_model_dir, tmp_path):
+    """Structured outputs across a failure: rg-b's matcher replays the tokens rg-a streamed, so the
+    rest follows the schema and equals the fault-free run (seeded sampling, random weights)."""
+    import json
+
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9},
+                                                      "minItems": 12, "maxItems": 12}},
+              "required": ["xs"], "additionalProperties": False}
+    params = common_pb2.SamplingParameters(temperature=1.0, seed=7, max_tokens=80,
+                                           guide=common_pb2.GuidedDecoding(kind="json_schema",
+                                                                           spec=json.dumps(schema)))
+    prompt = list(range(70, 80))
+    with two_groups(tiny_model_dir, tmp_path) as (a, b_address, router_address):
+        with grpc.insecure_channel(b_address) as channel:
+            reference = [r.token for r in worker_pb2_grpc.WorkerServiceStub(channel).Generate(
+                worker_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt), sampling=params))
+                if r.HasField("token")]
+        with grpc.insecure_channel(router_address) as channel:
+            stream = router_pb2_grpc.RouterServiceStub(channel).Generate(
+                router_pb2.RouterGenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt), sampling=params))
+            responses = [next(stream) for _ in range(3)]
+            assert {r.replica_group_id for r in responses} == {"rg-a"}
+            os.kill(rank_pids(a.pid)[0], signal.SIGKILL)  # one rank of rg-a dies mid-stream
+            responses += list(stream)
+        tokens, final = responses[:-1], responses[-1]
+        assert "rg-b" in {r.replica_group_id for r in tokens}
+        assert [r.token.token_id for r in tokens] == [t.token_id for t in reference]
+        text = "".join(r.token.text for r in tokens)
+        assert len(json.loads(text)["xs"]) == 12 and final.finished.finish_reason == common_pb2.FINISH_REASON_EOS_TOKEN

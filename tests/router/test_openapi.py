@@ -100,6 +100,33 @@ def test_n_choices_each_equal_their_own_seeded_request(http):
     assert deltas == chat_alone
 
 
+def test_the_openai_client_parses_structured_outputs(http):
+    """client.chat.completions.parse with a pydantic model: the random-weight model's sampled
+    answer is a valid object every time, because the schema's mask leaves nothing else."""
+    import enum
+
+    import pydantic
+
+    class Color(enum.Enum):
+        RED = "red"
+        GREEN = "green"
+
+    class Item(pydantic.BaseModel):
+        color: Color
+        sizes: list[int] = pydantic.Field(max_length=3)
+        ok: bool
+
+    client = openai.OpenAI(base_url=f"{http}/v1", api_key="none", max_retries=0)
+    for seed in range(4):
+        answer = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "an item"}],
+                                               response_format=Item, max_tokens=120, temperature=1.0, seed=seed)
+        item = answer.choices[0].message.parsed
+        assert isinstance(item, Item) and answer.choices[0].finish_reason == "stop", answer
+    regex = client.completions.create(model="tiny", prompt="a code:", max_tokens=20, temperature=1.0,
+                                      extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
+    assert len(regex.choices[0].text) == 4 and regex.choices[0].text[:2].isupper(), regex
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_schemathesis_finds_nothing(http):

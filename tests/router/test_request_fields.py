@@ -3,6 +3,7 @@ a hint with no effect, or a 400 that names it: never a 200 that silently ignores
 
 from __future__ import annotations
 
+import json
 import typing
 
 import pytest
@@ -19,8 +20,7 @@ BASE = {"completions": {"prompt": "hello there"}, "chat": {"messages": [{"role":
 # a value of each unsupported field that asks for something
 ASKING: dict[str, typing.Any] = {
     "suffix": " end",
-    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
-    "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structured_outputs": {"json": {}},
+    "guided_grammar": "root ::= \"a\"", "structured_outputs": {"json": {}},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
     "functions": [{"name": "f"}], "function_call": {"name": "f"}, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "web_search_options": {}, "moderation": {"model": "x"}, "store": True,
@@ -111,3 +111,24 @@ def test_logit_bias_min_p_and_min_tokens_reach_the_sampling_params(tiny):
         with pytest.raises(InvalidArgument) as caught:
             oa.parse_completion({**BASE["completions"], **bad}, tiny)
         assert oa.error_body(caught.value)[1]["error"]["param"] == next(iter(bad)), bad
+
+
+def test_structured_output_fields_become_a_checked_guide(tiny):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [({"response_format": {"type": "json_object"}}, ("json_schema", '{"type": "object"}')),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              ("json_schema", json.dumps(schema))),
+             ({"guided_json": schema}, ("json_schema", json.dumps(schema))),
+             ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+")),
+             ({"guided_choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+             ({"response_format": {"type": "text"}}, None)]
+    for fields, guide in cases:
+        assert oa.parse_chat({**BASE["chat"], **fields}, tiny, token_limit=256).request.sampling.guide == guide
+        assert oa.parse_completion({**BASE["completions"], **fields}, tiny).request.sampling.guide == guide
+    for bad, param in (({"guided_regex": "[0-9"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+                       ({"response_format": {"type": "xml"}}, "response_format"),
+                       ({"response_format": {"type": "json_schema"}}, "response_format"),
+                       ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice")):
+        with pytest.raises(InvalidArgument) as caught:
+            oa.parse_completion({**BASE["completions"], **bad}, tiny)
+        assert oa.error_body(caught.value)[1]["error"]["param"] == param, bad

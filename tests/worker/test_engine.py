@@ -216,3 +216,29 @@ def test_request_over_the_kv_budget_is_rejected_with_numbers(tiny_model_dir):
     with pytest.raises(Exception, match=r"KV cache holds 4 blocks \(64 tokens\)"):
         generate(tiny_model_dir, [prompts_of([60])[0]], SamplingParams(max_tokens=30),
                  cache=CacheConfig(block_size=16, num_blocks=4))
+
+
+def test_guided_outputs_follow_their_grammar_at_tp1_and_pp2_and_after_a_continuation(tiny_model_dir):
+    """Random weights, so only the guide can make the text valid: a regex, a choice and a JSON
+    schema, sampled at temperature 1; a continuation from the first 3 generated ids finishes the
+    same text (the matcher replays them)."""
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["color", "ok", "n"], "additionalProperties": False}
+    guides = [("regex", "[0-9]{3}-[a-z]{2}"), ("choice", json.dumps(["alpha", "beta gamma"])),
+              ("json_schema", json.dumps(schema))]
+    prompt = prompts_of([8], seed=2)[0]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=48, guide=g) for s, g in enumerate(guides)]
+    for pp in (1, 2):
+        outs = generate(tiny_model_dir, [prompt] * 3, params, pp=pp)
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[0].text), outs[0].text
+        assert outs[1].text in ("alpha", "beta gamma"), outs[1].text
+        value = json.loads(outs[2].text)
+        assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99
+        assert all(o.finish_reason == "eos_token" for o in outs), [o.finish_reason for o in outs]
+    done = outs[2].token_ids
+    [rest] = generate(tiny_model_dir, [prompt + done[:3]], replace(params[2], first_step=3, max_tokens=45))
+    assert rest.token_ids == done[3:]

@@ -35,6 +35,7 @@ from services.common.errors import Unavailable
 from services.common.sampling import MAX_LOGPROBS, FinishReason, InvalidRequest, SamplingParams
 from services.modeling.parallel.coordinator import ShardGroupUnhealthy
 from services.worker.engine.block_manager import BlockAllocator
+from services.worker.engine.guided import Guides
 from services.worker.engine.kv_cache import KVCacheLayout
 from services.worker.engine.prefix_events import PrefixCacheLog
 from services.worker.engine.runner import IDLE_HEARTBEAT_S, StageRunner
@@ -127,6 +128,7 @@ class LLMEngine:
         cfg = runner.rt.plan.config
         self.scheduler = Scheduler(BlockAllocator(layout.num_blocks, layout.block_size), scheduler_config,
                                    eos_token_ids=cfg.eos_token_ids)
+        self.guides = Guides(tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # structured outputs' matchers
         # what the prefix cache holds, for routers that route by prefix (None: no prefix caching)
         self.prefix_events = PrefixCacheLog() if scheduler_config.prefix_caching else None
         self.scheduler.allocator.events = self.prefix_events
@@ -169,6 +171,9 @@ class LLMEngine:
             raise InvalidRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params)
         self.scheduler.check_request(seq)
+        if params.guide is not None:  # a continuation's generated ids end its prompt: the grammar has seen them
+            generated = seq.prompt_token_ids[len(seq.prompt_token_ids) - params.first_step:]
+            seq.matcher = self.guides.matcher(params.guide, generated)
         detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
                  if self.tokenizer is not None else None)
         handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", detok, events=events)
@@ -350,7 +355,9 @@ class LLMEngine:
                 cut = len(seq.prompt_token_ids) - p.first_step
                 generated = (*seq.prompt_token_ids[cut:], *seq.output_token_ids)
                 prompt = tuple(seq.prompt_token_ids[:cut]) if p.repetition_penalty != 1 else ()
+            allowed = seq.matcher.compute_bitmask() if s.do_sample and seq.matcher is not None else b""
             steps.append(SeqStep.of(p, seq.num_output_tokens, banned=banned, generated=generated, prompt=prompt,
+                                    allowed=allowed,
                                     seq_id=s.seq_id, token_ids=s.token_ids, positions=s.positions,
                                     slots=s.slot_mapping, block_table=s.block_table, context_len=s.context_len,
                                     sample=s.do_sample))
@@ -374,7 +381,14 @@ class LLMEngine:
             sampled[tok.seq_id] = tok.token_id
             logprobs[tok.seq_id] = tok.logprob
             by_seq[tok.seq_id] = tok
+        guided = [(i, seq) for i in by_seq if (seq := self.scheduler.get(i)) is not None and seq.matcher is not None]
         finished = {seq.seq_id: seq for seq in self.scheduler.on_step_done(sampled, logprobs)}
+        for seq_id, seq in guided:  # the grammar takes the token; once complete, the sequence ends
+            seq.matcher.consume_token(by_seq[seq_id].token_id)
+            if seq.matcher.is_stopped() and seq_id not in finished:
+                ended = self.scheduler.finish(seq_id, FinishReason.EOS_TOKEN)
+                if ended is not None:
+                    finished[seq_id] = ended
         now_ns = time.monotonic_ns()
         for seq_id, tok in by_seq.items():
             with self._lock:

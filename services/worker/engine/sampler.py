@@ -11,7 +11,8 @@ For each row (one sequence's last position), in float32:
 
 Before any of that, greedy rows included, a row's penalties are applied to its logits (repetition
 over its prompt and generated tokens, then frequency and presence over the generated ones), its
-``logit_bias`` is added and its ``banned`` tokens (what min_tokens keeps out) go to -inf;
+``logit_bias`` is added and its ``banned`` tokens (what min_tokens keeps out) and the tokens its
+guide does not allow (``allowed``, structured outputs) go to -inf;
 ``min_p`` then drops, after temperature, the tokens less likely than ``min_p`` times the most
 likely one (before top-k and top-p, in vLLM's order).
 
@@ -69,6 +70,18 @@ class SampleResult:
         return len(self.token_ids)
 
 
+_BIT = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+
+
+def _unpack_bits(mask: bytes, n: int) -> torch.Tensor:
+    """The first ``n`` bits of ``mask`` (LSB first in each byte) as a bool tensor; missing bits are 0."""
+    bits = torch.frombuffer(bytearray(mask), dtype=torch.uint8)
+    flat = ((bits[:, None] & _BIT) != 0).flatten()
+    if flat.numel() < n:
+        flat = torch.cat([flat, torch.zeros(n - flat.numel(), dtype=torch.bool)])
+    return flat[:n]
+
+
 class SamplerError(ValueError):
     """Logits and per-row parameters do not match."""
 
@@ -118,7 +131,7 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(rows) if r.temperature != 0]
         k_max = min(max(r.top_logprobs for r in rows), vocab)
         adjusted_rows = [i for i, r in enumerate(rows) if r.logit_bias or r.banned or r.presence_penalty
-                         or r.frequency_penalty or r.repetition_penalty != 1]
+                         or r.frequency_penalty or r.repetition_penalty != 1 or r.allowed]
         if sampled_rows or k_max > 0 or adjusted_rows:
             logits = logits.float()
         # what the token is chosen from: the logits with the rows' biases added and banned tokens
@@ -175,6 +188,8 @@ class Sampler:
             banned = [t for t in r.banned if t < vocab]
             if banned:
                 out[i, torch.tensor(banned, device=logits.device)] = float("-inf")
+            if r.allowed:  # structured outputs: what the guide allows next, one bit per token id
+                out[i, ~_unpack_bits(r.allowed, vocab).to(device)] = float("-inf")
             token_ids[i] = out[i].argmax()
         return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from services.common.sampling import FinishReason, InvalidRequest, SamplingParams, is_integer
 
@@ -41,6 +42,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # the token ids that end it (its stop_token_ids, and EOS unless ignored), set by the scheduler
     stop_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+    # structured outputs: the llguidance matcher of its guide, on the driver (engine/guided.py)
+    matcher: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -37,17 +37,21 @@ class RowSampling:
     # of its prompt (repetition_penalty counts both)
     generated: tuple[int, ...] = ()
     prompt: tuple[int, ...] = ()
+    # structured outputs: one bit per token id, set for the tokens the guide allows next (LSB first;
+    # empty: no guide)
+    allowed: bytes = b""
 
     @classmethod
     def of(cls, params: SamplingParams, num_generated: int, *, banned: tuple[int, ...] = (),
-           generated: tuple[int, ...] = (), prompt: tuple[int, ...] = (), **more: Any) -> Self:
+           generated: tuple[int, ...] = (), prompt: tuple[int, ...] = (), allowed: bytes = b"", **more: Any) -> Self:
         """From a request's parameters; ``num_generated``: tokens the sequence generated after its
         prompt (the request's ``first_step`` is added). ``more``: a SeqStep's own fields."""
         return cls(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
                    num_generated=params.first_step + num_generated, top_logprobs=params.logprobs,
                    min_p=params.min_p, logit_bias=params.logit_bias, banned=banned,
                    presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                   repetition_penalty=params.repetition_penalty, generated=generated, prompt=prompt, **more)
+                   repetition_penalty=params.repetition_penalty, generated=generated, prompt=prompt,
+                   allowed=allowed, **more)
 
 
 @dataclass(frozen=True)

@@ -229,3 +229,16 @@ def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
     draws = [Sampler()(logits, [params], [n]).token_ids[0] for n in range(200)]
     assert set(draws) == {4, 5}  # 6 is below 0.1 x the best; the rest far below
     assert 0.5 < draws.count(4) / len(draws) < 0.85  # renormalised: 2/3 and 1/3
+
+
+def test_allowed_bits_keep_only_the_tokens_a_guide_allows() -> None:
+    logits = logits_batch(2, seed=13)
+    allowed = bytearray(VOCAB // 8 + 1)
+    for t in (3, 17, 250):
+        allowed[t // 8] |= 1 << (t % 8)
+    rows = [RowSampling(allowed=bytes(allowed)), RowSampling(temperature=2.0, seed=4, allowed=bytes(allowed))]
+    for n in range(20):
+        out = Sampler().sample(logits, [rows[0], RowSampling(temperature=2.0, seed=4, num_generated=n,
+                                                             allowed=bytes(allowed))])
+        assert out.token_ids[0] == max((3, 17, 250), key=lambda t: float(logits[0, t]))
+        assert out.token_ids[1] in (3, 17, 250)

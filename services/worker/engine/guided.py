@@ -1,0 +1,44 @@
+"""Guided sequences on the driver: one llguidance matcher per sequence with a guide.
+
+The driver holds the grammar's state, as vLLM V1's scheduler does: before a step it computes a
+guided row's mask of allowed next tokens (one bit per token id, ``RowSampling.allowed``), the
+sampling rank of any layout applies it, and after the step the matcher consumes the sampled
+token. Once the grammar is complete the sequence ends. A continuation (``first_step`` > 0, the
+request resumed on another group) replays the tokens already generated, the end of its prompt,
+so the output still follows the grammar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import llguidance
+from tokenizers import Tokenizer
+
+from services.common.guided import grammar_of
+from services.common.sampling import InvalidRequest
+
+
+class Guides:
+    """The model's llguidance tokenizer (made on first use: ~0.2 s) and new matchers."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll: llguidance.LLTokenizer | None = None
+
+    def matcher(self, guide: tuple[str, str], generated: Sequence[int]) -> llguidance.LLMatcher:
+        """A matcher for ``guide`` that has consumed ``generated``; InvalidRequest if the guide does
+        not compile or those tokens break it."""
+        if self._tokenizer is None:
+            raise InvalidRequest("structured outputs need the model's tokenizer.json")
+        if self._ll is None:
+            self._ll = llguidance.LLTokenizer(self._tokenizer.to_str(), n_vocab=self._vocab_size,
+                                              eos_token=self._eos or None)
+        matcher = llguidance.LLMatcher(self._ll, grammar_of(*guide), log_level=0)
+        if generated and not matcher.consume_tokens(list(generated)):
+            raise InvalidRequest(f"the tokens already generated do not follow the guide: {matcher.get_error()}")
+        if matcher.is_error():
+            raise InvalidRequest(f"the guide does not compile: {matcher.get_error()}")
+        return matcher
