@@ -347,3 +347,19 @@ def test_dense_linear_uses_f_linear_otherwise(cpp, monkeypatch):
     assert not dense_linear_vectorized()
     assert torch.equal(dense_linear(x, w), F.linear(x, w))
 
+
+
+def test_mask_tokens_keeps_exactly_the_allowed_bits():
+    from services.modeling import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=gen)
+    masks = torch.randint(0, 256, (5, 120), dtype=torch.uint8, generator=gen)  # 960 bits: the last 40 tokens masked
+    masks[1] = 0xFF
+    masks[2] = 0
+    got = logits.clone()
+    kernels.mask_tokens_(got, masks)
+    bits = ((masks[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(1).bool()
+    allowed = torch.cat([bits, torch.zeros(5, 40, dtype=torch.bool)], dim=1)
+    assert torch.equal(got, logits.masked_fill(~allowed, float("-inf")))
+    assert torch.isinf(got[2]).all() and torch.equal(got[1, :960], logits[1, :960])

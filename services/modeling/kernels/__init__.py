@@ -236,6 +236,21 @@ def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.max(dim=-1).indices, torch.logsumexp(values, dim=-1)
 
 
+def mask_tokens_(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """In place on float32 ``logits`` [n, vocab]: token t of row r to -inf unless bit t of
+    ``masks`` [n, bytes] (uint8, LSB first) row r is set. The C++ kernel on CPU, PyTorch elsewhere."""
+    module = _cpu_module(logits.device) if logits.stride(-1) == 1 and logits.dtype == torch.float32 else None
+    if module is not None and masks.device.type == "cpu":
+        module.mask_tokens_(logits, masks.contiguous())
+        return
+    bits = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=masks.device)
+    allowed = ((masks[:, :, None] & bits) != 0).flatten(1).to(logits.device)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], dim=1)
+    logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)``: ``x`` [..., K], ``w`` [N, K] → [..., N]. bfloat16 on CPU (kernels
     enabled and built with AVX512-BF16 or AVX2 + FMA, ``w`` contiguous): the C++ kernel,

@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("vectorized") = true, nogil());
   m.def("greedy_logsumexp", &greedy_logsumexp, nogil());
+  m.def("mask_tokens_", &mask_tokens_, nogil());
   m.def("decoder_layers", &decoder_layers, nogil());
 #endif
 }

@@ -16,6 +16,7 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor tables, at::Tensor context_lens, double scale, bool vectorized);
 std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits);
+void mask_tokens_(at::Tensor logits, at::Tensor masks);
 at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale);
 bool quant_linear_vectorized();
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);

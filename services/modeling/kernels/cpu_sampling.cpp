@@ -80,3 +80,31 @@ std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits) {
   });
   return {ids, lse};
 }
+
+// Structured outputs: logits [n, V] float32 (rows contiguous), in place: token t of row r goes to
+// -inf unless bit t of mask row r is set (masks uint8 [n, B], LSB first in each byte; tokens past
+// 8 * B are not allowed)
+void mask_tokens_(at::Tensor logits, at::Tensor masks) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
+              "logits must be float32 [n, vocab] with contiguous rows");
+  TORCH_CHECK(masks.dim() == 2 && masks.is_contiguous() && masks.scalar_type() == at::kByte &&
+                  masks.size(0) == logits.size(0), "masks must be uint8 [n, bytes], one row per logits row");
+  const int64_t n = logits.size(0), V = logits.size(1), rs = logits.stride(0), B = masks.size(1);
+  float* lp = logits.data_ptr<float>();
+  const uint8_t* mp = masks.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* x = lp + r * rs;
+      const uint8_t* m = mp + r * B;
+      const int64_t covered = std::min(V, 8 * B);
+      for (int64_t t0 = 0; t0 < covered; t0 += 8) {  // a byte at a time: most are all-0 or all-1
+        const unsigned bits = m[t0 >> 3];
+        if (bits == 0xFFu) continue;
+        const int64_t t1 = std::min(covered, t0 + 8);
+        for (int64_t t = t0; t < t1; ++t)
+          if (!((bits >> (t - t0)) & 1u)) x[t] = -INFINITY;
+      }
+      for (int64_t t = covered; t < V; ++t) x[t] = -INFINITY;
+    }
+  });
+}

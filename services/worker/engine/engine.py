@@ -346,6 +346,9 @@ class LLMEngine:
 
     def _plan_of(self, out: SchedulerOutput) -> StepPlan:
         steps = []
+        guided = [seq for s in out.scheduled if s.do_sample and (seq := self.scheduler.get(s.seq_id)).matcher]
+        masks = self.guides.masks([seq.matcher for seq in guided]) if guided else []
+        allowed_of = {seq.seq_id: mask for seq, mask in zip(guided, masks, strict=True)}
         for s in out.scheduled:
             seq = self.scheduler.get(s.seq_id)
             p = seq.sampling_params
@@ -355,7 +358,7 @@ class LLMEngine:
                 cut = len(seq.prompt_token_ids) - p.first_step
                 generated = (*seq.prompt_token_ids[cut:], *seq.output_token_ids)
                 prompt = tuple(seq.prompt_token_ids[:cut]) if p.repetition_penalty != 1 else ()
-            allowed = seq.matcher.compute_bitmask() if s.do_sample and seq.matcher is not None else b""
+            allowed = allowed_of.get(s.seq_id, b"")
             steps.append(SeqStep.of(p, seq.num_output_tokens, banned=banned, generated=generated, prompt=prompt,
                                     allowed=allowed,
                                     seq_id=s.seq_id, token_ids=s.token_ids, positions=s.positions,

@@ -10,9 +10,12 @@ so the output still follows the grammar.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
 from tokenizers import Tokenizer
 
 from services.common.guided import grammar_of
@@ -27,6 +30,7 @@ class Guides:
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
 
     def matcher(self, guide: tuple[str, str], generated: Sequence[int]) -> llguidance.LLMatcher:
         """A matcher for ``guide`` that has consumed ``generated``; InvalidRequest if the guide does
@@ -42,3 +46,12 @@ class Guides:
         if matcher.is_error():
             raise InvalidRequest(f"the guide does not compile: {matcher.get_error()}")
         return matcher
+
+    def masks(self, matchers: list[llguidance.LLMatcher]) -> list[bytes]:
+        """Each matcher's mask of allowed next tokens (one bit per token id, LSB first), computed
+        together on llguidance's threads without the GIL."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, os.cpu_count() or 1)))
+        out = np.zeros((len(matchers), (self._vocab_size + 31) // 32), dtype=np.int32)
+        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], out)
+        return [row.tobytes() for row in out]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling import SamplingParams
-from services.modeling.kernels import greedy_logsumexp
+from services.modeling.kernels import greedy_logsumexp, mask_tokens_
 from services.worker.engine.step import RowSampling
 
 _MASK64 = 2**64 - 1
@@ -68,18 +68,6 @@ class SampleResult:
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-
-_BIT = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
-
-
-def _unpack_bits(mask: bytes, n: int) -> torch.Tensor:
-    """The first ``n`` bits of ``mask`` (LSB first in each byte) as a bool tensor; missing bits are 0."""
-    bits = torch.frombuffer(bytearray(mask), dtype=torch.uint8)
-    flat = ((bits[:, None] & _BIT) != 0).flatten()
-    if flat.numel() < n:
-        flat = torch.cat([flat, torch.zeros(n - flat.numel(), dtype=torch.bool)])
-    return flat[:n]
 
 
 class SamplerError(ValueError):
@@ -132,11 +120,17 @@ class Sampler:
         k_max = min(max(r.top_logprobs for r in rows), vocab)
         adjusted_rows = [i for i, r in enumerate(rows) if r.logit_bias or r.banned or r.presence_penalty
                          or r.frequency_penalty or r.repetition_penalty != 1 or r.allowed]
+        raw = logits
         if sampled_rows or k_max > 0 or adjusted_rows:
             logits = logits.float()
-        # what the token is chosen from: the logits with the rows' biases added and banned tokens
-        # removed (the returned logprobs stay the raw ones, from `logits`)
-        choice = self._adjusted(logits, rows, adjusted_rows, token_ids) if adjusted_rows else logits
+        # what the token is chosen from: the logits with the rows' penalties, biases, bans and
+        # guides applied, in place on a copy (the returned logprobs stay the raw ones)
+        choice = logits
+        if adjusted_rows:
+            choice = logits if logits.data_ptr() != raw.data_ptr() else logits.clone()
+            self._adjust_(choice, rows, adjusted_rows, token_ids)
+            if choice is logits:  # the float copy now holds the adjusted values
+                logits = raw.float() if k_max > 0 else raw
         if sampled_rows:
             index = torch.tensor(sampled_rows, device=device)
             probs = self._filtered_probs(choice[index], [rows[i] for i in sampled_rows], vocab)
@@ -163,35 +157,44 @@ class Sampler:
         return SampleResult(token_ids=token_ids.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
 
     @staticmethod
-    def _adjusted(logits: torch.Tensor, rows: Seq[RowSampling], adjusted: list[int],
-                  token_ids: torch.Tensor) -> torch.Tensor:
-        """A copy of ``logits`` with each adjusted row's penalties applied (repetition first, then
-        frequency and presence, as vLLM does), its logit_bias added and its banned tokens at -inf;
-        those rows' greedy choice in ``token_ids`` is redone on it (in place)."""
-        out = logits.clone()
-        vocab = logits.shape[-1]
-        device = logits.device
+    def _adjust_(choice: torch.Tensor, rows: Seq[RowSampling], adjusted: list[int], token_ids: torch.Tensor) -> None:
+        """In place on float32 ``choice``: each adjusted row's penalties (repetition first, then
+        frequency and presence, as vLLM does), its logit_bias, its banned tokens and those its guide
+        does not allow at -inf; those rows' greedy choice in ``token_ids`` is redone on it."""
+        vocab = choice.shape[-1]
+        device = choice.device
         for i in adjusted:
-            r = rows[i]
+            r, row = rows[i], choice[i]
             if r.repetition_penalty != 1 and (r.prompt or r.generated):
                 seen = torch.tensor(sorted({t for t in (*r.prompt, *r.generated) if t < vocab}), device=device)
-                x = out[i, seen]
-                out[i, seen] = torch.where(x > 0, x / r.repetition_penalty, x * r.repetition_penalty)
+                x = row[seen]
+                row[seen] = torch.where(x > 0, x / r.repetition_penalty, x * r.repetition_penalty)
             if (r.presence_penalty or r.frequency_penalty) and r.generated:
                 counts = torch.bincount(torch.tensor([t for t in r.generated if t < vocab], dtype=torch.int64,
-                                                     device=device), minlength=vocab)[:vocab].to(out.dtype)
-                out[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).to(out.dtype)
+                                                     device=device), minlength=vocab)[:vocab].to(row.dtype)
+                row -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).to(row.dtype)
             bias = [(t, b) for t, b in r.logit_bias if t < vocab]
             if bias:
-                ids = torch.tensor([t for t, _ in bias], device=logits.device)
-                out[i, ids] += torch.tensor([b for _, b in bias], dtype=out.dtype, device=logits.device)
+                ids = torch.tensor([t for t, _ in bias], device=device)
+                row[ids] += torch.tensor([b for _, b in bias], dtype=row.dtype, device=device)
             banned = [t for t in r.banned if t < vocab]
             if banned:
-                out[i, torch.tensor(banned, device=logits.device)] = float("-inf")
-            if r.allowed:  # structured outputs: what the guide allows next, one bit per token id
-                out[i, ~_unpack_bits(r.allowed, vocab).to(device)] = float("-inf")
-            token_ids[i] = out[i].argmax()
-        return out
+                row[torch.tensor(banned, device=device)] = float("-inf")
+        guided = [i for i in adjusted if rows[i].allowed]
+        if guided:  # structured outputs: what each guide allows next, one bit per token id
+            masks = torch.frombuffer(bytearray(b"".join(rows[i].allowed for i in guided)),
+                                     dtype=torch.uint8).view(len(guided), -1)
+            if len(guided) == choice.shape[0]:
+                mask_tokens_(choice, masks)
+            else:
+                part = choice[guided]
+                mask_tokens_(part, masks)
+                choice[guided] = part
+        if len(adjusted) == choice.shape[0]:
+            token_ids.copy_(greedy_logsumexp(choice)[0])
+        else:
+            index = torch.tensor(adjusted, device=device)
+            token_ids[index] = greedy_logsumexp(choice[index])[0]
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: Seq[RowSampling], vocab: int) -> torch.Tensor:
