@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-import llguidance
-
 from services.common.errors import InvalidArgument
 from services.common.sampling import GUIDE_KINDS
 
@@ -40,6 +38,9 @@ def grammar_of(kind: str, spec: str) -> str:
             raise InvalidGuide(f"choice: not JSON ({exc})") from None
         if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
             raise InvalidGuide("choice must be a non-empty list of non-empty strings")
+    # deferred: llguidance only once a guide is used (a worker image without it serves the rest)
+    import llguidance
+
     try:
         if kind == "json_schema":  # compact JSON unless the schema's "x-guidance" says otherwise: a model
             # cannot then spend its max_tokens on whitespace between the fields

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 from tokenizers import Tokenizer
 
 from services.common.guided import grammar_of
@@ -29,12 +28,15 @@ class Guides:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
-        self._ll: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
+        self._ll: Any = None  # llguidance.LLTokenizer
+        self._executor: Any = None  # llguidance.LLExecutor
 
-    def matcher(self, guide: tuple[str, str], generated: Sequence[int]) -> llguidance.LLMatcher:
-        """A matcher for ``guide`` that has consumed ``generated``; InvalidRequest if the guide does
-        not compile or those tokens break it."""
+    def matcher(self, guide: tuple[str, str], generated: Sequence[int]) -> Any:
+        """An llguidance matcher for ``guide`` that has consumed ``generated``; InvalidRequest if
+        the guide does not compile or those tokens break it."""
+        # deferred: llguidance only once a guide is used (the GPU image serves the rest without it)
+        import llguidance
+
         if self._tokenizer is None:
             raise InvalidRequest("structured outputs need the model's tokenizer.json")
         if self._ll is None:
@@ -47,9 +49,13 @@ class Guides:
             raise InvalidRequest(f"the guide does not compile: {matcher.get_error()}")
         return matcher
 
-    def masks(self, matchers: list[llguidance.LLMatcher]) -> list[bytes]:
+    def masks(self, matchers: list[Any]) -> list[bytes]:
         """Each matcher's mask of allowed next tokens (one bit per token id, LSB first), computed
         together on llguidance's threads without the GIL."""
+        # deferred: as in matcher(), which made these matchers
+        import llguidance
+        from llguidance.numpy import fill_next_token_bitmask_par
+
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, os.cpu_count() or 1)))
         out = np.zeros((len(matchers), (self._vocab_size + 31) // 32), dtype=np.int32)
