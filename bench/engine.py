@@ -47,10 +47,11 @@ def spec_for(model_dir, dtype: str, tp: int = 1, pp: int = 1) -> RankSpec:
                     cache=CacheConfig(kv_cache_bytes=512 << 20))
 
 
-def run_engine(engine, prompts, max_tokens: int) -> dict:
-    """Submit every prompt at once, run to completion; per-request TPOT and the step times."""
+def run_engine(engine, prompts, max_tokens: int, *, guide: tuple[str, str] | None = None) -> dict:
+    """Submit every prompt at once (greedy, ignore_eos, ``guide`` if given), run to completion;
+    per-request TPOT and the step times."""
     engine.step_times_s.clear()
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, guide=guide)
     t0 = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
     engine.run_until_done()

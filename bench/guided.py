@@ -14,10 +14,8 @@ import json
 import statistics
 
 from bench.common import machine, smollm2_dir, write_results
-from bench.engine import spec_for
-from services.common.sampling import SamplingParams
+from bench.engine import run_engine, spec_for
 from services.worker.engine.bootstrap import build_engine, start_rank
-from services.worker.engine.engine import FinishEvent, TokenEvent
 
 SCHEMA = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "minItems": 200}},
           "required": ["xs"]}
@@ -25,20 +23,10 @@ MAX_TOKENS = 64
 
 
 def tpot_ms(engine, n: int, guided: bool) -> float:
-    """Median over ``n`` concurrent requests of (last token - first token) / (tokens - 1)."""
+    """Median TPOT of ``n`` concurrent requests (bench.engine's run_engine)."""
+    prompts = [[1, 504, 3543, 314, 260, 1345 + i] for i in range(n)]
     guide = ("json_schema", json.dumps(SCHEMA)) if guided else None
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, guide=guide)
-    handles = [engine.submit([1, 504, 3543, 314, 260, 1345 + i], params) for i in range(n)]
-    engine.run_until_done()
-    tpots = []
-    for handle in handles:
-        events = []
-        while not handle.events.empty():
-            events.append(handle.events.get())
-        finish = next(e for e in events if isinstance(e, FinishEvent))
-        tokens = sum(isinstance(e, TokenEvent) for e in events)
-        tpots.append((finish.total_ns - finish.first_token_ns) / 1e6 / max(1, tokens - 1))
-    return statistics.median(tpots)
+    return run_engine(engine, prompts, MAX_TOKENS, guide=guide)["tpot_s"] * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
