@@ -15,7 +15,6 @@ import json
 from functools import lru_cache
 
 from services.common.errors import InvalidArgument
-from services.common.sampling import GUIDE_KINDS
 
 MAX_GUIDE_CHARS = 256 * 1024
 
@@ -26,9 +25,9 @@ class InvalidGuide(InvalidArgument):
 
 @lru_cache(maxsize=256)
 def grammar_of(kind: str, spec: str) -> str:
-    """The llguidance grammar of a guide, checked (compiled grammars are cached by guide)."""
-    if kind not in GUIDE_KINDS:
-        raise InvalidGuide(f"guide kind must be one of {', '.join(GUIDE_KINDS)}, got {kind!r}")
+    """The llguidance grammar of a guide, checked (compiled grammars are cached by guide).
+    ``kind`` is one of ``services.common.sampling.GUIDE_KINDS``: SamplingParams checks it, the
+    router maps each field to one."""
     if not isinstance(spec, str) or not spec or len(spec) > MAX_GUIDE_CHARS:
         raise InvalidGuide(f"a {kind} guide must be non-empty text of at most {MAX_GUIDE_CHARS} characters")
     if kind == "choice":

@@ -307,6 +307,24 @@ def parse_completions(body: dict[str, Any], model: ServedModel) -> list[ParsedRe
     return [parse_completion({**body, "prompt": p}, model) for p in prompt]
 
 
+def chat_prompt_ids(raw_messages: Any, model: ServedModel, *, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, release_gil: bool = False) -> list[int]:
+    """OpenAI ``messages`` rendered with the model's chat template and tokenized (by default
+    without adding special tokens: the template spells them); a bad message is a 400 naming
+    ``messages``."""
+    try:
+        messages = parse_messages(raw_messages)
+    except InvalidArgument as exc:
+        raise BadRequest(str(exc), "messages") from None
+    prompt = model.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    try:
+        return model.encode(prompt, add_special_tokens=add_special_tokens, release_gil=release_gil)
+    except BadRequest:
+        raise
+    except InvalidArgument as exc:  # the rendered prompt cannot fit the context
+        raise BadRequest(f"messages: {exc}", "messages") from None
+
+
 def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
                release_gil: bool = False) -> ParsedRequest:
     """/v1/chat/completions: render the messages with the model's chat template, as
@@ -315,17 +333,7 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
     could hold, which bounds the default max_tokens. ``release_gil``: the caller is off the event
     loop (a large request), so tokenize letting go of the GIL."""
     check_fields(body, "chat")
-    try:
-        messages = parse_messages(body.get("messages"))
-    except InvalidArgument as exc:
-        raise BadRequest(str(exc), "messages") from None
-    prompt = model.render_chat(messages)
-    try:
-        ids = model.encode(prompt, add_special_tokens=False, release_gil=release_gil)
-    except BadRequest:
-        raise
-    except InvalidArgument as exc:  # the rendered prompt cannot fit the context
-        raise BadRequest(f"messages: {exc}", "messages") from None
+    ids = chat_prompt_ids(body.get("messages"), model, release_gil=release_gil)
     if not ids:
         raise BadRequest("messages must not render to an empty prompt", "messages")
     max_tokens = _get(body, "max_completion_tokens", (int,), None)

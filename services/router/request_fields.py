@@ -167,11 +167,7 @@ def markdown_table() -> str:
         elif f.status == "hint":
             status = f"accepted, no effect: {f.note}"
         else:
-            offs = " or ".join(f"`{_json(o)}`" for o in f.off)
+            offs = " or ".join(f"`{json.dumps(o)}`" for o in f.off)
             status = "400 unless null" + (f" or {offs}" if offs else "") + (f": {f.note}" if f.note else "")
         lines.append(f"| `{f.name}` | {where} | {status} |")
     return "\n".join(lines) + "\n"
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value)

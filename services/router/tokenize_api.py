@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.router.catalog import ServedModel
-from services.router.chat import parse_messages
-from services.router.openai_format import BadRequest
+from services.router.openai_format import BadRequest, chat_prompt_ids
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -36,14 +35,9 @@ def tokenize(body: dict[str, Any], model: ServedModel) -> dict[str, Any]:
             raise BadRequest(f"prompt must be a string, got {prompt!r}", "prompt")
         ids = model.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True)) if prompt else []
     else:
-        try:
-            messages = parse_messages(body["messages"])
-        except BadRequest:
-            raise
-        except Exception as exc:  # InvalidArgument from the messages' rules
-            raise BadRequest(str(exc), "messages") from None
-        text = model.render_chat(messages, add_generation_prompt=_flag(body, "add_generation_prompt", True))
-        ids = model.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
+        ids = chat_prompt_ids(body["messages"], model,
+                              add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                              add_special_tokens=_flag(body, "add_special_tokens", False))
     strs = [model.token_text(t) for t in ids] if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
 

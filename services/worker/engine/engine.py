@@ -346,11 +346,11 @@ class LLMEngine:
 
     def _plan_of(self, out: SchedulerOutput) -> StepPlan:
         steps = []
-        guided = [seq for s in out.scheduled if s.do_sample and (seq := self.scheduler.get(s.seq_id)).matcher]
+        scheduled = [(s, self.scheduler.get(s.seq_id)) for s in out.scheduled]
+        guided = [seq for s, seq in scheduled if s.do_sample and seq.matcher is not None]
         masks = self.guides.masks([seq.matcher for seq in guided]) if guided else []
         allowed_of = {seq.seq_id: mask for seq, mask in zip(guided, masks, strict=True)}
-        for s in out.scheduled:
-            seq = self.scheduler.get(s.seq_id)
+        for s, seq in scheduled:
             p = seq.sampling_params
             banned = tuple(sorted(seq.stop_ids)) if s.do_sample and seq.sampling_step < p.min_tokens else ()
             generated = prompt = ()
