@@ -181,7 +181,11 @@ def test_a_stage_boundary_send_that_times_out_again_after_its_retry_fails_the_gr
     assert [e[0] for e in sender["events"]] == ["send", "send", "send"]
     assert [e[2] for e in sender["events"]] == [False, True, True]  # the wait, the retry
     assert not any(e[3] for e in sender["events"])  # timed out: its peer was not lost
-    assert [e[1] for e in sender["events"]][1:] == [1000, pytest.approx(1000, abs=100)]
+    # the retry waits the same 1 s again, not a longer timeout: its measured duration is at least
+    # ~1 s and below 2 s. Not 1 s +/- 0.1: a fresh-clone suite run on the 2-core Xeon measured 1475 ms
+    # while the other xdist worker loaded its cores (the timeout fires on time; noticing it waits for a core)
+    durations = [e[1] for e in sender["events"]][1:]
+    assert durations[0] == 1000 and 900 <= durations[1] < 2000, durations
     assert "rank 0: ShardGroupUnhealthy" in str(failed.value)
 
 
