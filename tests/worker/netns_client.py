@@ -1,6 +1,6 @@
 """Run inside a test's network namespace (``ip netns exec NS python -m tests.worker.netns_client``):
-a driver's health, one greedy completion from it or through a router, or a telemetry service's
-windows and alerts of a group, printed as one JSON line."""
+a driver's health, one greedy completion from it or through a router, the router's groups once idle,
+or a telemetry service's windows and alerts of a group, printed as one JSON line."""
 
 from __future__ import annotations
 
@@ -60,6 +60,18 @@ def main(argv: list[str]) -> int:
                 elif r.HasField("finished"):
                     finish = common_pb2.FinishReason.Name(r.finished.finish_reason)
         print(json.dumps({"ids": ids, "groups": groups, "finish_reason": finish}))
+    elif command == "idle":  # until the router sees `n` healthy groups with nothing committed: the groups seen
+        n, deadline, seen = int(argv[2]), time.monotonic() + float(argv[3]), []
+        with grpc.insecure_channel(address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            while time.monotonic() < deadline:
+                groups = stub.ListReplicaGroups(router_pb2.ListReplicaGroupsRequest(), timeout=10).groups
+                seen = [[g.replica_group_id, common_pb2.ReplicaGroupStatus.Name(g.status), g.kv_bytes_committed,
+                         g.running + g.waiting] for g in groups]
+                if len(seen) == n and all(s == "REPLICA_GROUP_STATUS_HEALTHY" and not c + q for _, s, c, q in seen):
+                    break
+                time.sleep(0.2)
+        print(json.dumps({"groups": seen}))
     elif command == "events":  # the telemetry service's windows of one group: [gpu_id, op_type, count]
         with grpc.insecure_channel(address) as channel:
             reply = telemetry_pb2_grpc.TelemetryServiceStub(channel).Query(

@@ -179,7 +179,11 @@ def test_a_group_across_two_network_namespaces_matches_and_fails_with_its_host(h
         time.sleep(0.5)
     assert counts.get((f"{GROUP}:pp1-tp0", "recv"), 0) > 0 and counts.get((f"{GROUP}:pp0-tp0", "send"), 0) > 0, counts
 
-    # a stream through the router starts on the two-host group; node 1 is lost in the middle of it
+    # a stream through the router starts on the two-host group; node 1 is lost in the middle of it.
+    # Both groups idle in the router's view first: ties go to GROUP, but a report still counting the
+    # direct completion above made the spare the less used one (a fresh-clone run: every token on it)
+    idle = hosts.client("idle", router, "2", "20")["groups"]
+    assert len(idle) == 2 and all(s == "REPLICA_GROUP_STATUS_HEALTHY" and not c + q for _, s, c, q in idle), idle
     stream = hosts.popen_client("route", router, ",".join(map(str, PROMPT)), str(STREAM_TOKENS), "10")
     assert stream.stdout.readline().strip() == b"streaming", _logs(tmp_path)
     t0 = time.monotonic()
