@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from services.common.detokenizer import Detokenizer, TokenTexts
 from services.common.errors import InvalidArgument, NotFound
 from services.router.chat import ChatMessage, render_chat
+from services.router.tools import PARSERS
 
 
 class ModelDirError(ValueError):
@@ -36,6 +37,7 @@ class ServedModel:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    tool_call_parser: str = "hermes"  # how calls are read from text under tool_choice auto (tools.PARSERS)
 
     def encode(self, text: str, *, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
         """Token ids of ``text``; the post-processor adds BOS when the model wants it.
@@ -100,13 +102,14 @@ class ServedModel:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise InvalidArgument(f"model {self.name!r} has no chat template (chat_template.jinja or "
                                   f"tokenizer_config.json's chat_template; the router's --chat-template FILE "
                                   f"gives one): use /v1/completions")
         return render_chat(self.chat_template, messages, bos_token=self.bos_token or "",
-                           eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt)
+                           eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def _special(value: object) -> str | None:
@@ -136,10 +139,13 @@ def chat_template_of(root: Path, tok_config: dict, override: str | Path | None =
 
 
 def load_served_model(model_dir: str | Path, *, name: str | None = None,
-                      max_model_len: int | None = None, chat_template: str | Path | None = None) -> ServedModel:
+                      max_model_len: int | None = None, chat_template: str | Path | None = None,
+                      tool_call_parser: str = "hermes") -> ServedModel:
     """Read a Hugging Face model directory. ``name`` defaults to the directory's name (what a
     worker reports when started without --served-model-name); ``chat_template``: a template file
-    to use instead of the model's own."""
+    to use instead of the model's own; ``tool_call_parser``: one of ``tools.PARSERS``."""
+    if tool_call_parser not in PARSERS:
+        raise InvalidArgument(f"tool call parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     root = Path(model_dir).expanduser().resolve()
     config_path = root / "config.json"
     if not config_path.is_file():
@@ -163,7 +169,8 @@ def load_served_model(model_dir: str | Path, *, name: str | None = None,
         name=name or root.name, model_dir=root, tokenizer=tokenizer, max_model_len=context,
         vocab_size=int(config.get("vocab_size", 0)), eos_token_ids=eos_ids,
         chat_template=chat_template_of(root, tok_config, chat_template),
-        bos_token=_special(tok_config.get("bos_token")), eos_token=_special(tok_config.get("eos_token")))
+        bos_token=_special(tok_config.get("bos_token")), eos_token=_special(tok_config.get("eos_token")),
+        tool_call_parser=tool_call_parser)
 
 
 class ModelCatalog:

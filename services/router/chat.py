@@ -29,6 +29,48 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()  # an assistant's calls: {id, type, function: {name, arguments}}
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: a call's arguments as an object where they are
+        JSON (templates write them with ``tojson``), as transformers' and vLLM's callers pass them."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{**call, "function": {**call["function"],
+                                                       "arguments": _arguments(call["function"]["arguments"])}}
+                                 for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _tool_calls(i: int, raw: Any) -> tuple[dict[str, Any], ...]:
+    """An assistant message's ``tool_calls``, checked."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InvalidArgument(f"messages[{i}].tool_calls must be a list")
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments"), str):
+            raise InvalidArgument(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                                  f"{{\"name\": ..., \"arguments\": JSON text}}}}")
+        calls.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return tuple(calls)
 
 
 def _raise_exception(message: str) -> None:
@@ -82,15 +124,23 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
             content = "\n".join(texts)
         if not isinstance(content, str):
             raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts")
-        out.append(ChatMessage(role, content))
+        calls = _tool_calls(i, message.get("tool_calls")) if role == "assistant" else ()
+        call_id = message.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise InvalidArgument(f"messages[{i}]: a tool message needs tool_call_id, the call it answers")
+        name = message.get("name")
+        out.append(ChatMessage(role, content, calls, call_id if role == "tool" else None,
+                               name if isinstance(name, str) else None))
     return out
 
 
 def render_chat(template: str, messages: list[ChatMessage], *, bos_token: str = "", eos_token: str = "",
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text; ``tools`` (OpenAI's function tools, as sent) reach the template as its
+    ``tools`` variable, None when the request has none (what templates test for)."""
     try:
         return _compile(template).render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[m.for_template() for m in messages], tools=tools,
             add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
     except jinja2.TemplateError as exc:
         raise InvalidArgument(f"the chat template rejected the messages: {exc}") from exc

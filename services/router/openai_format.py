@@ -23,6 +23,8 @@ from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
 from services.router.request_fields import check_fields
+from services.router.tools import InvalidTools, ToolCalling, parse_tool_calling
+from services.router.tools import message as tool_message
 from services.router.types import Finished, GenerationRequest, Scored, TokenOut
 
 # Most prompts one /v1/completions request may carry (``prompt`` as a list of them): each is its
@@ -164,10 +166,16 @@ def _guide(body: dict[str, Any]) -> tuple[str, str] | None:
     return guide
 
 
-def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int, vocab_size: int) -> SamplingParams:
+def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int, vocab_size: int,
+              guide: tuple[str, str] | None = None) -> SamplingParams:
+    """The sampling fields; ``guide``: one the request's tool choice enforces (then no other may be given)."""
     stop_ids = _get(body, "stop_token_ids", (list,), [])
+    asked = _guide(body)
+    if guide is not None and asked is not None:
+        raise BadRequest("tool_choice required or a named function constrains the output: no response_format or "
+                         "guided field may be given with it", "tool_choice")
     return SamplingParams(
-        guide=_guide(body),
+        guide=guide or asked,
         min_p=_get(body, "min_p", (int, float), 0.0),
         logit_bias=_logit_bias(body, vocab_size),
         min_tokens=_get(body, "min_tokens", (int,), 0),
@@ -198,6 +206,7 @@ class ParsedRequest:
     n: int = 1  # choices to answer with
     continuous_usage: bool = False  # streamed: every chunk carries its choice's usage so far
     best_of: int = 1  # candidates generated (completions); the n with the highest logprob sum are kept
+    tools: ToolCalling | None = None  # chat: the tools and what the output must do with them
 
 
 def _choice_counts(body: dict[str, Any], stream: bool, *, best_of: bool) -> tuple[int, int]:
@@ -308,15 +317,17 @@ def parse_completions(body: dict[str, Any], model: ServedModel) -> list[ParsedRe
 
 
 def chat_prompt_ids(raw_messages: Any, model: ServedModel, *, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, release_gil: bool = False) -> list[int]:
-    """OpenAI ``messages`` rendered with the model's chat template and tokenized (by default
-    without adding special tokens: the template spells them); a bad message is a 400 naming
-    ``messages``."""
+                    add_special_tokens: bool = False, release_gil: bool = False,
+                    tools: ToolCalling | None = None) -> list[int]:
+    """OpenAI ``messages`` (and ``tools``) rendered with the model's chat template and tokenized (by
+    default without adding special tokens: the template spells them); a bad message is a 400
+    naming ``messages``."""
     try:
         messages = parse_messages(raw_messages)
     except InvalidArgument as exc:
         raise BadRequest(str(exc), "messages") from None
-    prompt = model.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    prompt = model.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                               tools=list(tools.tools) if tools is not None else None)
     try:
         return model.encode(prompt, add_special_tokens=add_special_tokens, release_gil=release_gil)
     except BadRequest:
@@ -333,7 +344,11 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
     could hold, which bounds the default max_tokens. ``release_gil``: the caller is off the event
     loop (a large request), so tokenize letting go of the GIL."""
     check_fields(body, "chat")
-    ids = chat_prompt_ids(body.get("messages"), model, release_gil=release_gil)
+    try:
+        tools = parse_tool_calling(body, model.tool_call_parser)
+    except InvalidTools as exc:
+        raise BadRequest(str(exc), exc.param) from None
+    ids = chat_prompt_ids(body.get("messages"), model, release_gil=release_gil, tools=tools)
     if not ids:
         raise BadRequest("messages must not render to an empty prompt", "messages")
     max_tokens = _get(body, "max_completion_tokens", (int,), None)
@@ -344,12 +359,19 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
         max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, room))
     want_logprobs = _get(body, "logprobs", (bool,), False)
     top = _get(body, "top_logprobs", (int,), 0)
+    guide = tools.guide() if tools is not None else None
+    if guide is not None:
+        try:
+            grammar_of(*guide)
+        except InvalidGuide as exc:
+            raise BadRequest(f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools") from None
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0,
-                         vocab_size=model.vocab_size)
+                         vocab_size=model.vocab_size, guide=guide)
     stream, include_usage, continuous = _stream_flags(body)
     n, _ = _choice_counts(body, stream, best_of=False)
     request = GenerationRequest(model=model.name, prompt_ids=tuple(ids), sampling=sampling)
-    return ParsedRequest(request, stream, include_usage, want_logprobs, n=n, best_of=n, continuous_usage=continuous)
+    return ParsedRequest(request, stream, include_usage, want_logprobs, n=n, best_of=n, continuous_usage=continuous,
+                         tools=tools)
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -440,10 +462,11 @@ def completion_response(head: ResponseHeader, tokens: list[TokenOut], finished: 
 
 
 def chat_response(head: ResponseHeader, tokens: list[TokenOut], finished: Finished,
-                  want_logprobs: bool) -> dict[str, Any]:
+                  want_logprobs: bool, tools: ToolCalling | None = None) -> dict[str, Any]:
+    """A chat answer; with ``tools``, the text read for calls (``tools.message``)."""
+    message, reason = tool_message(tools, finished.text, finished.reason.openai)
     return {**head.base("chat.completion"), "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": finished.text},
-        "finish_reason": finished.reason.openai,
+        "index": 0, "message": message, "finish_reason": reason,
         "logprobs": chat_logprobs(tokens) if want_logprobs else None}], "usage": usage(finished)}
 
 

@@ -112,16 +112,33 @@ _PROMPT = {"anyOf": [
 
 _TEXT_PART = _obj({"type": {"const": "text"}, "text": _STR}, ("type", "text"))
 _CONTENT = {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]}
+_FUNCTION_CALL = _obj({"name": _STR, "arguments": {**_STR, "description": "JSON text"}}, ("name", "arguments"))
+_TOOL_CALL = _obj({"id": _STR, "type": {"const": "function"}, "function": _FUNCTION_CALL}, ("id", "type", "function"))
 _MESSAGE = {"oneOf": [
-    _obj({"role": {"enum": ["system", "developer", "user", "tool"]}, "content": _CONTENT,
+    _obj({"role": {"enum": ["system", "developer", "user"]}, "content": _CONTENT,
           "name": _STR}, ("role", "content")),
-    _obj({"role": {"const": "assistant"}, "content": _nullable(_CONTENT), "name": _STR}, ("role",)),
+    _obj({"role": {"const": "tool"}, "content": _CONTENT, "tool_call_id": _STR}, ("role", "content", "tool_call_id")),
+    _obj({"role": {"const": "assistant"}, "content": _nullable(_CONTENT), "name": _STR,
+          "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL})}, ("role",)),
 ]}
+_TOOL_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+_TOOLS = {
+    "tools": _nullable({"type": "array", "items": _obj({
+        "type": {"const": "function"},
+        "function": _obj({"name": _TOOL_NAME, "description": _STR, "strict": _nullable({"type": "boolean"}),
+                          "parameters": {"type": "object", "description": "a JSON schema"}}, ("name",))},
+        ("type", "function")), "description": "function tools, unique names; they reach the chat template"}),
+    "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, _obj({
+        "type": {"const": "function"}, "function": _obj({"name": _TOOL_NAME}, ("name",))}, ("type", "function"))],
+        "description": "required and a named function need tools; they guide the output with the parameters' "
+                       "JSON schema"}),
+    "parallel_tool_calls": _nullable({"type": "boolean", "description": "false: required makes one call"}),
+}
 
 _BASE = {"id": _STR, "created": _INT, "model": _STR, "replica_group_id": _STR}
 _USAGE = _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT},
               ("prompt_tokens", "completion_tokens", "total_tokens"))
-_FINISH = _nullable({"enum": ["stop", "length", "abort"]})
+_FINISH = _nullable({"enum": ["stop", "length", "abort", "tool_calls"]})
 _COMPLETION_LOGPROBS = _nullable(_obj({
     "tokens": {"type": "array", "items": _STR},
     "token_logprobs": {"type": "array", "items": _nullable(_NUM), "description": "null: an echoed first token"},
@@ -162,7 +179,7 @@ SCHEMAS: dict[str, Any] = {
                                                      "description": "candidates (at least n): the n of highest "
                                                                     "logprob sum are answered; not with stream"})},
                               ("prompt",)),
-    "ChatCompletionRequest": _obj({**_table_fields("chat"), **_SAMPLING,
+    "ChatCompletionRequest": _obj({**_table_fields("chat"), **_SAMPLING, **_TOOLS,
                                    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                                    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1,
                                                                        "maximum": MAX_INT32}),
@@ -187,14 +204,17 @@ SCHEMAS: dict[str, Any] = {
         "index": _INT, "text": _STR, "finish_reason": _FINISH, "logprobs": _COMPLETION_LOGPROBS},
         ("index", "text", "finish_reason", "logprobs")), usage=True),
     "ChatCompletion": _response("chat.completion", _obj({
-        "index": _INT, "message": _obj({"role": {"const": "assistant"}, "content": _STR}, ("role", "content")),
+        "index": _INT, "message": _obj({"role": {"const": "assistant"}, "content": _nullable(_STR),
+                                        "tool_calls": {"type": "array", "items": _TOOL_CALL}}, ("role", "content")),
         "finish_reason": _FINISH, "logprobs": _CHAT_LOGPROBS}, ("index", "message", "finish_reason", "logprobs")),
         usage=True),
     "CompletionChunk": _response("text_completion", _obj({
         "index": _INT, "text": _STR, "finish_reason": _FINISH, "logprobs": _COMPLETION_LOGPROBS},
         ("index", "text", "finish_reason", "logprobs")), usage=True, chunk=True),
     "ChatCompletionChunk": _response("chat.completion.chunk", _obj({
-        "index": _INT, "delta": _obj({"role": {"const": "assistant"}, "content": _STR}),
+        "index": _INT, "delta": _obj({"role": {"const": "assistant"}, "content": _STR, "tool_calls": {
+            "type": "array", "items": _obj({"index": _INT, "id": _STR, "type": {"const": "function"},
+                                            "function": _obj({"name": _STR, "arguments": _STR})}, ("index",))}}),
         "finish_reason": _FINISH, "logprobs": _CHAT_LOGPROBS}, ("index", "delta", "finish_reason", "logprobs")),
         usage=True, chunk=True),
 }

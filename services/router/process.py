@@ -169,7 +169,8 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
         raise InvalidArgument(f"{len(templates)} --chat-template for {len(model_dirs)} --model")
     catalog = ModelCatalog([load_served_model(d, name=names[i] if i < len(names) else None,
                                               max_model_len=args.max_model_len,
-                                              chat_template=templates[i] if i < len(templates) else None)
+                                              chat_template=templates[i] if i < len(templates) else None,
+                                              tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes")
                             for i, d in enumerate(model_dirs)])
     queue = QueueConfig(max_size=resolve("max_queue", args.max_queue, DEFAULT_MAX_QUEUE),
                         max_wait_s=resolve("queue_timeout_s", args.queue_timeout, DEFAULT_MAX_WAIT_S))

@@ -19,6 +19,7 @@ from typing import Any
 from services.common.errors import ShardlineError
 from services.router import openai_format as oa
 from services.router.service import Generation
+from services.router.tools import ToolCallStream
 from services.router.types import Finished
 
 log = logging.getLogger(__name__)
@@ -54,19 +55,29 @@ async def _choice_chunks(generation: Generation, head: oa.ResponseHeader, parsed
 
     if chat:
         await put(oa.chat_chunk(head, {"role": "assistant", "content": ""}, index=index))
+    calls = ToolCallStream(parsed.tools) if chat and parsed.tools is not None else None
     offset = 0
     async for event in generation:
         head.replica_group_id = generation.replica_group_id  # the group that produced this event
         if isinstance(event, Finished):
             reason = event.reason.openai
             tokens = event.completion_tokens
+            if calls is not None:  # the calls (or held text) the whole output shows
+                deltas, reason = calls.finish(reason)
+                for delta in deltas:
+                    await put(oa.chat_chunk(head, delta, index=index))
             await put(oa.chat_chunk(head, {}, finish_reason=reason, index=index) if chat else
                       oa.completion_chunk(head, "", finish_reason=reason, index=index))
             return event
         tokens += 1
         if not event.text and not parsed.want_logprobs:
             continue  # inside a multi-byte character: its text comes with a later token
-        if chat:
+        if calls is not None:  # logprobs ride on the token's delta, or on an empty one while text is held
+            deltas = calls.feed(event.text)
+            logprobs = oa.chat_logprobs([event]) if parsed.want_logprobs else None
+            for i, delta in enumerate(deltas or ([{}] if logprobs else [])):
+                await put(oa.chat_chunk(head, delta, logprobs=logprobs if i == 0 else None, index=index))
+        elif chat:
             logprobs = oa.chat_logprobs([event]) if parsed.want_logprobs else None
             await put(oa.chat_chunk(head, {"content": event.text}, logprobs=logprobs, index=index))
         else:

@@ -127,6 +127,56 @@ def test_the_openai_client_parses_structured_outputs(http):
     assert len(regex.choices[0].text) == 4 and regex.choices[0].text[:2].isupper(), regex
 
 
+def test_a_tool_call_round_trip_with_the_openai_client(http):
+    """tool_choice required with n=3, streamed and not, then the tool's result and the answer: every
+    choice calls the function with arguments the client parses into its pydantic model (the guide
+    leaves the random-weight model nothing else), and each streamed choice equals its non-streamed
+    twin (same seeds); a named function answers with its arguments and finish_reason stop."""
+    from typing import Literal
+
+    import pydantic
+
+    class GetWeather(pydantic.BaseModel):
+        city: Literal["Paris", "Oslo", "Lima"]
+        celsius: bool
+
+    client = openai.OpenAI(base_url=f"{http}/v1", api_key="none", max_retries=0)
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    history = [{"role": "user", "content": "weather in Paris?"}]
+    asked = dict(model="tiny", tools=[tool], tool_choice="required", parallel_tool_calls=False, n=3, seed=3,
+                 max_tokens=150, temperature=1.0)
+    answer = client.chat.completions.parse(messages=history, **asked)
+    assert [c.finish_reason for c in answer.choices] == ["tool_calls"] * 3, answer
+    calls = [c.message.tool_calls for c in answer.choices]
+    assert all(len(c) == 1 and c[0].function.name == "get_weather" and
+               isinstance(c[0].function.parsed_arguments, GetWeather) for c in calls), calls
+
+    streamed: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(messages=history, stream=True, **asked):
+        for choice in chunk.choices:
+            entry = streamed.setdefault(choice.index, {"name": "", "arguments": "", "finish": None})
+            for call in choice.delta.tool_calls or []:
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            entry["finish"] = choice.finish_reason or entry["finish"]
+    assert streamed == {i: {"name": "get_weather", "arguments": calls[i][0].function.arguments, "finish": "tool_calls"}
+                        for i in range(3)}
+
+    call = calls[0][0]
+    history += [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "22 degrees and sunny"}]
+    final = client.chat.completions.create(model="tiny", messages=history, tools=[tool], max_tokens=8, seed=3)
+    assert isinstance(final.choices[0].message.content, str) and not final.choices[0].message.tool_calls, final
+
+    named = client.chat.completions.create(model="tiny", messages=history[:1], tools=[tool], max_tokens=150, seed=5,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None, named
+    GetWeather.model_validate_json(choice.message.tool_calls[0].function.arguments)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_schemathesis_finds_nothing(http):
