@@ -109,9 +109,11 @@ def test_tool_history_and_tools_reach_the_template():
     messages = parse_messages([
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Nice"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Nice"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     rendered = render_chat(template, messages, tools=[WEATHER, TIME])
-    assert rendered == "TOOLS get_weather,get_time\nuser:weather?;assistant: call get_weather Nice;tool:sunny for call_1;"
+    assert rendered == ("TOOLS get_weather,get_time\n"
+                        "user:weather?;assistant: call get_weather Nice;tool:sunny for call_1;")
     with pytest.raises(Exception, match="tool_call_id"):
         parse_messages([{"role": "tool", "content": "sunny"}])
