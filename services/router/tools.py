@@ -96,15 +96,16 @@ def parse_tool_calling(body: dict[str, Any], parser: str) -> ToolCalling | None:
             raise InvalidTools(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}", "tools")
         if name in names:
             raise InvalidTools(f"tools[{i}]: two tools are named {name!r}", "tools")
-        if not isinstance(function.get("parameters", {}), dict):
+        if not isinstance(function.get("parameters") or {}, dict):
             raise InvalidTools(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         names.append(name)
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is None:
+        parallel = True
     if not isinstance(parallel, bool):
         raise InvalidTools("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    calling = ToolCalling(tuple(tools), "auto", parser=parser, parallel=parallel)
     if choice is None or choice in ("none", "auto", "required"):
-        return ToolCalling(calling.tools, choice or "auto", parser=parser, parallel=parallel)
+        return ToolCalling(tuple(tools), choice or "auto", parser=parser, parallel=parallel)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
     if named is None:
@@ -112,7 +113,7 @@ def parse_tool_calling(body: dict[str, Any], parser: str) -> ToolCalling | None:
                            "\"function\": {\"name\": ...}}", "tool_choice")
     if named not in names:
         raise InvalidTools(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
-    return ToolCalling(calling.tools, "function", named, parser, parallel)
+    return ToolCalling(tuple(tools), "function", named, parser, parallel)
 
 
 @dataclass(frozen=True)
