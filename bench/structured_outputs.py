@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         t = r["tools"]
         lines.append(f"| {r['layout']} | {r['parsed']}/{r['asked']} | {r['completion_tokens']} | {r['wall_s']:.1f} | "
-                     f"{t['parsed']}/{t['choices']} | {sum(t['streamed_equal'])}/3 | {', '.join(t['finish_reasons'])} |")
+                     f"{t['parsed']}/{t['choices']} | {sum(t['streamed_equal'])}/3 | "
+                     f"{', '.join(t['finish_reasons'])} |")
     sample = results[0]["rows"][0]
     lines += ["", f"A parsed answer ({results[0]['layout']}, \"{sample['prompt']}\"): `{sample.get('output')}`",
               "", f"A tool call's arguments: `{results[0]['tools']['arguments'][0]}`; the answer after the tool "

@@ -22,8 +22,8 @@ from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
-from services.router.request_fields import check_fields
-from services.router.tools import InvalidTools, ToolCalling, parse_tool_calling
+from services.router.request_fields import BadRequest, check_fields
+from services.router.tools import ToolCalling, parse_tool_calling
 from services.router.tools import message as tool_message
 from services.router.types import Finished, GenerationRequest, Scored, TokenOut
 
@@ -38,14 +38,6 @@ SEED_SPACE = 2**64  # choice i of a request with seed s samples with seed (s + i
 # A chat request without max_tokens may use the rest of the context, up to this many tokens:
 # the router reserves KV for max_tokens up front, so "the whole context" would reserve it all.
 DEFAULT_CHAT_MAX_TOKENS = 1024
-
-
-class BadRequest(InvalidArgument):
-    """A malformed field; ``param`` names it in the error body."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids",
@@ -344,10 +336,7 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
     could hold, which bounds the default max_tokens. ``release_gil``: the caller is off the event
     loop (a large request), so tokenize letting go of the GIL."""
     check_fields(body, "chat")
-    try:
-        tools = parse_tool_calling(body, model.tool_call_parser)
-    except InvalidTools as exc:
-        raise BadRequest(str(exc), exc.param) from None
+    tools = parse_tool_calling(body, model.tool_call_parser)
     ids = chat_prompt_ids(body.get("messages"), model, release_gil=release_gil, tools=tools)
     if not ids:
         raise BadRequest("messages must not render to an empty prompt", "messages")

@@ -30,12 +30,16 @@ COMPLETIONS: tuple[Endpoint, ...] = ("completions",)
 CHAT: tuple[Endpoint, ...] = ("chat",)
 
 
-class UnsupportedField(InvalidArgument):
-    """A known field sent with a value that asks for something this server does not do."""
+class BadRequest(InvalidArgument):
+    """A bad request field; ``param`` names it in the error body."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class UnsupportedField(BadRequest):
+    """A known field sent with a value that asks for something this server does not do."""
 
 
 @dataclass(frozen=True)

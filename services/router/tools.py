@@ -29,20 +29,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import InvalidArgument
+from services.router.request_fields import BadRequest
 
 PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _HERMES_OPEN, _HERMES_CALL = "<tool_call>", re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
-
-
-class InvalidTools(InvalidArgument):
-    """A bad ``tools`` or ``tool_choice``; ``param`` names the field (HTTP 400)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -78,41 +70,41 @@ class ToolCalling:
 
 def parse_tool_calling(body: dict[str, Any], parser: str) -> ToolCalling | None:
     """The request's tools and tool choice (None without tools: ``tool_choice`` may then only say
-    none or auto); InvalidTools names the bad field."""
+    none or auto); BadRequest names the bad field."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise InvalidTools("tool_choice needs tools", "tool_choice")
+            raise BadRequest("tool_choice needs tools", "tool_choice")
         return None
     if not isinstance(tools, list):
-        raise InvalidTools("tools must be a list of function tools", "tools")
+        raise BadRequest("tools must be a list of function tools", "tools")
     names: list[str] = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise InvalidTools(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+            raise BadRequest(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidTools(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}", "tools")
+            raise BadRequest(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}", "tools")
         if name in names:
-            raise InvalidTools(f"tools[{i}]: two tools are named {name!r}", "tools")
+            raise BadRequest(f"tools[{i}]: two tools are named {name!r}", "tools")
         if not isinstance(function.get("parameters") or {}, dict):
-            raise InvalidTools(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         names.append(name)
     parallel = body.get("parallel_tool_calls")
     if parallel is None:
         parallel = True
     if not isinstance(parallel, bool):
-        raise InvalidTools("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        raise BadRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice is None or choice in ("none", "auto", "required"):
         return ToolCalling(tuple(tools), choice or "auto", parser=parser, parallel=parallel)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
     if named is None:
-        raise InvalidTools("tool_choice must be none, auto, required or {\"type\": \"function\", "
+        raise BadRequest("tool_choice must be none, auto, required or {\"type\": \"function\", "
                            "\"function\": {\"name\": ...}}", "tool_choice")
     if named not in names:
-        raise InvalidTools(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
+        raise BadRequest(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
     return ToolCalling(tuple(tools), "function", named, parser, parallel)
 
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from services.router.chat import parse_messages, render_chat
-from services.router.tools import InvalidTools, ToolCallStream, message, parse_tool_calling
+from services.router.request_fields import BadRequest
+from services.router.tools import ToolCallStream, message, parse_tool_calling
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -31,7 +32,7 @@ def calling(choice=None, parser="hermes", **body):
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ])
 def test_bad_tools_name_their_field(body, param):
-    with pytest.raises(InvalidTools) as caught:
+    with pytest.raises(BadRequest) as caught:
         parse_tool_calling(body, "hermes")
     assert caught.value.param == param
 
