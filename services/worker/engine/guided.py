@@ -11,6 +11,7 @@ so the output still follows the grammar.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,10 @@ from tokenizers import Tokenizer
 
 from services.common.guided import grammar_of
 from services.common.sampling import InvalidRequest
+
+# fresh matchers kept per guide, each copied for a new sequence: compiling a JSON schema's
+# matcher took 0.48 ms here, copying one 1 us (a step of 16 guided rows computes its masks in ~0.5 ms)
+PRISTINE_MATCHERS = 64
 
 
 class Guides:
@@ -30,6 +35,7 @@ class Guides:
         self._eos = sorted(eos_token_ids)
         self._ll: Any = None  # llguidance.LLTokenizer
         self._executor: Any = None  # llguidance.LLExecutor
+        self._pristine: OrderedDict[tuple[str, str], Any] = OrderedDict()  # guide -> a matcher at its start
 
     def matcher(self, guide: tuple[str, str], generated: Sequence[int]) -> Any:
         """An llguidance matcher for ``guide`` that has consumed ``generated``; InvalidRequest if
@@ -42,7 +48,15 @@ class Guides:
         if self._ll is None:
             self._ll = llguidance.LLTokenizer(self._tokenizer.to_str(), n_vocab=self._vocab_size,
                                               eos_token=self._eos or None)
-        matcher = llguidance.LLMatcher(self._ll, grammar_of(*guide), log_level=0)
+        pristine = self._pristine.get(guide)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self._ll, grammar_of(*guide), log_level=0)
+            self._pristine[guide] = pristine
+            if len(self._pristine) > PRISTINE_MATCHERS:
+                self._pristine.popitem(last=False)
+        else:
+            self._pristine.move_to_end(guide)
+        matcher = pristine.deep_copy()
         if generated and not matcher.consume_tokens(list(generated)):
             raise InvalidRequest(f"the tokens already generated do not follow the guide: {matcher.get_error()}")
         if matcher.is_error():
