@@ -18,7 +18,8 @@ A call's ``arguments`` is JSON text, as OpenAI sends it. A stream sends calls as
 deltas: a named function's arguments as they are generated, other calls once their text is
 complete (the client's accumulated message is the same). ``finish_reason`` is ``tool_calls``
 when calls were made, ``stop`` for a named function (as OpenAI answers), ``length`` when the
-tokens ran out first (then the text is returned as content: a cut call cannot be parsed).
+tokens ran out first (then the text is returned as content, a cut call cannot be parsed; a named
+function's call is still the call, its arguments cut, as its stream sent them).
 """
 
 from __future__ import annotations
@@ -238,8 +239,9 @@ class ToolCallStream:
 
 
 def message(calling: ToolCalling | None, text: str, generated: str) -> tuple[dict[str, Any], str]:
-    """A non-streamed choice's assistant message and finish reason."""
-    if calling is None or generated == "length":
+    """A non-streamed choice's assistant message and finish reason (a named function's call even
+    when cut by ``length``, as its stream already sent it)."""
+    if calling is None or (generated == "length" and calling.choice != "function"):
         return {"role": "assistant", "content": text}, generated
     content, calls = split_calls(calling, text)
     body: dict[str, Any] = {"role": "assistant", "content": content}

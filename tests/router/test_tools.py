@@ -95,11 +95,18 @@ def test_parsers_and_streams_give_the_same_message(choice, parser, text, content
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls.values()] == calls
 
 
-def test_a_cut_call_is_returned_as_text():
+def test_a_cut_call_is_returned_as_text_unless_the_function_was_named():
     text = '[{"name":"get_weather","parameters":{"ci'
     assert message(calling("required"), text, "length") == ({"role": "assistant", "content": text}, "length")
     stream = ToolCallStream(calling("required"))
     assert stream.feed(text) == [] and stream.finish("length") == ([{"content": text}], "length")
+    named = calling({"type": "function", "function": {"name": "get_weather"}})
+    body, reason = message(named, '{"ci', "length")
+    assert reason == "length" and body["content"] is None and body["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"ci'}
+    stream = ToolCallStream(named)
+    assert stream.feed('{"ci')[0]["tool_calls"][0]["function"]["arguments"] == '{"ci'
+    assert stream.finish("length") == ([], "length")
 
 
 def test_tool_history_and_tools_reach_the_template():
