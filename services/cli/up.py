@@ -47,7 +47,7 @@ from services.common.transport_security import TransportSecurity, add_security_a
 from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.router.server import add_shadow_arguments, shadow_flags
-from services.router.tools import PARSERS
+from services.router.tools import DEFAULT_PARSER, PARSERS
 
 BACKGROUND = ("telemetry", "loader", "planner")
 DEFAULT_HTTP_PORT = 8000
@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template instead of the model's own (the router's flag)")
-    parser.add_argument("--tool-call-parser", choices=PARSERS, default="hermes",
+    parser.add_argument("--tool-call-parser", choices=PARSERS, default=DEFAULT_PARSER,
                         help="how tool calls are read from the model's text under tool_choice auto (the router's flag)")
     parser.add_argument("-f", "--file", type=Path, default=None, metavar="FLEET.yaml",
                         help="serve this declared fleet (the shard-plan.yaml shape) instead of the layout flags")

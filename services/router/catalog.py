@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from services.common.detokenizer import Detokenizer, TokenTexts
 from services.common.errors import InvalidArgument, NotFound
 from services.router.chat import ChatMessage, render_chat
-from services.router.tools import PARSERS
+from services.router.tools import DEFAULT_PARSER, PARSERS
 
 
 class ModelDirError(ValueError):
@@ -37,7 +37,7 @@ class ServedModel:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
-    tool_call_parser: str = "hermes"  # how calls are read from text under tool_choice auto (tools.PARSERS)
+    tool_call_parser: str = DEFAULT_PARSER  # how calls are read from text under tool_choice auto (tools.PARSERS)
 
     def encode(self, text: str, *, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
         """Token ids of ``text``; the post-processor adds BOS when the model wants it.
@@ -140,7 +140,7 @@ def chat_template_of(root: Path, tok_config: dict, override: str | Path | None =
 
 def load_served_model(model_dir: str | Path, *, name: str | None = None,
                       max_model_len: int | None = None, chat_template: str | Path | None = None,
-                      tool_call_parser: str = "hermes") -> ServedModel:
+                      tool_call_parser: str = DEFAULT_PARSER) -> ServedModel:
     """Read a Hugging Face model directory. ``name`` defaults to the directory's name (what a
     worker reports when started without --served-model-name); ``chat_template``: a template file
     to use instead of the model's own; ``tool_call_parser``: one of ``tools.PARSERS``."""

@@ -272,9 +272,7 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         groups = generation.replica_group_ids or [generation.replica_group_id]
         head = oa.ResponseHeader(f"{'chatcmpl' if chat else 'cmpl'}-{generation.request_id}",
                                  generation.prepared.model.name, groups[-1])
-        body = oa.chat_response(head, tokens, finished, parsed.want_logprobs, parsed.tools) if chat else \
-            oa.completion_response(head, tokens, finished, parsed.want_logprobs)
-        return body, groups, sum(t.logprob for t in tokens)
+        return oa.answer(head, tokens, finished, parsed, chat=chat), groups, sum(t.logprob for t in tokens)
 
     async def _with_score(answer: Any) -> tuple[dict[str, Any], list[str], float]:
         body, groups = await answer
@@ -370,9 +368,7 @@ def create_app(core: RouterCore, auth: ApiKeyCheck, *, max_body_bytes: int = edg
         head.replica_group_id = generation.replica_group_id
         headers = {"x-shardline-replica-group-id": generation.replica_group_id,
                    "x-shardline-replica-group-ids": ",".join(generation.replica_group_ids or [head.replica_group_id])}
-        body = oa.chat_response(head, tokens, finished, parsed.want_logprobs, parsed.tools) if chat else \
-            oa.completion_response(head, tokens, finished, parsed.want_logprobs)
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(oa.answer(head, tokens, finished, parsed, chat=chat), headers=headers)
 
     return app
 

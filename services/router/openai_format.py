@@ -150,11 +150,16 @@ def _guide(body: dict[str, Any]) -> tuple[str, str] | None:
         guide = "choice", json.dumps(value)
     else:
         raise BadRequest(f"{name} has the wrong type: {str(value)[:80]}", name)
+    return _compiled(guide, name, f"{name}: ")
+
+
+def _compiled(guide: tuple[str, str] | None, param: str, what: str) -> tuple[str, str] | None:
+    """``guide`` once it compiles, else a 400 naming ``param`` (the message starts with ``what``)."""
     if guide is not None:
         try:
             grammar_of(*guide)
         except InvalidGuide as exc:
-            raise BadRequest(f"{name}: {exc}", name) from None
+            raise BadRequest(f"{what}{exc}", param) from None
     return guide
 
 
@@ -348,12 +353,8 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
         max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, room))
     want_logprobs = _get(body, "logprobs", (bool,), False)
     top = _get(body, "top_logprobs", (int,), 0)
-    guide = tools.guide() if tools is not None else None
-    if guide is not None:
-        try:
-            grammar_of(*guide)
-        except InvalidGuide as exc:
-            raise BadRequest(f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools") from None
+    guide = _compiled(tools.guide() if tools is not None else None, "tools",
+                      "tools: a function's parameters are not a usable JSON schema: ")
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0,
                          vocab_size=model.vocab_size, guide=guide)
     stream, include_usage, continuous = _stream_flags(body)
@@ -448,6 +449,13 @@ def completion_response(head: ResponseHeader, tokens: list[TokenOut], finished: 
     return {**head.base("text_completion"), "choices": [{
         "index": 0, "text": finished.text, "finish_reason": finished.reason.openai,
         "logprobs": completion_logprobs(tokens) if want_logprobs else None}], "usage": usage(finished)}
+
+
+def answer(head: ResponseHeader, tokens: list[TokenOut], finished: Finished, parsed: ParsedRequest, *,
+           chat: bool) -> dict[str, Any]:
+    """A non-streamed answer of one choice: a chat completion or a completion."""
+    return chat_response(head, tokens, finished, parsed.want_logprobs, parsed.tools) if chat else \
+        completion_response(head, tokens, finished, parsed.want_logprobs)
 
 
 def chat_response(head: ResponseHeader, tokens: list[TokenOut], finished: Finished,

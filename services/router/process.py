@@ -29,6 +29,7 @@ from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupPoller, Repli
 from services.router.routing import Router
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
 from services.router.shadow import ShadowConfig, ShadowMirror
+from services.router.tools import DEFAULT_PARSER
 from services.router.worker_client import UpstreamScore, UpstreamStream, WorkerClient
 from services.telemetry.client import raise_alert
 
@@ -167,10 +168,11 @@ def build_process(args: argparse.Namespace) -> RouterProcess:
     templates = getattr(args, "chat_template", None) or []
     if len(templates) > len(model_dirs):
         raise InvalidArgument(f"{len(templates)} --chat-template for {len(model_dirs)} --model")
+    parser = getattr(args, "tool_call_parser", None) or DEFAULT_PARSER
     catalog = ModelCatalog([load_served_model(d, name=names[i] if i < len(names) else None,
                                               max_model_len=args.max_model_len,
                                               chat_template=templates[i] if i < len(templates) else None,
-                                              tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes")
+                                              tool_call_parser=parser)
                             for i, d in enumerate(model_dirs)])
     queue = QueueConfig(max_size=resolve("max_queue", args.max_queue, DEFAULT_MAX_QUEUE),
                         max_wait_s=resolve("queue_timeout_s", args.queue_timeout, DEFAULT_MAX_WAIT_S))

@@ -36,7 +36,7 @@ from services.router.shadow import DEFAULT_MIN_TOKENS as DEFAULT_SHADOW_MIN_TOKE
 from services.router.shadow import DEFAULT_QUEUE_SIZE as DEFAULT_SHADOW_QUEUE
 from services.router.shadow import DEFAULT_THRESHOLD_PCT as DEFAULT_SHADOW_THRESHOLD_PCT
 from services.router.shadow import DEFAULT_WINDOW_TOKENS as DEFAULT_SHADOW_WINDOW
-from services.router.tools import PARSERS
+from services.router.tools import DEFAULT_PARSER, PARSERS
 from services.router.types import Finished, GenerationRequest, TokenOut, trace_context_of
 from services.telemetry.federation import register_upstreams
 
@@ -175,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", action="append", default=None, metavar="FILE",
                        help="a Jinja chat template for the --model of the same position, instead of its own "
                             "(chat_template.jinja or tokenizer_config.json's chat_template)")
-    group.add_argument("--tool-call-parser", choices=PARSERS, default="hermes",
+    group.add_argument("--tool-call-parser", choices=PARSERS, default=DEFAULT_PARSER,
                        help="how tool calls are read from a model's text under tool_choice auto: hermes "
                             "(<tool_call>{...}</tool_call>) or llama3_json (a bare JSON call); default hermes")
     group.add_argument("--worker", action="append", default=None, metavar="HOST:PORT",

@@ -33,6 +33,7 @@ from typing import Any
 from services.router.request_fields import BadRequest
 
 PARSERS = ("hermes", "llama3_json")
+DEFAULT_PARSER = "hermes"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _HERMES_OPEN, _HERMES_CALL = "<tool_call>", re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
@@ -45,7 +46,7 @@ class ToolCalling:
     tools: tuple[dict[str, Any], ...]  # {"type": "function", "function": {...}}, as sent (for the template)
     choice: str  # none, auto, required, or function (the one named in ``function``)
     function: str | None = None
-    parser: str = "hermes"
+    parser: str = DEFAULT_PARSER
     parallel: bool = True
 
     def parameters(self, name: str) -> dict[str, Any]:
@@ -109,11 +110,15 @@ def parse_tool_calling(body: dict[str, Any], parser: str) -> ToolCalling | None:
     return ToolCalling(tuple(tools), "function", named, parser, parallel)
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
         call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -168,8 +173,9 @@ def split_calls(calling: ToolCalling, text: str) -> tuple[str | None, list[ToolC
     return text[:at] or None, calls
 
 
-def finish_reason(calling: ToolCalling, calls: list[ToolCall], generated: str) -> str:
-    if generated == "length" or not calls or calling.choice == "none":
+def finish_reason(calling: ToolCalling, called: bool, generated: str) -> str:
+    """The choice's finish reason, given the generation's and whether calls were made."""
+    if generated == "length" or not called or calling.choice == "none":
         return generated
     return "stop" if calling.choice == "function" else "tool_calls"
 
@@ -189,7 +195,7 @@ class ToolCallStream:
         self.sent = 0  # characters of text sent as content
         self.in_call = calling.choice == "required"  # the rest is held until it can be parsed
         self.opened = False  # a named function's call was announced
-        self.call_id = ToolCall("", "").id
+        self.call_id = new_call_id()
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         self.text += piece
@@ -229,13 +235,13 @@ class ToolCallStream:
     def finish(self, generated: str) -> tuple[list[dict[str, Any]], str]:
         """The last deltas and the choice's finish reason."""
         if self.calling.choice == "function":
-            return [], finish_reason(self.calling, [ToolCall("", "")], generated)
+            return [], finish_reason(self.calling, True, generated)
         _content, calls = split_calls(self.calling, self.text) if generated != "length" else (None, [])
         if not calls:
             return self._content(len(self.text)), generated
         deltas = self._content(_content_end(self.calling, self.text))
         deltas += [{"tool_calls": [call.openai(index)]} for index, call in enumerate(calls)]
-        return deltas, finish_reason(self.calling, calls, generated)
+        return deltas, finish_reason(self.calling, True, generated)
 
 
 def message(calling: ToolCalling | None, text: str, generated: str) -> tuple[dict[str, Any], str]:
@@ -247,4 +253,4 @@ def message(calling: ToolCalling | None, text: str, generated: str) -> tuple[dic
     body: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         body["tool_calls"] = [call.openai() for call in calls]
-    return body, finish_reason(calling, calls, generated)
+    return body, finish_reason(calling, bool(calls), generated)
