@@ -25,6 +25,10 @@ class CollectiveEvent:
     timed_out: bool  # did not complete: its timeout fired, or (``peer_lost``) it failed for good first
     # its peer is gone (a closed connection, or the peer's node stopped reporting): final, no retry
     peer_lost: bool = False
+    # the rank's count of ops on ``communicator`` ("tp/pp<stage>", "control"), from 1; 0 and ""
+    # for point-to-point ops, whose counts on the two ends are not comparable
+    seq: int = 0
+    communicator: str = ""
 
 
 class EventSink(Protocol):

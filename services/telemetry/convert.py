@@ -33,7 +33,7 @@ def event_to_pb(e: CollectiveEvent) -> telemetry_pb2.CollectiveEvent:
     return telemetry_pb2.CollectiveEvent(
         replica_group_id=e.replica_group_id, gpu_id=e.gpu_id, op_type=e.op_type, bytes=e.bytes,
         duration_ms=e.duration_ms, group_size=e.group_size, timestamp_ms=e.timestamp_ms, timed_out=e.timed_out,
-        peer_lost=e.peer_lost)
+        peer_lost=e.peer_lost, seq=e.seq, communicator=e.communicator)
 
 
 def report_request(events: Iterable[CollectiveEvent], dropped: int = 0) -> telemetry_pb2.ReportRequest:
@@ -42,7 +42,7 @@ def report_request(events: Iterable[CollectiveEvent], dropped: int = 0) -> telem
 
 def event_from_pb(pb: telemetry_pb2.CollectiveEvent) -> CollectiveEvent:
     return CollectiveEvent(pb.replica_group_id, pb.gpu_id, pb.op_type, pb.bytes, pb.duration_ms, pb.group_size,
-                           pb.timestamp_ms, pb.timed_out, pb.peer_lost)
+                           pb.timestamp_ms, pb.timed_out, pb.peer_lost, pb.seq, pb.communicator)
 
 
 def window_to_pb(w: WindowSummary) -> telemetry_pb2.CollectiveWindow:

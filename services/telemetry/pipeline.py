@@ -25,9 +25,10 @@ from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowCo
 log = logging.getLogger(__name__)
 
 ALERT_HISTORY = 256
-# A rank whose last event ended this soon after a timed-out op was issued still counts as not
-# heard from since: ranks leave a collective together, and the next one is issued a fraction of
-# a millisecond later (less than the whole-ms timestamps' resolution) on a small model.
+# For a rank that does not share the timed-out op's communicator (another stage, or an op with no
+# number): one whose last event ended this soon after the op was issued still counts as not heard
+# from since. Ranks leave a collective together, and the next one is issued a fraction of a
+# millisecond later (less than the whole-ms timestamps' resolution) on a small model.
 SAME_ROUND_MS = 20.0
 
 
@@ -141,11 +142,7 @@ class TelemetryPipeline:
     def _judge_timeout(self, event: EventLike) -> Alert | None:
         members = self.store.series_of(event.replica_group_id)
         gpus = {s.gpu_id for s in members}
-        began_ms = event.timestamp_ms - event.duration_ms + min(SAME_ROUND_MS, event.duration_ms / 4)
-        last_seen: dict[str, int] = {}
-        for s in members:
-            last_seen[s.gpu_id] = max(last_seen.get(s.gpu_id, 0), s.last_seen_ms)
-        silent = [gpu for gpu, seen in last_seen.items() if seen < began_ms and gpu != event.gpu_id]
+        silent = [gpu for gpu in sorted(_not_heard_from(event, members)) if gpu != event.gpu_id]
         alert = self.rules.on_timeout(event, group_gpu_ids=gpus, silent_gpu_ids=silent)
         nodes = self._silent_nodes(event.replica_group_id, set(silent))
         if alert is not None and nodes:  # a host that was lost or hung: all of its ranks went quiet
@@ -250,3 +247,19 @@ class TelemetryPipeline:
         with self.lock:
             return [(s.replica_group_id, s.gpu_id, s.op_type, s.group_size, s.totals.copy())
                     for s in self.store.series.values()]
+
+
+def _not_heard_from(event: EventLike, members: list[Series]) -> set[str]:
+    """The ranks of a group that reported nothing of the timed-out ``event`` since it was issued.
+    A peer on its communicator is judged by count: it never finished the op if its highest number
+    there is below the op's, whatever its clock said (a rank descheduled as it leaves a collective
+    stamps its end late). Any other rank is judged by the time its last event ended."""
+    finished: dict[str, int] = {}
+    last_seen: dict[str, int] = {}
+    for s in members:
+        last_seen[s.gpu_id] = max(last_seen.get(s.gpu_id, 0), s.last_seen_ms)
+        if event.seq and s.communicator == event.communicator:
+            finished[s.gpu_id] = max(finished.get(s.gpu_id, 0), s.last_seq)
+    began_ms = event.timestamp_ms - event.duration_ms + min(SAME_ROUND_MS, event.duration_ms / 4)
+    return ({gpu for gpu, n in finished.items() if n < event.seq}
+            | {gpu for gpu, seen in last_seen.items() if gpu not in finished and seen < began_ms})

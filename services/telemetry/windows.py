@@ -45,6 +45,8 @@ class EventLike(Protocol):
     timestamp_ms: int
     timed_out: bool
     peer_lost: bool
+    seq: int
+    communicator: str
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,10 @@ class Series:
     """The retained windows and the totals of one (replica_group_id, gpu_id, op_type)."""
 
     __slots__ = ("replica_group_id", "gpu_id", "op_type", "group_size", "windows", "current",
-                 "totals", "last_seen_ms")
+                 "totals", "last_seen_ms", "communicator", "last_seq")
 
-    def __init__(self, replica_group_id: str, gpu_id: str, op_type: str, group_size: int) -> None:
+    def __init__(self, replica_group_id: str, gpu_id: str, op_type: str, group_size: int,
+                 communicator: str = "") -> None:
         self.replica_group_id = replica_group_id
         self.gpu_id = gpu_id
         self.op_type = op_type
@@ -118,6 +121,8 @@ class Series:
         self.current: WindowStats | None = None
         self.totals = SeriesTotals()
         self.last_seen_ms = 0
+        self.communicator = communicator  # where this op type runs for this rank ("" for point-to-point)
+        self.last_seq = 0  # the highest op number the rank reported on it, late events included
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,9 @@ class WindowStore:
             key = (e.replica_group_id, e.gpu_id, e.op_type)
             s = series_map.get(key)
             if s is None:
-                s = self._new_series(key, e.group_size)
+                s = self._new_series(key, e.group_size, e.communicator)
+            if e.seq > s.last_seq:
+                s.last_seq = e.seq
             ts = e.timestamp_ms
             w = s.current
             idx = (ts - origin) // wms
@@ -209,8 +216,8 @@ class WindowStore:
         self.accepted += accepted
         return accepted
 
-    def _new_series(self, key: tuple[str, str, str], group_size: int) -> Series:
-        s = Series(*key, group_size)
+    def _new_series(self, key: tuple[str, str, str], group_size: int, communicator: str) -> Series:
+        s = Series(*key, group_size, communicator)
         self.series[key] = s
         self._by_group.setdefault(key[0], []).append(s)
         return s

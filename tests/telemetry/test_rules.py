@@ -149,6 +149,27 @@ def test_a_peer_that_left_the_previous_collective_with_the_hung_rank_counts_as_s
     assert alert.message.endswith("not heard from since it began: rg:pp0-tp1"), alert.message
 
 
+def test_a_peer_on_the_communicator_is_judged_by_the_ops_it_finished_not_by_its_clock():
+    # tp1 was descheduled as it left op 60 and stamped its end 40 ms after tp0 issued op 61; it
+    # never finished 61, so it is silent. tp2 finished op 61 (tp0 waits on tp1 only) but its clock
+    # runs 200 ms behind: not silent. pp1-tp0 (another stage's TP group) is judged by its clock.
+    clock = Clock()
+    pipeline = make_pipeline(clock)
+    began = ORIGIN + 1000
+
+    def ev(gpu, seq, end, comm="tp/pp0", timed_out=False, duration=0.2):
+        return CollectiveEvent("rg", f"rg:{gpu}", "all_reduce", 8, duration, 3, end, timed_out,
+                               seq=seq, communicator=comm)
+
+    pipeline.ingest([ev("pp0-tp1", 60, began + 40), ev("pp0-tp2", 61, began - 200),
+                     ev("pp1-tp0", 7, began + 750, comm="tp/pp1")])
+    sub = pipeline.subscribe("rg")
+    pipeline.ingest([ev("pp0-tp0", 61, began + 1500, timed_out=True, duration=1500.0)])
+    alert = sub.get(1.0)
+    assert alert.kind is AlertKind.COLLECTIVE_TIMEOUT
+    assert alert.message.endswith("not heard from since it began: rg:pp0-tp1"), alert.message
+
+
 def test_a_timeout_names_the_node_of_the_ranks_it_waited_on():
     # each rank's shipper says which node it runs on; a hung host's ranks go silent together
     clock = Clock()

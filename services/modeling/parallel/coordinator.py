@@ -73,16 +73,25 @@ class Coordinator:
         # guarded by _lock, with ``failure``, against give_up from another thread
         self._waiting: tuple[str, int, float, float] | None = None
         self._lock = threading.Lock()
+        # ops issued per communicator: every member issues the same ones in the same order, so
+        # telemetry can tell which peer never finished a timed-out op by its number
+        self._tp_comm = f"tp/pp{groups.pp_stage}"
+        self._seq: dict[str, int] = {}
 
     @property
     def healthy(self) -> bool:
         return self.failure is None
 
     # -- the one place that waits ------------------------------------------------------------
-    def _run(self, op: str, nbytes: int, group_size: int, start_work, timeout_s: float | None) -> None:
+    def _run(self, op: str, nbytes: int, group_size: int, start_work, timeout_s: float | None,
+             communicator: str = "") -> None:
+        """``communicator``: where a collective runs, to number it ("" for point-to-point ops)."""
         if self.failure is not None:
             raise ShardGroupUnhealthy(self.replica_group_id, self.gpu_id, op,
                                       f"refused: group already failed ({self.failure.op})")
+        seq = 0
+        if communicator:
+            seq = self._seq[communicator] = self._seq.get(communicator, 0) + 1
         if self.faults:
             self.faults.before(op)
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -122,7 +131,8 @@ class Coordinator:
                 log.warning("%s on %s timed out after %g s; its retry completed (%.2f s in all)",
                             op, self.gpu_id, timeout, elapsed)
         else:
-            self._record(op, nbytes, group_size, elapsed, wall0 + elapsed, timed_out=broken, peer_lost=closed)
+            self._record(op, nbytes, group_size, elapsed, wall0 + elapsed, timed_out=broken, peer_lost=closed,
+                         seq=seq, communicator=communicator)
         if broken:
             what = f"timed out after {timeout:g} s" if timed_out else "failed"
             if timed_out and retries:
@@ -155,11 +165,11 @@ class Coordinator:
             return self.failure
 
     def _record(self, op: str, nbytes: int, group_size: int, duration_s: float, end_s: float, *,
-                timed_out: bool, peer_lost: bool = False) -> None:
+                timed_out: bool, peer_lost: bool = False, seq: int = 0, communicator: str = "") -> None:
         self.sink.record(CollectiveEvent(
             replica_group_id=self.replica_group_id, gpu_id=self.gpu_id, op_type=op, bytes=nbytes,
             duration_ms=duration_s * 1e3, group_size=group_size, timestamp_ms=int(end_s * 1e3),
-            timed_out=timed_out, peer_lost=peer_lost))
+            timed_out=timed_out, peer_lost=peer_lost, seq=seq, communicator=communicator))
 
     # -- tensor parallel ---------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -167,7 +177,7 @@ class Coordinator:
         if self.groups.tp_degree == 1:
             return tensor
         self._run("all_reduce", _nbytes(tensor), self.groups.tp_degree,
-                  lambda: dist.all_reduce(tensor, group=self.groups.tp_group, async_op=True), None)
+                  lambda: dist.all_reduce(tensor, group=self.groups.tp_group, async_op=True), None, self._tp_comm)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -177,7 +187,8 @@ class Coordinator:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.groups.tp_degree)]
         self._run("all_gather", _nbytes(tensor) * self.groups.tp_degree, self.groups.tp_degree,
-                  lambda: dist.all_gather(parts, tensor, group=self.groups.tp_group, async_op=True), None)
+                  lambda: dist.all_gather(parts, tensor, group=self.groups.tp_group, async_op=True), None,
+                  self._tp_comm)
         return torch.cat(parts, dim=dim)
 
     # -- pipeline parallel -------------------------------------------------------------------
@@ -206,11 +217,11 @@ class Coordinator:
         payload = pickle.dumps(obj) if is_src else b""
         size = torch.tensor([len(payload)], dtype=torch.int64)
         self._run("broadcast", 8, self.groups.world_size,
-                  lambda: dist.broadcast(size, src=src, group=group, async_op=True), timeout_s)
+                  lambda: dist.broadcast(size, src=src, group=group, async_op=True), timeout_s, "control")
         buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src
                else torch.empty(int(size.item()), dtype=torch.uint8))
         self._run("broadcast", buf.numel(), self.groups.world_size,
-                  lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout_s)
+                  lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout_s, "control")
         return obj if is_src else pickle.loads(buf.numpy().tobytes())
 
     def send_object(self, obj: Any, dst: int, *, timeout_s: float | None = None, deferred: bool = False) -> None:
@@ -260,7 +271,8 @@ class Coordinator:
             return
         token = torch.zeros(1)
         self._run("barrier", 4, self.groups.world_size,
-                  lambda: dist.all_reduce(token, group=self.groups.control_group, async_op=True), timeout_s)
+                  lambda: dist.all_reduce(token, group=self.groups.control_group, async_op=True), timeout_s,
+                  "control")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
