@@ -44,8 +44,6 @@ from services.common.registry.repository import ShardRegistry
 from services.common.stop_signals import SignalListener
 from services.common.supervisor import ManagedProcess, StackError, StackStopped, Supervisor
 from services.common.transport_security import TransportSecurity, add_security_arguments
-from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
-from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.router.server import add_shadow_arguments, shadow_flags
 from services.router.tools import DEFAULT_PARSER, PARSERS
 
@@ -126,6 +124,10 @@ def resolve_model(spec: str) -> Path:
     final = (models_root() / ("smollm2-135m-instruct" if spec == "smollm2" else "tiny-llama")).resolve()
     if (final / "config.json").is_file():
         return final
+    # deferred: making a preset needs torch, which the stack's own process otherwise never imports
+    from services.modeling.gguf_import import SmolLM2NotInstalled, convert_smollm2
+    from services.modeling.tiny import TinyModelSpec, write_tiny_model
+
     staging = final.with_name(f".staging-{uuid.uuid4().hex[:8]}")
     print(f"making the {spec} model in {final} (first run only) ...", flush=True)
     try:

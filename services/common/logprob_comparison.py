@@ -16,13 +16,36 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 
 class ChunkScores(Protocol):
     logprobs: Sequence[float]  # log p(next token) at each position
     argmax: Sequence[int]  # the plan's top-1 token at each position
+
+
+@dataclass
+class ScoreResult:
+    """One chunk's scores from one plan (a :class:`ChunkScores`), with its perplexity."""
+
+    n_tokens: int
+    logprobs: list[float]
+    nll: float
+    perplexity: float
+    argmax: list[int] = field(default_factory=list)  # the model's top-1 token at each position
+    # the most likely (token id, logprob) at each position, best first, when asked for
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @classmethod
+    def from_logprobs(cls, n_tokens: int, logprobs: list[float], argmax: list[int] | None = None,
+                      top_logprobs: list[list[tuple[int, float]]] | None = None) -> ScoreResult:
+        nll = -sum(logprobs) / len(logprobs) if logprobs else 0.0
+        return cls(n_tokens=n_tokens, logprobs=logprobs, nll=nll, perplexity=math.exp(nll), argmax=argmax or [],
+                   top_logprobs=top_logprobs or [])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)

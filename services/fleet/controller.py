@@ -47,7 +47,6 @@ from services.fleet.provisioner import GroupLaunch, GroupProcess, Provisioner
 from services.fleet.spec import FleetSpec
 from services.modeling.golden_set import GoldenSet
 from services.worker.plan_scoring import golden_set_for
-from services.worker.runtime import RankSpec
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +317,9 @@ class FleetController:
         policy = spec.rollout
         key = (g.source, policy.gate_chunks, policy.gate_chunk_tokens)
         if key not in self._golden:
+            # deferred: the rank spec's module imports torch, which a controller needs only here
+            from services.worker.runtime import RankSpec
+
             rank = RankSpec(None, checkpoint=g.manifest_uri) if g.manifest_uri else None
             self._golden[key] = golden_set_for(g.model_dir, rank, chunks=policy.gate_chunks,
                                                chunk_tokens=policy.gate_chunk_tokens)

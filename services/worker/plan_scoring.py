@@ -15,22 +15,29 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from services.common.dtypes import lookup_dtype
 from services.common.errors import InvalidArgument, Unavailable
-from services.common.logprob_comparison import Comparison, GateVerdict, bootstrap_delta_interval, compare, gate
+from services.common.logprob_comparison import (
+    Comparison,
+    GateVerdict,
+    ScoreResult,
+    bootstrap_delta_interval,
+    compare,
+    gate,
+)
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB
 from services.common.registry import NotFound as RegistryNotFound
 from services.common.registry import QualityGateResult, ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
-from services.worker.engine.bootstrap import load_tokenizer
-from services.worker.launch import run_replica_group
-from services.worker.runtime import RankSpec, stage_tokenizer_dir
-from services.worker.scoring import ScoreResult, score_chunks_rank
+
+if TYPE_CHECKING:
+    from services.worker.runtime import RankSpec
 
 PLAN_KEYS = ("tp", "pp", "dtype", "checkpoint", "model", "lm_head")
 DEFAULT_THRESHOLD_PCT = 0.5
@@ -56,6 +63,9 @@ def parse_plan(text: str) -> dict[str, str]:
 def plan_spec(model_dir: str | None, text: str, *,
               collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> RankSpec:
     """The rank spec of plan ``text`` of the model in ``model_dir``; a bad plan raises here."""
+    # deferred: local plans need torch; the fleet controller gates live groups and never imports it
+    from services.worker.runtime import RankSpec
+
     plan = parse_plan(text)
     try:
         tp, pp = int(plan.get("tp", 1)), int(plan.get("pp", 1))
@@ -91,6 +101,10 @@ class PlanScores:
 
 def golden_set_for(model_dir: str | None, spec: RankSpec | None, *, chunks: int = DEFAULT_CHUNKS,
                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> GoldenSet:
+    # deferred: the tokenizer's loader sits with the model code, which imports torch (see plan_spec)
+    from services.worker.engine.bootstrap import load_tokenizer
+    from services.worker.runtime import stage_tokenizer_dir
+
     tokenizer = load_tokenizer(model_dir or (stage_tokenizer_dir(spec) if spec is not None else None))
     if tokenizer is None:
         raise InvalidArgument("the golden set needs the model's tokenizer.json (give --model DIR)")
@@ -116,6 +130,10 @@ def check_comparable(specs: Sequence[RankSpec], golden: GoldenSet) -> None:
 
 
 def score_plan(spec: RankSpec, text: str, golden: GoldenSet) -> PlanScores:
+    # deferred: running ranks locally needs torch (see plan_spec)
+    from services.worker.launch import run_replica_group
+    from services.worker.scoring import score_chunks_rank
+
     start = time.perf_counter()
     results = run_replica_group(spec.plan.world_size, score_chunks_rank, spec, [list(c) for c in golden.chunks],
                                 failure_grace_s=spec.collective_timeout_s + 3.0)

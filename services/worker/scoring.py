@@ -8,34 +8,11 @@ the driver.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
-
 import torch
 
+from services.common.logprob_comparison import ScoreResult
 from services.modeling.attention import AttentionMetadata
 from services.worker.runtime import RankRuntime, RankSpec
-
-
-@dataclass
-class ScoreResult:
-    n_tokens: int
-    logprobs: list[float]
-    nll: float
-    perplexity: float
-    argmax: list[int] = field(default_factory=list)  # the model's top-1 token at each position
-    # the most likely (token id, logprob) at each position, best first, when asked for
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-    @classmethod
-    def from_logprobs(cls, n_tokens: int, logprobs: list[float], argmax: list[int] | None = None,
-                      top_logprobs: list[list[tuple[int, float]]] | None = None) -> ScoreResult:
-        nll = -sum(logprobs) / len(logprobs) if logprobs else 0.0
-        return cls(n_tokens=n_tokens, logprobs=logprobs, nll=nll, perplexity=math.exp(nll), argmax=argmax or [],
-                   top_logprobs=top_logprobs or [])
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def prefill_logprobs(rt: RankRuntime, token_ids: list[int] | None) -> ScoreResult | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.logprob_comparison import ScoreResult
 from services.loader.layout import rank_model
 from services.modeling.config import ModelConfig
 from services.modeling.llama import LlamaForCausalLM
@@ -15,7 +16,7 @@ from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import CheckpointReader, load_weights
 from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.worker.runtime import LOAD_BARRIER_TIMEOUT_S, RankRuntime
-from services.worker.scoring import ScoreResult, prefill_logprobs
+from services.worker.scoring import prefill_logprobs
 
 SENTINEL = 12345.0
 
