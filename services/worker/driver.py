@@ -44,6 +44,12 @@ def follower_rank(rank: int, world_size: int, spec: RankSpec, telemetry: Shipper
             shipper.close()
 
 
+def start_followers(spec: RankSpec, telemetry: ShipperConfig | None, *, fork: bool = False) -> Followers:
+    """Ranks 1..N-1 of ``spec``'s group, started now. ``fork``: this process has run no tensor op
+    yet, so they may fork from it rather than from a fork server (see :class:`Followers`)."""
+    return Followers(spec.plan.world_size, follower_rank, spec, telemetry, fork=fork)
+
+
 @dataclass
 class ServingOptions:
     registry_url: str | None = None  # None: no registry (tests, bare worker)
@@ -60,12 +66,14 @@ class ServingOptions:
 
 
 class ReplicaDriver:
-    def __init__(self, spec: RankSpec, options: ServingOptions) -> None:
+    def __init__(self, spec: RankSpec, options: ServingOptions, *, followers: Followers | None = None) -> None:
+        """``followers``: ranks 1..N-1, already started (:func:`start_followers`); else
+        :meth:`start` starts them."""
         self.spec = spec
         self.options = options
         self.replica_group_id = spec.replica_group_id
         self.engine: LLMEngine | None = None
-        self.followers: Followers | None = None
+        self.followers = followers
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -84,8 +92,8 @@ class ReplicaDriver:
         threads stop spinning and sleep between regions. A model loaded on the main thread and
         served from another made every batch-1 SmolLM2 step take 14-15 ms instead of 7.5."""
         plan = self.spec.plan
-        if plan.world_size > 1 and not self.options.external_followers:
-            self.followers = Followers(plan.world_size, follower_rank, self.spec, self.options.telemetry)
+        if self.followers is None and plan.world_size > 1 and not self.options.external_followers:
+            self.followers = start_followers(self.spec, self.options.telemetry)
         if self.options.telemetry is not None:
             self.shipper = TelemetryShipper(self.options.telemetry, node_id=node_id())
         built = threading.Event()

@@ -13,6 +13,11 @@ interpreter, not a fork of the caller (whose gRPC and OpenMP threads must not be
 runs no tensor op itself. A rank takes the caller's environment as it is at launch, as a
 spawned process would, not the server's.
 
+A caller that has started no thread yet and run no tensor op (a worker before its gRPC server
+starts) is in the state the fork server is in, with the modules already imported: its
+:class:`Followers` fork from it directly, which spares the fork server's own start (importing
+torch again, about 2 s of CPU).
+
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the same ``rank_fn`` runs in this process.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -55,7 +61,9 @@ def threads_per_rank(world_size: int) -> int:
 PRELOAD = ["torch", "services.worker.engine.bootstrap", "services.worker.scoring", "services.worker.driver"]
 
 
-def _context() -> Any:
+def _context(*, fork: bool = False) -> Any:
+    if fork:
+        return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first use)
     return ctx
@@ -148,14 +156,19 @@ def _describe_exit(code: int | None) -> str:
 
 
 class Followers:
-    """Ranks 1..N-1 of a group whose rank 0 is this process (a serving driver)."""
+    """Ranks 1..N-1 of a group whose rank 0 is this process (a serving driver).
 
-    def __init__(self, world_size: int, rank_fn: Callable[..., Any], *args: Any) -> None:
+    ``fork``: the caller says it has run no tensor op yet (no OpenMP team to inherit); the ranks
+    are then forked from this process itself if it has also started no thread, else from the
+    fork server."""
+
+    def __init__(self, world_size: int, rank_fn: Callable[..., Any], *args: Any, fork: bool = False) -> None:
         self.world_size = world_size
         self.port = free_port()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK="0",
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        ctx = _context()
+        self.forked = fork and threading.active_count() == 1
+        ctx = _context(fork=self.forked)
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_rank_main,
                                   args=(rank, world_size, self.port, self.results, rank_fn, args, dict(os.environ),

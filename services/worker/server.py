@@ -31,7 +31,7 @@ from services.telemetry.client import ShipperConfig
 from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
 from services.worker import multinode
-from services.worker.driver import ReplicaDriver, ServingOptions
+from services.worker.driver import ReplicaDriver, ServingOptions, start_followers
 from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
 from services.worker.options import add_engine_arguments, add_layout_arguments, engine_spec
 from services.worker.relay import RelaySession
@@ -269,6 +269,8 @@ def serve(args: argparse.Namespace) -> int:
     if external and rank != "0":
         health_url = resolve("redis_url", args.redis_url, "") or None
         return _exit(multinode.run_follower(int(rank), spec, telemetry, health_url))
+    # the follower ranks fork from this process now, before the gRPC server starts its threads
+    followers = start_followers(spec, telemetry, fork=True) if spec.plan.world_size > 1 and not external else None
 
     def on_started(server: GrpcServer) -> None:
         options = ServingOptions(registry_url=resolve("registry_url", args.registry_url, "") or None,
@@ -278,7 +280,7 @@ def serve(args: argparse.Namespace) -> int:
                                  telemetry=telemetry, await_rotation=args.await_rotation,
                                  external_followers=external)
         setup_observability(args, SERVICE)
-        servicer.driver = ReplicaDriver(spec, options)
+        servicer.driver = ReplicaDriver(spec, options, followers=followers)
         servicer.driver.start()
         servicer.ready.set()
         server.set_serving(True)
@@ -296,6 +298,8 @@ def serve(args: argparse.Namespace) -> int:
     except Exception:  # noqa: BLE001 - loading failed (a bad shard, a rank that died): say why, exit 1
         log.exception("worker %s failed to start", args.replica_group_id)
         code = 1
+    if followers is not None and not servicer.ready.is_set():
+        followers.join(timeout_s=0.1)  # never served (no port, a failed load): the driver did not stop them
     return _exit(code)
 
 
