@@ -1,13 +1,13 @@
 """The rank processes of a serving worker, for the tests that kill or stop one.
 
-A worker's follower ranks are forked by its fork server (``services.worker.launch``): they are
-the server's children, the worker's grandchildren, and share the server's command line."""
+A worker's follower ranks are forked from the worker itself, or from its fork server
+(``services.worker.launch``): its children or grandchildren, named ``shardline-rankN``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-FORK_SERVER = b"multiprocessing.forkserver"
+from services.worker.launch import RANK_PROCESS_NAME
 
 
 def _children(pid: int) -> list[int]:
@@ -20,17 +20,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _cmdline(pid: int) -> bytes:
+def _name(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
-        return b""
+        return ""
 
 
 def rank_pids(worker_pid: int) -> list[int]:
-    """The follower ranks (1..N-1) of the worker ``worker_pid``, oldest first."""
-    servers = [c for c in _children(worker_pid) if FORK_SERVER in _cmdline(c)]
-    return sorted(r for s in servers for r in _children(s))
+    """The follower ranks (1..N-1) of the worker ``worker_pid``, by rank."""
+    near = _children(worker_pid)
+    ranks = [p for p in near + [g for c in near for g in _children(c)] if _name(p).startswith(RANK_PROCESS_NAME)]
+    return sorted(ranks, key=lambda p: int(_name(p).removeprefix(RANK_PROCESS_NAME) or 0))
 
 
 def state(pid: int) -> str:

@@ -63,7 +63,8 @@ def test_collective_event_keeps_the_seeds_eight_fields_and_extends_them() -> Non
         ("timed_out", 8, FieldDescriptor.TYPE_BOOL),
     ]
     # added later, under new numbers: an old reader skips them
-    assert actual[8:] == [("peer_lost", 9, FieldDescriptor.TYPE_BOOL)]
+    assert actual[8:] == [("peer_lost", 9, FieldDescriptor.TYPE_BOOL), ("seq", 10, FieldDescriptor.TYPE_UINT64),
+                          ("communicator", 11, FieldDescriptor.TYPE_STRING)]
     assert telemetry_pb2.CollectiveEvent.DESCRIPTOR.full_name == "shardline.v1.CollectiveEvent"
 
 
