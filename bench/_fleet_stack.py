@@ -30,6 +30,7 @@ from services.cli.fleet import fleet_status
 from services.common.config import child_environ
 from services.common.healthcheck import check
 from services.common.ports import free_port
+from services.common.process_names import rank_of_process
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.registry import ShardRegistry
 
@@ -45,8 +46,8 @@ def driver_pid(group: str) -> int:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"worker" in args and group.encode() in args:
-                return int(pid)
+            if b"worker" in args and group.encode() in args and rank_of_process(int(pid)) is None:
+                return int(pid)  # not a forked rank, which shares its worker's command line
     raise RuntimeError(f"no worker process of {group}")
 
 

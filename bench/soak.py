@@ -44,6 +44,7 @@ from bench._soak_report import markdown, plot_rss, verdict
 from bench.common import wait_http_health
 from services.common.config import child_environ
 from services.common.ports import free_port_run
+from services.common.process_names import rank_of_process
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 try:  # psutil reads the process tree and RSS; /proc does when it is not installed
@@ -141,6 +142,10 @@ class ProcessSampler(threading.Thread):
     def label(self, pid: int, args: list[str]) -> str:
         if pid == self.root:
             return "up"
+        rank = rank_of_process(pid)  # a rank forked from its worker shares the worker's command line
+        if rank is not None:
+            parent = self.series.get(ppid_of(pid))
+            return f"{parent['label'] if parent else '?'}.rank{rank}"
         if "serve" in args and "worker" in args and "--replica-group-id" in args:
             group = args[args.index("--replica-group-id") + 1]
             return self.workers.setdefault(group, f"worker-{len(self.workers)}")

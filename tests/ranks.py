@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.worker.launch import RANK_PROCESS_NAME
+from services.common.process_names import rank_of_process
 
 
 def _children(pid: int) -> list[int]:
@@ -20,18 +20,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def rank_pids(worker_pid: int) -> list[int]:
     """The follower ranks (1..N-1) of the worker ``worker_pid``, by rank."""
     near = _children(worker_pid)
-    ranks = [p for p in near + [g for c in near for g in _children(c)] if _name(p).startswith(RANK_PROCESS_NAME)]
-    return sorted(ranks, key=lambda p: int(_name(p).removeprefix(RANK_PROCESS_NAME) or 0))
+    ranks = {p: rank for p in near + [g for c in near for g in _children(c)]
+             if (rank := rank_of_process(p)) is not None}
+    return sorted(ranks, key=ranks.__getitem__)
 
 
 def state(pid: int) -> str:

@@ -23,7 +23,6 @@ Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the same ``rank_fn`` runs in th
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue as queue_mod
 import signal
@@ -38,6 +37,7 @@ import torch.multiprocessing as mp
 
 from services.common.errors import ShardlineError
 from services.common.ports import free_port
+from services.common.process_names import name_rank_process
 
 
 class ReplicaGroupFailed(RuntimeError):
@@ -58,9 +58,6 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-PR_SET_NAME = 15  # prctl(2)
-RANK_PROCESS_NAME = "shardline-rank"  # a rank process's name: this and its rank
-
 # what the fork server imports before it forks a rank: torch and every rank entry point
 PRELOAD = ["torch", "services.worker.engine.bootstrap", "services.worker.scoring", "services.worker.driver"]
 
@@ -73,19 +70,9 @@ def _context(*, fork: bool = False) -> Any:
     return ctx
 
 
-def _name_process(name: str) -> None:
-    """The kernel's name of this process (``ps -o comm``, ``top``, ``/proc/PID/comm``; 15 bytes):
-    a forked rank otherwise shows its parent's name and command line."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the name is cosmetic
-        pass
-
-
 def _rank_main(rank: int, world_size: int, port: int, results: Any, rank_fn: Callable[..., Any],
                args: tuple[Any, ...], environ: dict[str, str], ignore_signals: bool = False) -> None:
-    _name_process(f"{RANK_PROCESS_NAME}{rank}")
+    name_rank_process(rank)
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, not the fork server's (started earlier)
     if ignore_signals:

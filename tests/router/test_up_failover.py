@@ -29,6 +29,7 @@ import openai
 import pytest
 
 from bench._fleet_stack import driver_pid
+from services.common.process_names import rank_of_process
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
 from tests.router.processes import REPO
@@ -73,7 +74,8 @@ class Stack:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "serve" in args and service in args and any(a == "--port" and b == port for a, b in zip(args, args[1:])):
+            if ("serve" in args and service in args and any(a == "--port" and b == port for a, b in zip(args, args[1:]))
+                    and rank_of_process(int(pid)) is None):  # a forked rank shares its worker's command line
                 return int(pid)
         raise AssertionError(f"no {service} on port {port}")
 
