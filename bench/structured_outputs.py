@@ -8,6 +8,11 @@ required, ``n=3``, streamed and not, then the tool's result and the final answer
 Each layout gets its own ``up``; a prompt counts as parsed when the client returned the pydantic
 object (it validates the JSON against the model itself). The figures: parsed / asked, the
 completion tokens and the wall time of the 20 requests sent 5 at a time.
+
+Then the failover leg (``--no-failover`` skips it; ``--layouts`` with no names runs it alone): two
+TP1 groups behind one ``up``, a guided seeded stream whose group's worker is SIGKILLed mid-way.
+The router continues it on the other group, replaying the streamed tokens into the grammar: the
+output must still validate, and equal the same request's answer without the failure.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import os
+import signal
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +31,7 @@ from typing import Literal
 import openai
 import pydantic
 
+from bench._fleet_stack import driver_pid
 from bench._peers import SERVED_NAME, shardline_server
 from bench.common import machine, smollm2_dir, write_results
 from services.common.ports import free_port
@@ -43,11 +51,15 @@ class Priority(enum.Enum):
 
 
 class Step(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # as the client's parse() sends it: no other keys
+
     title: str = pydantic.Field(max_length=60)
     minutes: int = pydantic.Field(ge=1, le=600)
 
 
 class Task(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
     name: str = pydantic.Field(max_length=60)
     priority: Priority
     tags: list[Literal["home", "work", "health", "money", "study", "fun"]] = pydantic.Field(max_length=3)
@@ -100,6 +112,39 @@ def tool_round_trip(client: openai.OpenAI) -> dict:
             "final_answer": final.choices[0].message.content, "final_finish": final.choices[0].finish_reason}
 
 
+def _task_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "Task", "schema": Task.model_json_schema(), "strict": True}}
+
+
+def guided_failover(client: openai.OpenAI, kill_after: int = 8) -> dict:
+    """A guided, seeded, sampled stream whose group's worker is SIGKILLed after ``kill_after``
+    content chunks: the router continues it on the other group. The output must still validate,
+    and equal the same request's answer in a run without the failure (seeded sampling is
+    reproducible across groups)."""
+    asked = dict(model=SERVED_NAME, response_format=_task_format(), max_tokens=400, temperature=0.7, seed=5,
+                 messages=[{"role": "system", "content": "You plan tasks. Answer in JSON."},
+                           {"role": "user", "content": f"Make a plan to {TASKS[3]}."}])
+    reference = client.chat.completions.create(**asked).choices[0].message.content
+    text, groups, killed, chunks = "", [], None, 0
+    for chunk in client.chat.completions.create(stream=True, **asked):
+        group = (chunk.model_extra or {}).get("replica_group_id")
+        if group and (not groups or groups[-1] != group):
+            groups.append(group)
+        for choice in chunk.choices:
+            if choice.delta.content:
+                text += choice.delta.content
+                chunks += 1
+        if killed is None and chunks >= kill_after and groups:
+            killed = groups[-1]
+            os.kill(driver_pid(killed), signal.SIGKILL)
+    try:
+        valid = isinstance(Task.model_validate_json(text), Task)
+    except pydantic.ValidationError:
+        valid = False
+    return {"killed_group": killed, "groups": groups, "continued_elsewhere": len(groups) > 1, "validates": valid,
+            "equals_fault_free": text == reference, "output": text}
+
+
 def run_layout(name: str, flags: tuple[str, ...], workdir: Path) -> dict:
     server = shardline_server(smollm2_dir(), "bfloat16", free_port(), workdir / name, flags=flags)
     started = server.start()
@@ -120,13 +165,40 @@ def run_layout(name: str, flags: tuple[str, ...], workdir: Path) -> dict:
     return result
 
 
+def run_failover(workdir: Path) -> dict:
+    """Two TP1 groups behind one router; a guided stream loses its group mid-way."""
+    server = shardline_server(smollm2_dir(), "bfloat16", free_port(), workdir / "failover", flags=("--replicas", "2"))
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+        result = guided_failover(client)
+    finally:
+        server.stop()
+    print(f"failover: killed {result['killed_group']}, served by {result['groups']}, validates {result['validates']}, "
+          f"equals the fault-free answer {result['equals_fault_free']}", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--no-failover", dest="failover", action="store_false",
+                        help="skip the guided stream whose group is killed (two TP1 groups)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="structured-") as tmp:
         results = [run_layout(name, LAYOUTS[name], Path(tmp)) for name in args.layouts]
+        failover = run_failover(Path(tmp)) if args.failover else None
     info = machine()
+    ok = all(r["parsed"] == r["asked"] and r["tools"]["parsed"] == 3 for r in results)
+    if results:
+        write_layouts(info, results)
+    if failover is not None:
+        write_failover(info, failover)
+        ok = ok and failover["validates"] and failover["continued_elsewhere"]
+    return 0 if ok else 1
+
+
+def write_layouts(info: dict, results: list[dict]) -> None:
     lines = ["# Structured outputs and tool calls through the `openai` client, SmolLM2-135M-Instruct", "",
              f"`python -m bench.structured_outputs`; {info['cpu_model']}; `shardline up` bfloat16 per layout; "
              f"`chat.completions.parse(response_format=Task)` (nested: enum, list of enums, list of objects with "
@@ -145,7 +217,21 @@ def main(argv: list[str] | None = None) -> int:
               f"result: {json.dumps(results[0]['tools']['final_answer'])}"]
     write_results("structured-outputs", {"machine": info, "results": results}, "\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0 if all(r["parsed"] == r["asked"] and r["tools"]["parsed"] == 3 for r in results) else 1
+
+
+def write_failover(info: dict, failover: dict) -> None:
+    f = failover
+    lines = ["# A guided stream whose replica group is SIGKILLed mid-way, SmolLM2-135M-Instruct", "",
+             f"`python -m bench.structured_outputs --layouts` (the failover leg alone); {info['cpu_model']}; "
+             "`shardline up --replicas 2` (two TP1 groups, bfloat16). One `response_format` JSON-schema request "
+             "(the `Task` model: enum, arrays, nested objects), seed 5, temperature 0.7, streamed through the "
+             "`openai` client; the serving group's worker is SIGKILLed after 8 content chunks.", "",
+             "| killed group | continued on | output validates as `Task` | equals the answer without the failure |",
+             "|---|---|---|---|",
+             f"| `{f['killed_group']}` | `{f['groups'][-1] if f['groups'] else '-'}` | {f['validates']} | "
+             f"{f['equals_fault_free']} |", "", f"The output: `{f['output']}`"]
+    write_results("structured-failover", {"machine": info, "failover": f}, "\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
