@@ -22,17 +22,12 @@ from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
+from services.router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, validate
 from services.router.request_fields import BadRequest, check_fields
 from services.router.tools import ToolCalling, parse_tool_calling
 from services.router.tools import message as tool_message
 from services.router.types import Finished, GenerationRequest, Scored, TokenOut
 
-# Most prompts one /v1/completions request may carry (``prompt`` as a list of them): each is its
-# own request to the groups, answered as one choice.
-MAX_PROMPTS = 128
-
-# Most choices one request may ask for (n, or best_of candidates): each is its own generation.
-MAX_CHOICES = 16
 SEED_SPACE = 2**64  # choice i of a request with seed s samples with seed (s + i) mod 2**64
 
 # A chat request without max_tokens may use the rest of the context, up to this many tokens:
@@ -73,35 +68,18 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 
 # ---- requests ---------------------------------------------------------------------------
+# Bodies are checked against ``protocol.py``'s models first (types, ranges: a 400 naming the
+# field); what is read here are validated values, and the rules that tie fields together.
 
 
-def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
-    if not isinstance(value, kinds):
-        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
-    return value
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
-
-
-def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) as ``((id, bias), ...)``."""
-    raw = _get(body, "logit_bias", (dict,), {})
     out = []
-    for key, bias in raw.items():
+    for key, bias in (raw or {}).items():
         try:
             token = int(key)
         except (TypeError, ValueError):
@@ -115,41 +93,35 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
 GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
-def _response_format(value: Any) -> tuple[str, str] | None:
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise BadRequest(f"response_format must be an object whose type is text, json_object or json_schema, "
-                         f"got {str(value)[:80]}", "response_format")
-    if value["type"] == "text":
+def _response_format(value: ResponseFormat) -> tuple[str, str] | None:
+    if value.type == "text":
         return None
-    if value["type"] == "json_object":
+    if value.type == "json_object":
         return "json_schema", '{"type": "object"}'
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+    if value.json_schema is None:
         raise BadRequest("response_format: a json_schema response format needs json_schema.schema, an object",
                          "response_format")
-    return "json_schema", json.dumps(spec["schema"])
+    return "json_schema", json.dumps(value.json_schema.schema_)
 
 
-def _guide(body: dict[str, Any]) -> tuple[str, str] | None:
+def _guide(req: SamplingFields) -> tuple[str, str] | None:
     """Structured outputs from OpenAI's ``response_format`` or vLLM's ``guided_json``,
     ``guided_regex`` and ``guided_choice`` (one of them), compiled once here so that a bad one is a
     400 before any stream."""
-    given = [name for name in GUIDE_FIELDS if body.get(name) is not None]
+    given = [name for name in GUIDE_FIELDS if getattr(req, name) is not None]
     if len(given) > 1:
         raise BadRequest(f"only one of {', '.join(given)} may be given", given[1])
     if not given:
         return None
-    name, value = given[0], body[given[0]]
+    name = given[0]
     if name == "response_format":
-        guide = _response_format(value)
-    elif name == "guided_json" and isinstance(value, dict | str):
-        guide = "json_schema", value if isinstance(value, str) else json.dumps(value)
-    elif name == "guided_regex" and isinstance(value, str):
-        guide = "regex", value
-    elif name == "guided_choice" and isinstance(value, list):
-        guide = "choice", json.dumps(value)
+        guide = _response_format(req.response_format)
+    elif name == "guided_json":
+        guide = "json_schema", req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+    elif name == "guided_regex":
+        guide = "regex", req.guided_regex
     else:
-        raise BadRequest(f"{name} has the wrong type: {str(value)[:80]}", name)
+        guide = "choice", json.dumps(req.guided_choice)
     return _compiled(guide, name, f"{name}: ")
 
 
@@ -163,33 +135,24 @@ def _compiled(guide: tuple[str, str] | None, param: str, what: str) -> tuple[str
     return guide
 
 
-def _sampling(body: dict[str, Any], *, max_tokens: int, logprobs: int, vocab_size: int,
+# the sampling fields that reach SamplingParams as they are; a null one keeps its default there
+PLAIN_SAMPLING = ("temperature", "top_p", "seed", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "ignore_eos", "cache_salt")
+
+
+def _sampling(req: SamplingFields, *, max_tokens: int, logprobs: int, vocab_size: int,
               guide: tuple[str, str] | None = None) -> SamplingParams:
     """The sampling fields; ``guide``: one the request's tool choice enforces (then no other may be given)."""
-    stop_ids = _get(body, "stop_token_ids", (list,), [])
-    asked = _guide(body)
+    asked = _guide(req)
     if guide is not None and asked is not None:
         raise BadRequest("tool_choice required or a named function constrains the output: no response_format or "
                          "guided field may be given with it", "tool_choice")
+    plain = {name: value for name in PLAIN_SAMPLING if (value := getattr(req, name)) is not None}
     return SamplingParams(
-        guide=guide or asked,
-        min_p=_get(body, "min_p", (int, float), 0.0),
-        logit_bias=_logit_bias(body, vocab_size),
-        min_tokens=_get(body, "min_tokens", (int,), 0),
-        presence_penalty=_get(body, "presence_penalty", (int, float), 0.0),
-        frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0),
-        repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0),
-        temperature=_get(body, "temperature", (int, float), 1.0),
-        top_p=_get(body, "top_p", (int, float), 1.0),
-        top_k=max(0, _get(body, "top_k", (int,), 0)),  # vLLM spells "off" as -1
-        seed=_get(body, "seed", (int,), None),
-        max_tokens=max_tokens,
-        stop=_stop(body),
-        stop_token_ids=tuple(stop_ids),
-        logprobs=logprobs,
-        ignore_eos=_get(body, "ignore_eos", (bool,), False),
-        cache_salt=_get(body, "cache_salt", (str,), None),
-    )
+        **plain, guide=guide or asked, logit_bias=_logit_bias(req.logit_bias, vocab_size),
+        top_k=max(0, req.top_k or 0),  # vLLM spells "off" as -1
+        max_tokens=max_tokens, stop=_stop(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
+        logprobs=logprobs)
 
 
 @dataclass(frozen=True)
@@ -206,14 +169,12 @@ class ParsedRequest:
     tools: ToolCalling | None = None  # chat: the tools and what the output must do with them
 
 
-def _choice_counts(body: dict[str, Any], stream: bool, *, best_of: bool) -> tuple[int, int]:
-    """``n`` and (completions) ``best_of``, checked."""
-    n = _get(body, "n", (int,), 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise BadRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
-    candidates = _get(body, "best_of", (int,), n) if best_of else n
-    if not n <= candidates <= MAX_CHOICES:
-        raise BadRequest(f"best_of must be an integer in [n, {MAX_CHOICES}] (n is {n}), got {candidates}", "best_of")
+def _choice_counts(req: SamplingFields, stream: bool, *, best_of: bool) -> tuple[int, int]:
+    """``n`` and (completions) ``best_of``: at least n, and above n only without streaming."""
+    n = req.n or 1
+    candidates = (req.best_of or n) if best_of else n
+    if candidates < n:
+        raise BadRequest(f"best_of must be at least n ({n}), got {candidates}", "best_of")
     if candidates > n and stream:
         raise BadRequest("best_of above n is served without streaming: send stream false", "best_of")
     return n, candidates
@@ -232,23 +193,15 @@ def choice_requests(parsed: ParsedRequest) -> list[ParsedRequest]:
     return out
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+def _stream_flags(req: SamplingFields) -> tuple[bool, bool, bool]:
     """``stream``, ``stream_options.include_usage`` (a usage chunk last) and vLLM's
     ``stream_options.continuous_usage_stats`` (every chunk carries its choice's usage so far)."""
-    stream = _get(body, "stream", (bool,), False)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object", "stream_options")
-    flags = []
-    for name in ("include_usage", "continuous_usage_stats"):
-        value = options.get(name, False)
-        if not isinstance(value, bool):
-            raise BadRequest(f"stream_options.{name} must be a boolean, got {value!r}", "stream_options")
-        flags.append(value)
-    include_usage, continuous = flags
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
     if continuous and not include_usage:
         raise BadRequest("stream_options.continuous_usage_stats needs include_usage true", "stream_options")
-    return stream, include_usage, continuous
+    return bool(req.stream), include_usage, continuous
 
 
 def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
@@ -257,42 +210,33 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     check_fields(body, "completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+        body = {**body, "prompt": prompt[0]}
+    elif isinstance(prompt, list) and len(prompt) > model.max_model_len and not isinstance(prompt[0], str | list):
+        asked = body.get("max_tokens")  # too many ids to fit: said before each id is looked at
+        raise context_error(model.max_model_len, len(prompt), asked if type(asked) is int else DEFAULT_MAX_TOKENS)
+    req = validate(CompletionRequest, body)
     text: str | None = None
     ids: tuple[int, ...] | None = None
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt must not be empty", "prompt")
-        text = prompt
-    elif isinstance(prompt, list) and len(prompt) > model.max_model_len:  # before looking at each id
-        raise context_error(model.max_model_len, len(prompt), _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS))
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not prompt:
-            raise BadRequest("prompt must not be empty", "prompt")
-        ids = tuple(prompt)
-    elif isinstance(prompt, list):
-        raise BadRequest("prompt: only one prompt per request (a string or a list of token ids)", "prompt")
+    if isinstance(req.prompt, str):
+        text = req.prompt
+    elif isinstance(req.prompt[0], int):
+        ids = tuple(req.prompt)
     else:
-        raise BadRequest(f"prompt must be a string or a list of token ids, got {prompt!r}", "prompt")
-    logprobs = _get(body, "logprobs", (int,), None)
-    max_tokens = _get(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
-    echo = _get(body, "echo", (bool,), False)
-    stream, include_usage, continuous = _stream_flags(body)
+        raise BadRequest("prompt: only one prompt per request (a string or a list of token ids)", "prompt")
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    echo = bool(req.echo)
+    stream, include_usage, continuous = _stream_flags(req)
     if echo and stream:
         raise BadRequest("echo is served without streaming: send stream false", "echo")
-    n, best_of = _choice_counts(body, stream, best_of=True)
+    n, best_of = _choice_counts(req, stream, best_of=True)
     if echo and best_of > 1:
         raise BadRequest("echo is served with one choice: send n and best_of 1", "echo")
     generate = not (echo and max_tokens == 0)  # echo alone scores the prompt, as vLLM does
-    sampling = _sampling(body, max_tokens=max_tokens if generate else 1, logprobs=logprobs or 0,
+    sampling = _sampling(req, max_tokens=max_tokens if generate else 1, logprobs=req.logprobs or 0,
                          vocab_size=model.vocab_size)
     request = GenerationRequest(model=model.name, prompt_text=text, prompt_ids=ids, sampling=sampling)
-    return ParsedRequest(request, stream, include_usage, logprobs is not None, echo=echo, generate=generate,
+    return ParsedRequest(request, stream, include_usage, req.logprobs is not None, echo=echo, generate=generate,
                          n=n, best_of=best_of, continuous_usage=continuous)
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def parse_completions(body: dict[str, Any], model: ServedModel) -> list[ParsedRequest]:
@@ -304,11 +248,8 @@ def parse_completions(body: dict[str, Any], model: ServedModel) -> list[ParsedRe
     several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
     if not several:
         return [parse_completion(body, model)]
-    if len(prompt) > MAX_PROMPTS:
-        raise BadRequest(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
-    if not all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        raise BadRequest("prompt: a list of prompts holds strings or lists of token ids", "prompt")
-    if _get(body, "stream", (bool,), False):
+    check_fields(body, "completions")
+    if validate(CompletionRequest, body).stream:
         raise BadRequest("several prompts are served without streaming: send stream false", "stream")
     return [parse_completion({**body, "prompt": p}, model) for p in prompt]
 
@@ -341,24 +282,22 @@ def parse_chat(body: dict[str, Any], model: ServedModel, *, token_limit: int,
     could hold, which bounds the default max_tokens. ``release_gil``: the caller is off the event
     loop (a large request), so tokenize letting go of the GIL."""
     check_fields(body, "chat")
+    req = validate(ChatCompletionRequest, body)
     tools = parse_tool_calling(body, model.tool_call_parser)
-    ids = chat_prompt_ids(body.get("messages"), model, release_gil=release_gil, tools=tools)
+    ids = chat_prompt_ids(body["messages"], model, release_gil=release_gil, tools=tools)
     if not ids:
         raise BadRequest("messages must not render to an empty prompt", "messages")
-    max_tokens = _get(body, "max_completion_tokens", (int,), None)
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", (int,), None)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         room = min(model.max_model_len, token_limit or model.max_model_len) - len(ids)
         max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, room))
-    want_logprobs = _get(body, "logprobs", (bool,), False)
-    top = _get(body, "top_logprobs", (int,), 0)
+    want_logprobs = bool(req.logprobs)
     guide = _compiled(tools.guide() if tools is not None else None, "tools",
                       "tools: a function's parameters are not a usable JSON schema: ")
-    sampling = _sampling(body, max_tokens=max_tokens, logprobs=top if want_logprobs else 0,
+    sampling = _sampling(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if want_logprobs else 0,
                          vocab_size=model.vocab_size, guide=guide)
-    stream, include_usage, continuous = _stream_flags(body)
-    n, _ = _choice_counts(body, stream, best_of=False)
+    stream, include_usage, continuous = _stream_flags(req)
+    n, _ = _choice_counts(req, stream, best_of=False)
     request = GenerationRequest(model=model.name, prompt_ids=tuple(ids), sampling=sampling)
     return ParsedRequest(request, stream, include_usage, want_logprobs, n=n, best_of=n, continuous_usage=continuous,
                          tools=tools)

@@ -14,38 +14,29 @@ from typing import Any
 
 from services.router.catalog import ServedModel
 from services.router.openai_format import BadRequest, chat_prompt_ids
+from services.router.protocol import DetokenizeRequest, TokenizeRequest, validate
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be a boolean, got {value!r}", name)
-    return value
+def _flag(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
 
 
 def tokenize(body: dict[str, Any], model: ServedModel) -> dict[str, Any]:
-    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
-    if has_prompt == has_messages:
+    req = validate(TokenizeRequest, body)
+    if (req.prompt is None) == (req.messages is None):
         raise BadRequest("send either prompt (a string) or messages", "prompt")
-    if has_prompt:
-        prompt = body["prompt"]
-        if not isinstance(prompt, str):
-            raise BadRequest(f"prompt must be a string, got {prompt!r}", "prompt")
-        ids = model.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True)) if prompt else []
+    if req.prompt is not None:
+        ids = model.encode(req.prompt, add_special_tokens=_flag(req.add_special_tokens, True)) if req.prompt else []
     else:
         ids = chat_prompt_ids(body["messages"], model,
-                              add_generation_prompt=_flag(body, "add_generation_prompt", True),
-                              add_special_tokens=_flag(body, "add_special_tokens", False))
-    strs = [model.token_text(t) for t in ids] if _flag(body, "return_token_strs", False) else None
+                              add_generation_prompt=_flag(req.add_generation_prompt, True),
+                              add_special_tokens=_flag(req.add_special_tokens, False))
+    strs = [model.token_text(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(body: dict[str, Any], model: ServedModel) -> dict[str, Any]:
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise BadRequest(f"tokens must be a list of token ids, got {tokens!r}"[:200], "tokens")
+    tokens = validate(DetokenizeRequest, body).tokens
     bad = [t for t in tokens if not 0 <= t < model.vocab_size]
     if bad:
         raise BadRequest(f"tokens {bad[:5]} are outside the vocabulary [0, {model.vocab_size})", "tokens")

@@ -10,6 +10,7 @@ from services.common.errors import InvalidArgument, NotFound, ResourceExhausted,
 from services.router import openai_format as oa
 from services.router.catalog import ModelCatalog, load_served_model
 from services.router.chat import ChatMessage, parse_messages
+from services.router.protocol import MAX_PROMPTS
 from services.router.sse import sse_event
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? ünïcödé"},
@@ -66,10 +67,10 @@ def test_several_prompts_are_one_request_each(tiny):
     assert [p.request.prompt_ids for p in oa.parse_completions({"prompt": [5, 6]}, tiny)] == [(5, 6)]
     for body, message in [
         ({"prompt": ["a", "b"], "stream": True}, "several prompts are served without streaming"),
-        ({"prompt": [[5], [[6]]]}, "prompt: a list of prompts holds strings or lists of token ids"),
-        ({"prompt": ["a", 5]}, "prompt: a list of prompts holds strings or lists of token ids"),
-        ({"prompt": ["a", ""]}, "prompt must not be empty"),
-        ({"prompt": ["a"] * (oa.MAX_PROMPTS + 1)}, f"prompt: at most {oa.MAX_PROMPTS} prompts"),
+        ({"prompt": [[5], [[6]]]}, r"prompt: none of its forms fits \(.*\[0\]: input should be a valid integer"),
+        ({"prompt": ["a", 5]}, r"prompt: none of its forms fits \(.*\[1\]: input should be a valid list"),
+        ({"prompt": ["a", ""]}, r"\[1\]: string should have at least 1 character"),
+        ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, f"list should have at most {MAX_PROMPTS} items"),
     ]:
         with pytest.raises(oa.BadRequest, match=message):
             oa.parse_completions(body, tiny)
@@ -89,23 +90,29 @@ def test_several_completions_response_has_a_choice_per_prompt():
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
-    ({"prompt": ""}, "prompt", "prompt must not be empty"),
-    ({"prompt": []}, "prompt", "prompt must not be empty"),
+    ({"prompt": ""}, "prompt", "prompt: none of its forms fits (string should have at least 1 character"),
+    ({"prompt": []}, "prompt", "prompt: none of its forms fits (input should be a valid string; list should have "
+                               "at least 1 item"),
     ({"prompt": ["a", "b"]}, "prompt", "prompt: only one prompt per request"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
-    ({"prompt": "a", "max_tokens": -3}, "max_tokens", "max_tokens must be an integer >= 1, got -3"),
-    ({"prompt": "a", "temperature": -0.5}, "temperature", "temperature must be a finite number >= 0, got -0.5"),
-    ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be in (0, 1], got 0"),
-    ({"prompt": "a", "top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
-    ({"prompt": "a", "n": 17}, "n", "n must be an integer in [1, 16], got 17"),
-    ({"prompt": "a", "n": 2, "best_of": 1}, "best_of", "best_of must be an integer in [n, 16] (n is 2), got 1"),
+    ({"prompt": "a", "max_tokens": -3}, "max_tokens", "max_tokens: input should be greater than or equal to 0, "
+                                                       "got -3"),
+    ({"prompt": "a", "temperature": -0.5}, "temperature", "temperature: input should be greater than or equal to 0, "
+                                                          "got -0.5"),
+    ({"prompt": "a", "top_p": 0}, "top_p", "top_p: input should be greater than 0, got 0"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p", "top_p: input should be less than or equal to 1, got 1.5"),
+    ({"prompt": "a", "n": 17}, "n", "n: input should be less than or equal to 16, got 17"),
+    ({"prompt": "a", "n": 2, "best_of": 1}, "best_of", "best_of must be at least n (2), got 1"),
     ({"prompt": "a", "best_of": 2, "stream": True}, "best_of", "best_of above n is served without streaming"),
-    ({"prompt": "a", "stop": 3}, "stop", "stop must be a string or a list of strings, got 3"),
-    ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature must be int or float, got 'hot'"),
+    ({"prompt": "a", "stop": 3}, "stop", "stop: none of its forms fits (input should be a valid string; input "
+                                         "should be a valid list), got 3"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature", "temperature: input should be a valid number, got 'hot'"),
     ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty",
-     "repetition_penalty must be a number in (0, 100] (1 = off), got 0"),
-    ({"prompt": "a", "repetition_penalty": True}, "repetition_penalty", "repetition_penalty must be int or float"),
-    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be a number in [-2, 2]"),
+     "repetition_penalty: input should be greater than 0, got 0"),
+    ({"prompt": "a", "repetition_penalty": True}, "repetition_penalty",
+     "repetition_penalty: input should be a valid number, got True"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty",
+     "presence_penalty: input should be less than or equal to 2, got 2.5"),
 ])
 def test_bad_fields_give_400_with_the_param(tiny, body, param, message):
     with pytest.raises(InvalidArgument) as caught:

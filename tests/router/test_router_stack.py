@@ -334,8 +334,10 @@ def test_a_group_marked_unhealthy_or_expired_in_the_store_gets_nothing_new(stack
 # ---- bad input ----------------------------------------------------------------------------
 
 BAD_INPUTS = [
-    # (name, gRPC request kwargs, HTTP body, gRPC status, HTTP status, message fragment)
-    ("empty prompt", {"text": ""}, {"prompt": ""}, "INVALID_ARGUMENT", 400, "prompt must not be empty"),
+    # (name, gRPC request kwargs, HTTP body, gRPC status, HTTP status, message fragment: one for both, or
+    # the gRPC one and the HTTP one, whose body is first checked against its model in protocol.py)
+    ("empty prompt", {"text": ""}, {"prompt": ""}, "INVALID_ARGUMENT", 400,
+     ("prompt must not be empty", "prompt: none of its forms fits (string should have at least 1 character")),
     ("prompt beyond context", {"ids": [65] * 2100}, {"prompt": [65] * 2100}, "INVALID_ARGUMENT", 400,
      "This model's maximum context length is 2048 tokens. However, you requested 2116 tokens "
      "(2100 in the messages, 16 in the completion)"),
@@ -344,13 +346,14 @@ BAD_INPUTS = [
     ("max_tokens 0", {"ids": [5], "max_tokens": 0}, {"prompt": "a", "max_tokens": 0}, "INVALID_ARGUMENT", 400,
      "max_tokens must be an integer >= 1, got 0"),
     ("max_tokens < 0", {"ids": [5], "max_tokens": -4}, {"prompt": "a", "max_tokens": -4}, "INVALID_ARGUMENT", 400,
-     "max_tokens must be an integer >= 1, got -4"),
+     ("max_tokens must be an integer >= 1, got -4", "max_tokens: input should be greater than or equal to 0, got -4")),
     ("temperature < 0", {"ids": [5], "temperature": -1.0}, {"prompt": "a", "temperature": -1.0},
-     "INVALID_ARGUMENT", 400, "temperature must be a finite number >= 0, got -1.0"),
+     "INVALID_ARGUMENT", 400, ("temperature must be a finite number >= 0, got -1.0",
+                               "temperature: input should be greater than or equal to 0, got -1.0")),
     ("top_p 0", {"ids": [5], "top_p": 0.0}, {"prompt": "a", "top_p": 0}, "INVALID_ARGUMENT", 400,
-     "top_p must be in (0, 1], got 0"),
+     ("top_p must be in (0, 1], got 0", "top_p: input should be greater than 0, got 0")),
     ("top_p > 1", {"ids": [5], "top_p": 1.5}, {"prompt": "a", "top_p": 1.5}, "INVALID_ARGUMENT", 400,
-     "top_p must be in (0, 1], got 1.5"),
+     ("top_p must be in (0, 1], got 1.5", "top_p: input should be less than or equal to 1, got 1.5")),
     ("unknown model", {"ids": [5], "model": "llama-9000"}, {"prompt": "a", "model": "llama-9000"}, "NOT_FOUND",
      404, "The model `llama-9000` does not exist (served: tiny)"),
     ("missing API key", {"ids": [5], "metadata": ()}, {"prompt": "a", "key": None}, "UNAUTHENTICATED", 401,
@@ -368,7 +371,8 @@ def test_bad_inputs_get_their_status_and_message_while_a_running_stream_is_unaff
         generate(stack, ids=prompt, max_tokens=150, temperature=0, ignore_eos=True)))
     thread.start()
     wait_until(lambda: groups(stack)[FIRST].kv_bytes_reserved > 0, what="the running stream placed")
-    for name, grpc_kw, body, code, http_status, fragment in BAD_INPUTS:
+    for name, grpc_kw, body, code, http_status, fragments in BAD_INPUTS:
+        fragment, http_fragment = fragments if isinstance(fragments, tuple) else (fragments, fragments)
         kw = dict(grpc_kw)
         args = {k: kw.pop(k) for k in ("ids", "text", "model", "metadata") if k in kw}
         with pytest.raises(grpc.RpcError) as caught:
@@ -380,7 +384,7 @@ def test_bad_inputs_get_their_status_and_message_while_a_running_stream_is_unaff
         response = http_post(stack, "/v1/completions", {"model": "tiny", **body}, key=key)
         assert response.status_code == http_status, (name, response.text)
         error = response.json()["error"]
-        assert fragment in error["message"], (name, error)
+        assert http_fragment in error["message"], (name, error)
         assert set(error) == {"message", "type", "param", "code"}
     with pytest.raises(openai.NotFoundError):
         stack.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
