@@ -36,7 +36,7 @@ from typing import Any
 
 from services.common.health import UNHEALTHY, HealthStore
 from services.common.healthcheck import check
-from services.common.registry import IN_ROTATION, FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
+from services.common.registry import IN_ROTATION, Fenced, FleetRollout, ReplicaGroup, ShardRegistry, registry_group_id
 from services.fleet import metrics
 from services.fleet.autoscale import Autoscaler
 from services.fleet.heartbeats import HeartbeatWatch
@@ -210,13 +210,19 @@ class FleetController:
     def _mark_dead(self, name: str, reason: str) -> None:
         try:
             self.registry.set_status(registry_group_id(name), "dead", reason=reason)
+        except Fenced:  # deposed: another controller decides now, so stop nothing either
+            raise
         except Exception as exc:  # noqa: BLE001 - already dead (its driver said so first)
             log.info("group %s not marked dead: %s", name, exc)
 
     def _failure_of(self, g: ReplicaGroup, proc: GroupProcess | None, now: float) -> str | None:
         if proc is None:
-            return "its processes are gone (not started by this controller, or it restarted)"
-        if not proc.alive:
+            # not started by this controller: another one's, that led before this one (its processes
+            # outlive its lease), or this one's before it restarted. Judged by what it shows, as
+            # any group: in rotation its worker must answer; a provisioning one gets its start-up time
+            if g.status in IN_ROTATION and not (g.endpoint and self.probe(g.endpoint)):
+                return "not started by this controller, and its worker does not answer"
+        elif not proc.alive:
             return proc.reason
         started = self._started_at.setdefault(g.name or "", now)
         if g.status == "provisioning" and now - started > self.startup_timeout_s:
@@ -431,3 +437,17 @@ class FleetController:
             except Exception as exc:  # noqa: BLE001 - a registry outage must not end the loop
                 log.warning("fleet %s: reconcile failed: %s", self.fleet, exc, exc_info=log.isEnabledFor(10))
             stop.wait(interval_s)
+
+
+def tidy_own(registry: ShardRegistry, provisioner: Provisioner, fleet: str) -> list[str]:
+    """What a standby controller still does: stop the processes it started (it led once) whose
+    group the registry says is dead or no longer holds, as the leader decided. It reads the
+    registry and touches only its own processes, so it needs no lease."""
+    rows = {g.name: g for g in registry.fleet_groups(fleet, include_dead=True)}
+    stopped = []
+    for proc in provisioner.groups():
+        row = rows.get(proc.name)
+        if row is None or row.status == "dead":
+            provisioner.stop(proc.name)
+            stopped.append(proc.name)
+    return stopped

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.proto import worker_pb2, worker_pb2_grpc
-from services.common.registry import ShardRegistry, registry_group_id
+from services.common.registry import Fenced, ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
 from services.modeling.golden_set import GoldenSet
 from services.worker.plan_scoring import GateResult, PlanScores, record_gate, run_gate, score_live_group
@@ -72,6 +72,8 @@ def drain_group(registry: ShardRegistry, name: str, endpoint: str, *, deadline_s
     gid = registry_group_id(name)
     try:
         registry.set_status(gid, "draining", reason=reason)
+    except Fenced:  # the controller that decided this was deposed: its successor decides again
+        raise
     except Exception as exc:  # noqa: BLE001 - already failing or gone: it is stopped below all the same
         log.warning("group %s: not marked draining (%s)", name, exc)
     # routers read the registry every few seconds: let them stop routing here first, so the

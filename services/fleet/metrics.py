@@ -14,6 +14,9 @@ REPLICAS = Gauge("shardline_fleet_replicas", "Replica groups of the fleet by sta
 KV_UTILIZATION = Gauge("shardline_fleet_kv_utilization_pct",
                        "Mean KV-cache utilization of the fleet's groups in rotation (the autoscaler's input)",
                        ["fleet"])
+LEADER = Gauge("shardline_fleet_leader", "1 while this controller holds the fleet's lease and acts, else 0 "
+               "(a standby)", ["fleet"])
+LEASE_TERM = Gauge("shardline_fleet_lease_term", "The lease term this controller acts in (0: standby)", ["fleet"])
 EVENTS = Counter("shardline_fleet_events_total", "Fleet controller actions by kind", ["fleet", "event"])
 
 
@@ -30,3 +33,8 @@ def publish(fleet: str, desired: int | None, groups: list[ReplicaGroup], utiliza
 
 def count_event(fleet: str, event: str) -> None:
     EVENTS.labels(fleet, event).inc()
+
+
+def leading(fleet: str, term: int | None) -> None:
+    LEADER.labels(fleet).set(1 if term is not None else 0)
+    LEASE_TERM.labels(fleet).set(term or 0)

@@ -14,9 +14,11 @@ controller itself reads the ranks' health from that Redis and pages through that
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,13 @@ from services.common.config import resolve
 from services.common.grpc_server import GrpcServer, serve_service
 from services.common.health import make_health_store
 from services.common.logging import say_line
-from services.common.registry import ShardRegistry, registry_url
+from services.common.registry import Fenced, ShardRegistry, registry_url
 from services.common.supervisor import Supervisor
 from services.fleet import metrics
-from services.fleet.controller import HEARTBEAT_TIMEOUT_S, STARTUP_TIMEOUT_S, FleetController
+from services.fleet.controller import HEARTBEAT_TIMEOUT_S, STARTUP_TIMEOUT_S, FleetController, tidy_own
 from services.fleet.kubernetes import KubernetesSettings
 from services.fleet.kubernetes_provisioner import Kubectl, KubernetesProvisioner
+from services.fleet.leader import DEFAULT_TTL_S, LEASE, LeaderElection
 from services.fleet.load_signal import RouterUtilization
 from services.fleet.local import LocalProvisioner
 from services.fleet.paging import telemetry_pager
@@ -38,6 +41,7 @@ from services.fleet.spec import FleetSpec, InvalidFleetSpec
 from services.telemetry.server import add_metrics_arguments, setup_observability
 
 SERVICE = "fleet"
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "heartbeats in the registry)")
     parser.add_argument("--router-api-key", default=None,
                         help="the routers' API key, if they want one (env SHARDLINE_API_KEY)")
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
+                        help=f"several controllers may run: the one holding a fleet's lease in the registry acts, "
+                             f"the others take over once it has not renewed it for this long (default "
+                             f"{DEFAULT_TTL_S:g} s; a killed controller's lease on the same host is taken at once)")
     parser.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
                         help="one more flag for every worker, e.g. --worker-flag=--collective-timeout=5")
     add_metrics_arguments(parser)
@@ -91,21 +99,56 @@ def controller_signals(redis: str | None, telemetry: str | None) -> dict[str, An
 
 
 class Reconcilers:
-    """One controller per fleet, each on its own thread, and their metrics."""
+    """One controller per fleet, each on its own thread while this process leads that fleet (its
+    lease, ``leader.py``), and their metrics. Each new term gets a fresh controller on a registry
+    fenced by that term; a standby only watches the lease."""
 
-    def __init__(self, controllers: list[FleetController], interval_s: float) -> None:
-        self.controllers = controllers
+    def __init__(self, registry: ShardRegistry, provisioners: dict[str, Provisioner],
+                 make: Callable[[str, ShardRegistry], FleetController], interval_s: float, lease_ttl_s: float) -> None:
+        fleets = list(provisioners)
+        self.registry = registry
+        self.provisioners = provisioners
+        self.make = make
         self.interval_s = interval_s
+        self.elections = {f: LeaderElection(registry, name=f"{LEASE}/{f}", ttl_s=lease_ttl_s) for f in fleets}
+        self.controllers: dict[str, FleetController] = {}
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(c,), name=f"fleet-{c.fleet}", daemon=True)
-                        for c in controllers]
+        self.threads = [threading.Thread(target=self._run, args=(f,), name=f"fleet-{f}", daemon=True) for f in fleets]
 
-    def _run(self, controller: FleetController) -> None:
-        def publish() -> None:
-            metrics.publish(controller.fleet, controller.state.desired,
-                            controller.registry.fleet_groups(controller.fleet), controller.state.utilization_pct)
+    def _run(self, fleet: str) -> None:
+        election = self.elections[fleet]
+        metrics.leading(fleet, None)
+        while not self.stop.is_set():
+            leading = election.step()
+            controller = self.controllers.get(fleet)
+            if controller is not None and (not leading or controller.registry.fence != (election.name, election.term)):
+                self._step_down(fleet)  # deposed, or a new term: the old controller's registry is fenced out
+                controller = None
+            if leading and controller is None:
+                controller = self.controllers[fleet] = self.make(fleet, self.registry.fenced(election.name,
+                                                                                             election.term))
+                metrics.leading(fleet, election.term)
+            if controller is None:  # a standby: it stops only its own processes of groups the leader ended
+                try:
+                    for name in tidy_own(self.registry, self.provisioners[fleet], fleet):
+                        log.info("fleet %s: stopped %s, dead in the registry (standby)", fleet, name)
+                except Exception as exc:  # noqa: BLE001 - a registry outage: next time
+                    log.warning("fleet %s: standby tidy failed: %s", fleet, exc)
+            else:
+                try:
+                    controller.tick()
+                    metrics.publish(fleet, controller.state.desired, controller.registry.fleet_groups(fleet),
+                                    controller.state.utilization_pct)
+                except Fenced as exc:  # paused past the TTL: the next step finds the lease gone
+                    log.warning("fleet %s: %s", fleet, exc)
+                except Exception as exc:  # noqa: BLE001 - a registry outage must not end the loop
+                    log.warning("fleet %s: reconcile failed: %s", fleet, exc, exc_info=log.isEnabledFor(10))
+            self.stop.wait(self.interval_s)
 
-        controller.run(self.stop, self.interval_s, after_tick=publish)
+    def _step_down(self, fleet: str) -> None:
+        controller = self.controllers.pop(fleet)
+        controller.registry.close()
+        metrics.leading(fleet, None)
 
     def start(self) -> None:
         for thread in self.threads:
@@ -115,9 +158,11 @@ class Reconcilers:
         self.stop.set()
         for thread in self.threads:
             thread.join(timeout=10)
-        for controller in self.controllers:
+        for fleet, controller in list(self.controllers.items()):
             controller.jobs.wait_all(5.0)
-            controller.provisioner.close()
+            self._step_down(fleet)
+        for election in self.elections.values():
+            election.release()
 
 
 def provisioner_for(args: argparse.Namespace, supervisor: Supervisor, shared: list[str], url: str,
@@ -162,15 +207,18 @@ def serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:  # no kubectl
         print(f"shardline serve fleet: {exc}", file=sys.stderr)
         return 2
-    controllers = [FleetController(registry, provisioner, fleet,
-                                   registry_url=url, heartbeat_timeout_s=args.heartbeat_timeout,
-                                   startup_timeout_s=args.startup_timeout,
-                                   utilization=(RouterUtilization(args.router, api_key=resolve(
-                                       "api_key", args.router_api_key, "") or None) if args.router else None),
-                                   **controller_signals(redis, telemetry),
-                                   say=lambda line: say_line(f"{time.time():.3f} {line}"))
-                   for fleet, provisioner in zip(fleets, provisioners, strict=True)]
-    reconcilers = Reconcilers(controllers, args.interval)
+    provisioner_of = dict(zip(fleets, provisioners, strict=True))
+    utilization = (RouterUtilization(args.router, api_key=resolve("api_key", args.router_api_key, "") or None)
+                   if args.router else None)
+    signals = controller_signals(redis, telemetry)
+
+    def make(fleet: str, fenced: ShardRegistry) -> FleetController:
+        return FleetController(fenced, provisioner_of[fleet], fleet, registry_url=url,
+                               heartbeat_timeout_s=args.heartbeat_timeout, startup_timeout_s=args.startup_timeout,
+                               utilization=utilization, **signals,
+                               say=lambda line: say_line(f"{time.time():.3f} {line}"))
+
+    reconcilers = Reconcilers(registry, provisioner_of, make, args.interval, args.lease_ttl)
 
     def on_started(server: GrpcServer) -> None:
         setup_observability(args, SERVICE)
@@ -180,5 +228,7 @@ def serve(args: argparse.Namespace) -> int:
         return serve_service(args, service=SERVICE, bindings=lambda: [], on_started=on_started,
                              on_stopping=lambda _server: reconcilers.close())
     finally:
+        for provisioner in provisioners:
+            provisioner.close()
         supervisor.stop_all()
         registry.close()

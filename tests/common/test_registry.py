@@ -91,13 +91,13 @@ def _walk(registry: ShardRegistry, group_id: uuid.UUID, target: str) -> None:
 def test_migration_creates_seed_tables_constraints_and_index(db_url: str) -> None:
     assert migrate.current_revision(db_url) is None
     migrate.upgrade(db_url)
-    assert migrate.current_revision(db_url) == migrate.head_revision() == "0003"
+    assert migrate.current_revision(db_url) == migrate.head_revision() == "0004"
     engine = make_engine(db_url)
     try:
         inspector = sa.inspect(engine)
         assert set(inspector.get_table_names()) == {
             "alembic_version", "replica_groups", "gpu_shards", "checkpoint_manifests", "quality_gate_results",
-            "fleet_revisions", "fleet_rollouts"}
+            "fleet_revisions", "fleet_rollouts", "leases"}
         for table, seed in SEED_COLUMNS.items():
             columns = {c["name"]: c for c in inspector.get_columns(table)}
             assert set(columns) == seed | EXTENSION_COLUMNS[table]
@@ -150,7 +150,7 @@ def test_cli_db_upgrade(db_url: str, capsys: pytest.CaptureFixture[str]) -> None
     assert cli_main(["db", "current", "--url", db_url]) == 1
     assert "revision none" in capsys.readouterr().out
     assert cli_main(["db", "upgrade", "--url", db_url]) == 0
-    assert "schema at revision 0003 (head)" in capsys.readouterr().out
+    assert "schema at revision 0004 (head)" in capsys.readouterr().out
     assert cli_main(["db", "current", "--url", db_url]) == 0
 
 

@@ -22,6 +22,7 @@ from .errors import (
     ShardNotFound,
 )
 from .fleet_store import FleetNotFound
+from .leases import Fenced, Lease
 from .lifecycle import ALLOWED_TRANSITIONS, GROUP_STATUSES, IN_ROTATION, SHARD_STATUSES
 from .migrate import downgrade, upgrade
 from .records import (
@@ -37,9 +38,9 @@ from .repository import GroupIsDead, ShardRegistry
 
 __all__ = [
     "ALLOWED_TRANSITIONS", "GROUP_STATUSES", "IN_ROTATION", "PROJECT_DTYPES", "REGISTRY_DTYPES", "SHARD_STATUSES",
-    "CheckpointManifest", "Conflict", "DuplicateManifest", "DuplicateShard", "FleetNotFound", "FleetRevision",
+    "CheckpointManifest", "Conflict", "DuplicateManifest", "DuplicateShard", "Fenced", "FleetNotFound", "FleetRevision",
     "FleetRollout", "GpuShard",
-    "GroupIsDead", "GroupNotFound", "IllegalTransition", "InvalidValue", "ManifestNotFound",
+    "GroupIsDead", "GroupNotFound", "IllegalTransition", "InvalidValue", "Lease", "ManifestNotFound",
     "NotFound", "QualityGateResult", "RegistryError", "ReplicaGroup", "ShardNotFound", "ShardRegistry",
     "default_registry_url", "downgrade", "make_engine", "registry_url", "state_dir",
     "registry_group_id", "to_project_dtype", "to_registry_dtype", "upgrade",

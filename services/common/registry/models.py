@@ -239,3 +239,22 @@ class FleetRolloutRow(Base):
         CheckConstraint(in_list("status", ROLLOUT_STATUSES), name="status"),
         Index("idx_fleet_rollouts_fleet", "fleet_name", "created_at"),
     )
+
+
+class LeaseRow(Base):
+    """A leadership lease (one fleet controller acts at a time): who holds it, in which term, and
+    how many times it renewed it. Observers judge expiry on their own clocks, from how long the
+    (holder, term, renewals) they read stays the same; ``renewed_at`` is for people, not for that.
+    ``term`` rises by one with every new holder: a write fenced by an older term is refused."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    holder: Mapped[str] = mapped_column(Text)  # "" once released: the next observer may take it at once
+    term: Mapped[int] = mapped_column(BigInteger)
+    renewals: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    ttl_s: Mapped[float] = mapped_column(Double)
+    renewed_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=NOW)
+
+    __table_args__ = (CheckConstraint("term > 0", name="term_positive"),
+                      CheckConstraint("ttl_s > 0", name="ttl_positive"))

@@ -22,6 +22,7 @@ from . import errors, migrate
 from .dtypes import to_registry_dtype
 from .engine import make_engine, registry_url, retry_on_disconnect
 from .fleet_store import FleetRecords
+from .leases import LeaseRecords, check_fence
 from .lifecycle import ALLOWED_TRANSITIONS, DEAD, GROUP_STATUSES, PROVISIONING, SHARD_STATUSES
 from .models import CheckpointManifestRow, GpuShardRow, QualityGateRow, ReplicaGroupRow
 from .records import CheckpointManifest, GpuShard, QualityGateResult, ReplicaGroup
@@ -85,7 +86,7 @@ def _statuses(status: str | Iterable[str] | None, allowed: tuple[str, ...]) -> l
     return wanted
 
 
-class ShardRegistry(FleetRecords):
+class ShardRegistry(FleetRecords, LeaseRecords):
     """Replica groups, their GPU shards and checkpoint manifests (and fleets: FleetRecords), on
     PostgreSQL or SQLite.
 
@@ -95,9 +96,12 @@ class ShardRegistry(FleetRecords):
     """
 
     def __init__(self, url: str | None = None, *, migrate_schema: bool = False,
-                 **engine_kwargs: Any) -> None:
+                 fence: tuple[str, int] | None = None, **engine_kwargs: Any) -> None:
+        """``fence``: (lease name, term): every transaction first checks that the lease is still
+        in that term, and raises ``leases.Fenced`` when it is not (a deposed leader's registry)."""
         self.url = registry_url(url)
         self.engine: Engine = make_engine(self.url, **engine_kwargs)
+        self.fence = fence
         if migrate_schema:
             migrate.upgrade(self.engine)
 
@@ -113,7 +117,14 @@ class ShardRegistry(FleetRecords):
     @contextmanager
     def _tx(self) -> Iterator[Session]:
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            if self.fence is not None:
+                check_fence(session, *self.fence)
             yield session
+
+    def fenced(self, name: str, term: int) -> ShardRegistry:
+        """A registry on the same database whose every transaction is fenced by lease ``name``
+        in ``term`` (its own engine: close it when the term ends)."""
+        return ShardRegistry(self.url, fence=(name, term))
 
     @staticmethod
     def _group_row(session: Session, group_id: uuid.UUID) -> ReplicaGroupRow:

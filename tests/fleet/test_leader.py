@@ -1,0 +1,224 @@
+"""The fleet controller's lease, on PostgreSQL and SQLite: one holder acts, a standby takes over
+once the holder stops renewing, and a deposed holder's registry is fenced out of every write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench._fleet_stack import fleet_spec
+from services.common.config import child_environ
+from services.common.ports import free_port
+from services.common.registry import Fenced, ShardRegistry
+from services.fleet.leader import LEASE as LEASE_PREFIX
+from services.fleet.leader import RENEW_DEADLINE, LeaderElection
+from tests.router.processes import REPO, stop
+from tests.stack import fresh_database
+
+TTL = 10.0
+LEASE = "fleet-controller/smol"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def registry(request: pytest.FixtureRequest, tmp_path) -> Iterator[ShardRegistry]:
+    if request.param == "sqlite":
+        with ShardRegistry(f"sqlite:///{tmp_path / 'registry.db'}", migrate_schema=True) as reg:
+            yield reg
+        return
+    with fresh_database(request.getfixturevalue("postgres_url"), "lease") as url, \
+            ShardRegistry(url, migrate_schema=True) as reg:
+        yield reg
+
+
+def elections(registry: ShardRegistry, clock: Clock) -> tuple[LeaderElection, LeaderElection]:
+    return (LeaderElection(registry, holder="a", ttl_s=TTL, name=LEASE, clock=clock),
+            LeaderElection(registry, holder="b", ttl_s=TTL, name=LEASE, clock=clock))
+
+
+def test_a_standby_takes_over_only_after_the_holder_stops_renewing_and_the_old_term_is_fenced_out(registry):
+    clock = Clock()
+    a, b = elections(registry, clock)
+    assert a.step() and a.term == 1  # a free lease is taken at once
+    assert not b.step()
+    fenced_a = registry.fenced(LEASE, 1)
+    fenced_a.apply_fleet("smol", "{}")  # the holder writes
+    for _ in range(5):  # renewals every 3 s: b never sees the lease unchanged for a TTL
+        clock.now += 3
+        assert a.step() and not b.step()
+    # a is paused (SIGSTOP): it stops renewing; b times the same (holder, term, renewals) for a TTL
+    clock.now += 3
+    assert not b.step()
+    clock.now += TTL - 4  # 9 s unchanged
+    assert not b.step()
+    clock.now += 1
+    assert b.step() and b.term == 2
+    with pytest.raises(Fenced, match="term 1 is over .term 2 now"):
+        fenced_a.apply_fleet("smol", '{"replicas": 2}')  # a wakes up and writes: refused
+    assert registry.fleet_revision("smol").revision == 1
+    assert not a.step() and a.term is None  # its renewal finds the lease taken: a stands by
+    fenced_b = registry.fenced(LEASE, 2)
+    assert fenced_b.apply_fleet("smol", '{"replicas": 2}')[0].revision == 2
+    fenced_a.close()
+    fenced_b.close()
+
+
+def test_a_holder_that_cannot_renew_stops_acting_before_anyone_may_take_over(registry, monkeypatch):
+    clock = Clock()
+    a, _ = elections(registry, clock)
+    assert a.step()
+
+    def outage(*_args, **_kwargs):
+        raise ConnectionError("registry unreachable")
+
+    monkeypatch.setattr(registry, "renew_lease", outage)
+    clock.now += TTL * RENEW_DEADLINE - 0.5
+    assert a.step()  # not renewed yet, still within its deadline
+    clock.now += 1.0
+    assert not a.step()  # past it: it stops, while an observer still waits out the full TTL
+
+
+def test_a_released_lease_is_taken_at_once_and_a_killed_local_holder_is_not_waited_for(registry):
+    clock = Clock()
+    a, b = elections(registry, clock)
+    assert a.step()
+    assert not b.step()
+    a.release()
+    assert b.step() and b.term == 2  # no TTL to wait: a stopped cleanly
+    # a holder on this host whose process is gone (a SIGKILLed controller) is not waited for either
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    ghost = f"{socket.gethostname()}:{int(dead.stdout)}"
+    assert registry.take_lease(LEASE, ghost, TTL, seen=registry.read_lease(LEASE)) is not None
+    c = LeaderElection(registry, ttl_s=TTL, name=LEASE, clock=clock)
+    assert c.step() and c.term == 4
+    assert c.holder == f"{socket.gethostname()}:{os.getpid()}"
+
+
+def test_two_takers_racing_for_one_lease_get_one_term_each_at_most(registry):
+    seen = registry.read_lease(LEASE)
+    results: list[object] = []
+    barrier = threading.Barrier(4)
+
+    def take(holder: str) -> None:
+        barrier.wait()
+        results.append(registry.take_lease(LEASE, holder, TTL, seen=seen))
+
+    threads = [threading.Thread(target=take, args=(f"h{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [r for r in results if r is not None]
+    assert len(results) == 4 and len(won) == 1, results
+    assert registry.read_lease(LEASE).holder == won[0].holder
+
+
+def test_a_fenced_transaction_in_flight_finishes_before_a_takeover_on_postgresql(request):
+    """The fence holds the lease row (FOR SHARE) to the end of the transaction: a takeover that
+    starts meanwhile waits, so a write under term 1 never lands after term 2 began."""
+    with fresh_database(request.getfixturevalue("postgres_url"), "lease") as url, \
+            ShardRegistry(url, migrate_schema=True) as registry:
+        clock = Clock()
+        a, _ = elections(registry, clock)
+        assert a.step()
+        fenced = registry.fenced(LEASE, 1)
+        order: list[str] = []
+        with fenced._tx() as session:  # term 1's transaction is open, its fence checked
+            taker = threading.Thread(target=lambda: order.append(
+                f"taken {registry.take_lease(LEASE, 'b', TTL, seen=registry.read_lease(LEASE)).term}"))
+            taker.start()
+            time.sleep(0.5)
+            order.append("term 1 commits")
+            assert session is not None
+        taker.join(30)
+        assert order == ["term 1 commits", "taken 2"]
+        fenced.close()
+
+
+# ---- two `shardline serve fleet` processes ------------------------------------------------
+
+PROCESS_TTL_S = 3.0
+INTERVAL_S = 0.5
+
+
+def _controller(name: str, registry_url: str, tmp_path: Path) -> subprocess.Popen:
+    log = (tmp_path / f"{name}.log").open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "fleet", "--port", str(free_port()), "--fleet", "lead",
+         "--registry-url", registry_url, "--log-dir", str(tmp_path / f"{name}-groups"), "--interval",
+         str(INTERVAL_S), "--lease-ttl", str(PROCESS_TTL_S)],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_environ(), start_new_session=True)
+
+
+def _until(what: str, predicate, timeout_s: float, logs: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    text = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(logs.glob("*.log")))
+    raise AssertionError(f"not within {timeout_s} s: {what}\n{text}")
+
+
+@pytest.mark.slow
+def test_a_stopped_leader_is_replaced_by_the_standby_which_adopts_its_groups_and_the_old_one_stands_by(
+        tiny_model_dir, postgres_url, tmp_path):
+    spec = tmp_path / "lead.yaml"
+    spec.write_text(yaml.safe_dump(fleet_spec("lead", tiny_model_dir, replicas=1, kv_cache_cap_gb=1 / 1024)))
+    with fresh_database(postgres_url, "lead") as url, ShardRegistry(url, migrate_schema=True) as registry:
+        subprocess.run([sys.executable, "-m", "services.cli", "apply", "-f", str(spec), "--registry-url", url],
+                       cwd=REPO, env=child_environ(), check=True, capture_output=True, timeout=120)
+        a = _controller("a", url, tmp_path)
+        b = None
+        try:
+            lease = _until("a holds the lease", lambda: registry.read_lease(f"{LEASE_PREFIX}/lead"), 60, tmp_path)
+            assert lease.holder.endswith(f":{a.pid}") and lease.term == 1
+
+            def serving() -> list[str]:
+                return [g.name for g in registry.fleet_groups("lead") if g.status == "healthy"]
+
+            (group,) = _until("a group in rotation", serving, 120, tmp_path)
+            b = _controller("b", url, tmp_path)
+            time.sleep(PROCESS_TTL_S)  # b watches a renewing lease: it stands by
+            assert registry.read_lease(f"{LEASE_PREFIX}/lead").holder.endswith(f":{a.pid}")
+
+            os.kill(a.pid, signal.SIGSTOP)  # the leader hangs; its group's processes serve on
+            t0 = time.monotonic()
+            lease = _until("b takes the lease", lambda: (lease := registry.read_lease(f"{LEASE_PREFIX}/lead")) and
+                           lease.holder.endswith(f":{b.pid}") and lease, PROCESS_TTL_S * 3, tmp_path)
+            took = time.monotonic() - t0
+            assert lease.term == 2
+            # within the TTL and a reconcile of both (a's last renewal may be that old), plus a poll
+            assert took < PROCESS_TTL_S + 2 * INTERVAL_S + 1.0, took
+            time.sleep(2 * PROCESS_TTL_S)  # b reconciles: it adopts a's group, starts none, kills none
+            assert [g.name for g in registry.fleet_groups("lead")] == [group] and serving() == [group]
+
+            os.kill(a.pid, signal.SIGCONT)  # a wakes up believing it leads: it finds its term over
+            _until("a steps down", lambda: "term 1 is over" in (tmp_path / "a.log").read_text(), 10, tmp_path)
+            time.sleep(2 * INTERVAL_S)
+            assert registry.read_lease(f"{LEASE_PREFIX}/lead").term == 2
+            assert [g.name for g in registry.fleet_groups("lead")] == [group] and serving() == [group]
+        finally:
+            for proc in (b, a):
+                if proc is not None:
+                    if proc.poll() is None:
+                        os.kill(proc.pid, signal.SIGCONT)
+                    stop(proc, timeout_s=20)
