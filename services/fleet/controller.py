@@ -73,10 +73,12 @@ def new_group_name(fleet: str) -> str:
 
 @dataclass
 class FleetState:
-    """What the controller knows between ticks (nothing here is needed to resume after a restart)."""
+    """What the controller knows between ticks. None of it is needed to resume after a restart:
+    a fresh controller reads the desired count off the fleet as it stands, waits a settle time
+    before its first drain, resumes the drains it finds, and gates again a candidate it finds."""
 
     desired: int | None = None
-    admitted_at: float = float("-inf")  # last admission into rotation
+    admitted_at: float = float("-inf")  # last admission into rotation (a fresh controller: its start)
     failures: int = 0  # provisioning failures in a row
     retry_at: float = 0.0
     gates: dict[str, GateOutcome] = field(default_factory=dict)  # passed candidates, by name
@@ -105,7 +107,9 @@ class FleetController:
         self.health = health  # the ranks' health as telemetry and the drivers see it (optional)
         self.page = page
         self.say = say or (lambda line: log.info("%s", line))
-        self.state = FleetState()
+        # as if a group had just been admitted: a controller that starts mid-rollout (a restart, a
+        # new leader) lets the routers see the fleet for a settle time before it drains anything
+        self.state = FleetState(admitted_at=clock())
         self.jobs = Jobs()
         self.autoscaler = Autoscaler()
         self._specs: dict[int, FleetSpec] = {}
@@ -163,8 +167,11 @@ class FleetController:
         for g in others:  # candidates of a plan no longer wanted
             if g.status == "provisioning" and not self.jobs.running(g.name or ""):
                 self._retire(g, "its plan is no longer the fleet's")
+        for g in groups:  # a drain its controller did not finish (it stopped, or lost its lease)
+            if g.status == "draining" and not self.jobs.running(g.name or ""):
+                self._drain(g, g.status_reason or "a drain resumed", rollout)
         self._admit(spec, mine, others_in_rotation, rollout, now)
-        desired = self._desired(spec, mine, now, rolling=bool(others_in_rotation))
+        desired = self._desired(spec, mine, others_in_rotation, now)
         self._count(spec, target_rev, mine, others_in_rotation, desired, rollout, now)
 
     def _abort(self, rollout: FleetRollout) -> None:
@@ -333,13 +340,19 @@ class FleetController:
 
     # ---- count -----------------------------------------------------------------------------
 
-    def _desired(self, spec: FleetSpec, mine: list[ReplicaGroup], now: float, *, rolling: bool) -> int:
+    def _desired(self, spec: FleetSpec, mine: list[ReplicaGroup], others_in_rotation: list[ReplicaGroup],
+                 now: float) -> int:
         state = self.state
+        rolling = bool(others_in_rotation)
         if spec.autoscaling is None:
             state.desired = spec.replicas
             return spec.replicas
         if state.desired is None:
-            state.desired = spec.bounded(spec.replicas)
+            # the last decision, as the fleet embodies it: the groups of the plan (loading ones too),
+            # or the old plan's in rotation mid-rollout; the spec's count for a fleet with none
+            standing = max(sum(g.status in IN_ROTATION or g.status == "provisioning" for g in mine),
+                           len(others_in_rotation))
+            state.desired = spec.bounded(standing or spec.replicas)
         in_rotation = [g for g in mine if g.status in IN_ROTATION]
         by_group = self.utilization(self.registry, in_rotation)
         utils = [by_group.get(g.name or "", 0.0) for g in in_rotation]
@@ -377,9 +390,13 @@ class FleetController:
             self.provisioner.stop(name)
             self.event("stopped", rollout, group=name, reason=reason)
             return
+        self._drain(g, reason, rollout)
+
+    def _drain(self, g: ReplicaGroup, reason: str, rollout: FleetRollout | None = None) -> None:
+        name = g.name or ""
         spec = self.spec_of(g.fleet_revision) if g.fleet_revision else None
         policy = spec.rollout if spec is not None else None
-        self.jobs.submit(name, "drain", self.drain, self.registry, name, g.endpoint,
+        self.jobs.submit(name, "drain", self.drain, self.registry, name, g.endpoint or "",
                          deadline_s=policy.drain_deadline_s if policy else 30.0,
                          settle_s=policy.settle_s if policy else 3.0, reason=reason, stop=self.provisioner.stop)
         self.event("draining", rollout, group=name, reason=reason)

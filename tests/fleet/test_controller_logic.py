@@ -79,12 +79,21 @@ class Sim:
         self.failing_dtypes = failing_dtypes
         self.health = MemoryHealthStore()
         self.pages: list[tuple[str, str]] = []
-        self.controller = FleetController(self.registry, self.provisioner, FLEET, registry_url=self.url,
-                                          clock=lambda: self.now, probe=lambda endpoint: True, gate=self.gate,
-                                          drain=self.drain, health=self.health,
-                                          page=lambda group, message: self.pages.append((group, message)),
-                                          say=lambda line: None)
+        self.controller = self.new_controller()
         self.rotation: list[int] = []
+
+    def restart(self) -> None:
+        """A new controller process on the same registry: nothing of the old one's memory, its
+        jobs gone with it; the groups (their processes) live on, and its provisioner finds them,
+        as the Kubernetes one finds a fleet's LeaderWorkerSets."""
+        self.controller = self.new_controller()
+
+    def new_controller(self) -> FleetController:
+        return FleetController(self.registry, self.provisioner, FLEET, registry_url=self.url,
+                               clock=lambda: self.now, probe=lambda endpoint: True, gate=self.gate,
+                               drain=self.drain, health=self.health,
+                               page=lambda group, message: self.pages.append((group, message)),
+                               say=lambda line: None)
 
     def gate(self, candidate: str, reference: str, target: FleetSpec) -> GateOutcome:
         self.gated.append((candidate, reference))
@@ -93,7 +102,8 @@ class Sim:
                            () if passed else ("perplexity delta 5 % above 0.5 %",))
 
     def drain(self, registry: ShardRegistry, name: str, endpoint: str, *, reason: str, stop, **_: object) -> int:
-        registry.set_status(registry_group_id(name), "draining", reason=reason)
+        if registry.get_group(registry_group_id(name)).status != "draining":  # a resumed drain: it is already
+            registry.set_status(registry_group_id(name), "draining", reason=reason)
         registry.set_status(registry_group_id(name), "dead", reason=reason)
         stop(name)
         return 0
@@ -251,3 +261,47 @@ def test_max_unavailable_without_surge_drains_first(sim: Sim) -> None:
     sim.registry.apply_fleet(FLEET, json.dumps(data))
     sim.until(lambda: sim.rollout_status() == "succeeded")
     assert min(sim.rotation) >= 1 and max(sim.rotation) <= 2 and sim.plans() == {(1, 2, "bf16")}
+
+
+# ---- a controller that restarts (or a new leader) converges as one that never stopped ----------
+
+
+@pytest.mark.parametrize("moment", ["surge loading", "candidate gated", "old group draining"])
+def test_a_controller_restarted_mid_rollout_finishes_it_once(sim: Sim, moment: str) -> None:
+    sim.apply(pp_degree=2)
+    reached = {
+        "surge loading": lambda: any(g.pp_degree == 2 and g.status == "provisioning" for g in sim.groups()),
+        "candidate gated": lambda: bool(sim.gated),
+        "old group draining": lambda: any(g.pp_degree == 2 and g.status == "healthy" for g in sim.groups()),
+    }[moment]
+    sim.until(reached)
+    if moment == "old group draining":  # a drain's first step done, then its controller died with the job
+        victim = next(g.name for g in sim.groups() if g.pp_degree == 1 and g.status == "healthy")
+        sim.registry.set_status(registry_group_id(victim), "draining", reason="replaced by revision 2")
+    sim.restart()
+    sim.until(lambda: sim.rollout_status() == "succeeded")
+    sim.tick(5)
+    assert sim.plans() == {(1, 2, "bf16")} and len(sim.groups()) == 2 and sim.in_rotation() == 2
+    assert min(sim.rotation) >= 2 and max(sim.rotation) <= 3
+    assert [r.status for r in sim.registry.list_rollouts(FLEET)] == ["succeeded"]
+
+
+def test_a_restarted_controller_keeps_the_autoscalers_count_and_finishes_a_drain(tmp_path: Path) -> None:
+    s = Sim(tmp_path)
+    data = json.loads(spec())
+    data["replicas"] = 1
+    data["autoscaling"] = {"min_replicas": 1, "max_replicas": 4, "window_s": 3, "cooldown_s": 1}
+    s.registry.apply_fleet(FLEET, json.dumps(data))
+    s.controller.utilization = lambda registry, groups: {g.name: 0.95 for g in groups}  # a loaded fleet
+    s.until(lambda: s.in_rotation() == 3)
+    s.restart()  # with the same load: the new controller starts from the 3 it finds, not from 1
+    s.controller.utilization = lambda registry, groups: {g.name: 0.5 for g in groups}  # between thresholds
+    s.tick(10)
+    assert s.in_rotation() == 3 and s.controller.state.desired == 3
+    # a group left draining by a controller that stopped mid-drain is drained and stopped
+    victim = s.groups()[0].name
+    s.registry.set_status(registry_group_id(victim), "draining", reason="scaled in to 2")
+    s.restart()
+    s.until(lambda: victim not in {g.name for g in s.groups()})
+    assert s.registry.get_group(registry_group_id(victim)).status == "dead" and victim in s.provisioner.stopped
+    s.registry.close()
