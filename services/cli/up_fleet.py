@@ -28,6 +28,7 @@ from services.common.errors import InvalidArgument
 from services.common.registry import IN_ROTATION, ShardRegistry, to_registry_dtype
 from services.common.supervisor import StackError, Supervisor
 from services.fleet.controller import FleetController
+from services.fleet.leader import DEFAULT_TTL_S
 from services.fleet.load_signal import RouterUtilization
 from services.fleet.local import LocalProvisioner
 from services.fleet.server import Reconcilers, controller_signals, worker_shared_flags
@@ -77,12 +78,17 @@ class UpFleets:
                 f"{spec.replicas} group(s) of {spec.group.describe()}")
         shared = worker_shared_flags(registry_url, redis_url or "", telemetry, [])
         utilization = RouterUtilization([router], api_key=api_key)
-        self.controllers = [FleetController(self.registry, LocalProvisioner(supervisor, shared, log_dir), spec.name,
-                                            registry_url=registry_url, utilization=utilization,
-                                            **controller_signals(redis_url, telemetry),
-                                            say=lambda line: say(f"shardline up: {line}"))
-                            for spec in specs]
-        self.reconcilers = Reconcilers(self.controllers, interval_s=1.0)
+        signals = controller_signals(redis_url, telemetry)
+        self.provisioners = {spec.name: LocalProvisioner(supervisor, shared, log_dir) for spec in specs}
+
+        def make(fleet: str, fenced: ShardRegistry) -> FleetController:
+            return FleetController(fenced, self.provisioners[fleet], fleet, registry_url=registry_url,
+                                   utilization=utilization, **signals, say=lambda line: say(f"shardline up: {line}"))
+
+        # the stack's one controller per fleet takes the fleet's lease at once: a previous stack on
+        # this registry released it, or was a process of this host that is gone
+        self.reconcilers = Reconcilers(self.registry, self.provisioners, make, interval_s=1.0,
+                                       lease_ttl_s=DEFAULT_TTL_S)
         self._reported: set[str] = set()
 
     def start(self) -> None:
@@ -119,4 +125,6 @@ class UpFleets:
 
     def close(self) -> None:
         self.reconcilers.close()
+        for provisioner in self.provisioners.values():
+            provisioner.close()
         self.registry.close()

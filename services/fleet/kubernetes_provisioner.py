@@ -2,9 +2,10 @@
 
 The provisioner renders (:func:`services.fleet.kubernetes.render_group`) and a sink makes it so:
 :class:`YamlDirectory` writes ``<dir>/<group>.yaml`` and deletes it on stop (for ``kubectl apply
--f DIR`` or a GitOps tool to pick up), :class:`Kubectl` pipes the objects to ``kubectl apply -f -``
-and deletes by name. Whether the pods run is not the provisioner's to say: a group that loaded
-registers itself, and the controller reads the registry and the health store, as for every group.
+-f DIR`` or a GitOps tool to pick up), :class:`KubernetesApi` applies the objects to the API
+server itself (server-side apply, the official client) and deletes them by name. Whether the
+pods run is not the provisioner's to say: a group that loaded registers itself, and the
+controller reads the registry and the health store, as for every group.
 
 A controller restarted in the cluster finds its fleet's groups again through the sink (the
 LeaderWorkerSets labelled with the fleet), so it adopts them instead of replacing them.
@@ -12,17 +13,22 @@ LeaderWorkerSets labelled with the fleet), so it adopts them instead of replacin
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import yaml
 
-from services.fleet.kubernetes import LABEL_FLEET, LWS_KIND, KubernetesSettings, leader_endpoint, render_group
+from services.fleet.kubernetes import (
+    LABEL_FLEET,
+    LWS_API_VERSION,
+    LWS_KIND,
+    KubernetesSettings,
+    leader_endpoint,
+    render_group,
+)
 from services.fleet.provisioner import GroupLaunch, GroupProcess
 
 
@@ -70,51 +76,63 @@ class YamlDirectory:
         return names
 
 
-class KubectlFailed(RuntimeError):
-    """``kubectl`` exited non-zero; the message carries the command and its stderr."""
+FIELD_MANAGER = "shardline-fleet"  # who owns the fields this controller applies (server-side apply)
+REQUEST_TIMEOUT_S = 10.0
 
 
-Runner = Callable[..., subprocess.CompletedProcess]
+class KubernetesApi:
+    """The API server through the official client: server-side apply of each object (this
+    controller owns the fields it writes, and takes them back from anyone who changed them),
+    delete by kind and name, and the fleet's LeaderWorkerSets by label.
 
+    Credentials: the pod's service account in the cluster (its token and CA, mounted by the
+    Deployment ``shardline fleet render`` writes), else the kubeconfig (``KUBECONFIG`` or
+    ``~/.kube/config``). Nothing is contacted before the first call: an unreachable API server
+    fails that call (the controller retries it next reconcile), never the controller's start.
+    """
 
-class Kubectl:
-    """``kubectl apply -f -`` with the objects on stdin; ``kubectl delete KIND NAME`` per object."""
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._client = None  # a DynamicClient, made on first use
 
-    def __init__(self, namespace: str, *, kubectl: str | None = None, context: str | None = None,
-                 run: Runner = subprocess.run, timeout_s: float = 60.0) -> None:
-        found = kubectl or shutil.which("kubectl")
-        if found is None:
-            raise FileNotFoundError("kubectl is not on PATH; use YamlDirectory to write the objects instead")
-        self.base = [found, *(["--context", context] if context else []), "--namespace", namespace]
-        self.run = run
-        self.timeout_s = timeout_s
+    def _api(self):
+        if self._client is None:
+            # deferred: the client and its discovery only where a fleet runs on Kubernetes
+            from kubernetes import client, config, dynamic
 
-    def apply_command(self) -> list[str]:
-        return [*self.base, "apply", "-f", "-"]
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            configuration = client.Configuration.get_default_copy()
+            configuration.retries = 0  # the controller's next reconcile is the retry
+            self._client = dynamic.DynamicClient(client.ApiClient(configuration))
+        return self._client
 
-    def delete_command(self, objects: list[dict]) -> list[str]:
-        # --wait=false: the LWS controller tears the pods down; stop must not block on it
-        targets = [f"{o['kind'].lower()}/{o['metadata']['name']}" for o in objects]
-        return [*self.base, "delete", "--ignore-not-found", "--wait=false", *targets]
-
-    def list_command(self, fleet: str) -> list[str]:
-        return [*self.base, "get", LWS_KIND.lower(), "-l", f"{LABEL_FLEET}={fleet}", "-o",
-                "jsonpath={.items[*].metadata.name}"]
-
-    def _call(self, argv: list[str], stdin: str | None) -> str:
-        done = self.run(argv, input=stdin, capture_output=True, text=True, timeout=self.timeout_s, check=False)
-        if done.returncode != 0:
-            raise KubectlFailed(f"{' '.join(argv)} exited with {done.returncode}: {(done.stderr or '').strip()}")
-        return done.stdout or ""
+    def _resource(self, obj: dict):
+        return self._api().resources.get(api_version=obj.get("apiVersion", LWS_API_VERSION), kind=obj["kind"])
 
     def apply(self, name: str, objects: list[dict]) -> None:
-        self._call(self.apply_command(), to_yaml(objects))
+        for obj in objects:
+            self._api().server_side_apply(self._resource(obj), body=obj, namespace=self.namespace,
+                                          field_manager=FIELD_MANAGER, force_conflicts=True,
+                                          _request_timeout=REQUEST_TIMEOUT_S)
 
     def delete(self, name: str, objects: list[dict]) -> None:
-        self._call(self.delete_command(objects), None)
+        # deferred: as in _api
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        for obj in objects:
+            try:  # background: the LeaderWorkerSet's controller tears the pods down; stop does not wait
+                self._resource(obj).delete(name=obj["metadata"]["name"], namespace=self.namespace,
+                                           propagation_policy="Background", _request_timeout=REQUEST_TIMEOUT_S)
+            except NotFoundError:
+                pass
 
     def existing(self, fleet: str) -> list[str]:
-        return self._call(self.list_command(fleet), None).split()
+        found = self._resource({"apiVersion": LWS_API_VERSION, "kind": LWS_KIND}).get(
+            namespace=self.namespace, label_selector=f"{LABEL_FLEET}={fleet}", _request_timeout=REQUEST_TIMEOUT_S)
+        return sorted(item.metadata.name for item in found.items)
 
 
 @dataclass(frozen=True)
@@ -148,7 +166,8 @@ class KubernetesProvisioner:
             applied = self._applied.pop(name, None)
         # deleted even when this process never applied it (a restart forgot it): stop is idempotent
         objects = applied.objects if applied is not None else [
-            {"kind": LWS_KIND, "metadata": {"name": name, "namespace": self.settings.namespace}}]
+            {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "metadata": {"name": name,
+                                                                           "namespace": self.settings.namespace}}]
         self.sink.delete(name, objects)
 
     def groups(self) -> list[GroupProcess]:

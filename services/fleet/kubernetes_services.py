@@ -51,7 +51,7 @@ def _meta(component: str, spec: FleetSpec, settings: KubernetesSettings) -> dict
 
 def _deployment(component: str, spec: FleetSpec, settings: KubernetesSettings, *, args: list[str],
                 ports: dict[str, int], env: list[dict] | None = None, pod_extra: dict | None = None,
-                volumes: tuple[list[dict], list[dict]] = ([], []), recreate: bool = False) -> dict:
+                volumes: tuple[list[dict], list[dict]] = ([], []), replicas: int = 1) -> dict:
     grpc_port = ports["grpc"]
     container = {
         "name": component,
@@ -71,12 +71,10 @@ def _deployment(component: str, spec: FleetSpec, settings: KubernetesSettings, *
     if volumes[0]:
         pod_spec["volumes"] = volumes[0]
     deployment_spec: dict = {
-        "replicas": 1,
+        "replicas": replicas,
         "selector": {"matchLabels": _selector(component)},
         "template": {"metadata": {"labels": _labels(component, spec)}, "spec": pod_spec},
     }
-    if recreate:
-        deployment_spec["strategy"] = {"type": "Recreate"}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(component, spec, settings),
             "spec": deployment_spec}
 
@@ -111,10 +109,11 @@ def _controller_objects(spec: FleetSpec, settings: KubernetesSettings) -> list[d
               "data": {FLEET_SPEC_FILE: yaml.safe_dump(spec.to_dict(), sort_keys=False)}}
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": [
-        # `kubectl apply` reads, creates and patches; stop deletes; groups() lists
+        # server-side apply creates and patches; stop deletes; groups() lists; the API client reads
+        # the groups' pods and services (what a LeaderWorkerSet makes) the same way
         {"apiGroups": [LWS_API_VERSION.split("/")[0]], "resources": ["leaderworkersets"],
          "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods", "services"], "verbs": ["get", "list", "watch", "patch", "delete"]},
     ]}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
@@ -128,7 +127,7 @@ def _controller_objects(spec: FleetSpec, settings: KubernetesSettings) -> list[d
                          "--provisioner", "kubernetes", "--namespace", settings.namespace, "--image", settings.image),
         ports=ports, volumes=volumes,
         pod_extra={"serviceAccountName": name, "automountServiceAccountToken": True},
-        recreate=True)  # two controllers at once would fight over the groups: never overlap them
+        replicas=2)  # one acts (it holds the fleet's lease in the registry), the other stands by to take over
     return [config, account, role, binding, deployment, _service(CONTROLLER, spec, settings, ports)]
 
 

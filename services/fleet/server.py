@@ -31,7 +31,7 @@ from services.common.supervisor import Supervisor
 from services.fleet import metrics
 from services.fleet.controller import HEARTBEAT_TIMEOUT_S, STARTUP_TIMEOUT_S, FleetController, tidy_own
 from services.fleet.kubernetes import KubernetesSettings
-from services.fleet.kubernetes_provisioner import Kubectl, KubernetesProvisioner
+from services.fleet.kubernetes_provisioner import KubernetesApi, KubernetesProvisioner
 from services.fleet.leader import DEFAULT_TTL_S, LEASE, LeaderElection
 from services.fleet.load_signal import RouterUtilization
 from services.fleet.local import LocalProvisioner
@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="apply this fleet spec at start (as `shardline apply -f FILE`) and reconcile its fleet")
     parser.add_argument("--provisioner", choices=("local", "kubernetes"), default="local",
                         help="local: each group is a `shardline serve worker` process group, children of this one "
-                             "(default); kubernetes: each group is a LeaderWorkerSet applied with kubectl")
+                             "(default); kubernetes: each group is a LeaderWorkerSet, applied to the API server (the "
+                             "pod's service account in the cluster, else the kubeconfig)")
     parser.add_argument("--namespace", default="shardline", help="kubernetes: the fleet's namespace")
     parser.add_argument("--image", default="shardline:latest", help="kubernetes: the image of the rank pods")
     parser.add_argument("--registry-url", default=None, help="shard registry URL (env SHARDLINE_REGISTRY_URL; "
@@ -112,6 +113,8 @@ class Reconcilers:
         self.interval_s = interval_s
         self.elections = {f: LeaderElection(registry, name=f"{LEASE}/{f}", ttl_s=lease_ttl_s) for f in fleets}
         self.controllers: dict[str, FleetController] = {}
+        self.ready: dict[str, bool] = dict.fromkeys(fleets, False)  # the fleet's last reconcile (or watch) worked
+        self.on_ready: Callable[[bool], None] = lambda _ready: None  # every fleet's worked, or not
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(f,), name=f"fleet-{f}", daemon=True) for f in fleets]
 
@@ -128,22 +131,33 @@ class Reconcilers:
                 controller = self.controllers[fleet] = self.make(fleet, self.registry.fenced(election.name,
                                                                                              election.term))
                 metrics.leading(fleet, election.term)
-            if controller is None:  # a standby: it stops only its own processes of groups the leader ended
-                try:
-                    for name in tidy_own(self.registry, self.provisioners[fleet], fleet):
-                        log.info("fleet %s: stopped %s, dead in the registry (standby)", fleet, name)
-                except Exception as exc:  # noqa: BLE001 - a registry outage: next time
-                    log.warning("fleet %s: standby tidy failed: %s", fleet, exc)
-            else:
-                try:
-                    controller.tick()
-                    metrics.publish(fleet, controller.state.desired, controller.registry.fleet_groups(fleet),
-                                    controller.state.utilization_pct)
-                except Fenced as exc:  # paused past the TTL: the next step finds the lease gone
-                    log.warning("fleet %s: %s", fleet, exc)
-                except Exception as exc:  # noqa: BLE001 - a registry outage must not end the loop
-                    log.warning("fleet %s: reconcile failed: %s", fleet, exc, exc_info=log.isEnabledFor(10))
+            self._set_ready(fleet, self._reconcile(fleet, controller))
             self.stop.wait(self.interval_s)
+
+    def _reconcile(self, fleet: str, controller: FleetController | None) -> bool:
+        """One pass; whether it worked (a registry or provisioner outage: not ready, tried again)."""
+        try:
+            if controller is None:  # a standby: it stops only its own processes of groups the leader ended
+                for name in tidy_own(self.registry, self.provisioners[fleet], fleet):
+                    log.info("fleet %s: stopped %s, dead in the registry (standby)", fleet, name)
+                return True
+            controller.tick()
+            metrics.publish(fleet, controller.state.desired, controller.registry.fleet_groups(fleet),
+                            controller.state.utilization_pct)
+            return True
+        except Fenced as exc:  # paused past the TTL: the next step finds the lease gone
+            log.warning("fleet %s: %s", fleet, exc)
+            return True
+        except Exception as exc:  # noqa: BLE001 - an outage must not end the loop: retried next interval
+            log.warning("fleet %s: reconcile failed, retrying in %g s: %s", fleet, self.interval_s, exc,
+                        exc_info=log.isEnabledFor(10))
+            return False
+
+    def _set_ready(self, fleet: str, ready: bool) -> None:
+        was = all(self.ready.values())
+        self.ready[fleet] = ready
+        if all(self.ready.values()) != was:
+            self.on_ready(not was)
 
     def _step_down(self, fleet: str) -> None:
         controller = self.controllers.pop(fleet)
@@ -173,7 +187,7 @@ def provisioner_for(args: argparse.Namespace, supervisor: Supervisor, shared: li
                                   redis_url=resolve("redis_url", args.redis_url, "") or None)
     # its groups outlive a restart of the controller's pod: closing it deletes nothing, and the
     # restarted controller finds them by the fleet's label
-    return KubernetesProvisioner(settings, Kubectl(args.namespace), fleet=fleet, delete_on_close=False)
+    return KubernetesProvisioner(settings, KubernetesApi(args.namespace), fleet=fleet, delete_on_close=False)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -202,11 +216,7 @@ def serve(args: argparse.Namespace) -> int:
     redis, telemetry = resolve("redis_url", args.redis_url, ""), resolve("telemetry_addr", args.telemetry, "")
     shared = worker_shared_flags(url, redis, telemetry, args.worker_flag)
     supervisor = Supervisor()
-    try:
-        provisioners = [provisioner_for(args, supervisor, shared, url, fleet) for fleet in fleets]
-    except FileNotFoundError as exc:  # no kubectl
-        print(f"shardline serve fleet: {exc}", file=sys.stderr)
-        return 2
+    provisioners = [provisioner_for(args, supervisor, shared, url, fleet) for fleet in fleets]
     provisioner_of = dict(zip(fleets, provisioners, strict=True))
     utilization = (RouterUtilization(args.router, api_key=resolve("api_key", args.router_api_key, "") or None)
                    if args.router else None)
@@ -222,10 +232,11 @@ def serve(args: argparse.Namespace) -> int:
 
     def on_started(server: GrpcServer) -> None:
         setup_observability(args, SERVICE)
+        reconcilers.on_ready = server.set_serving  # SERVING once every fleet reconciles, NOT_SERVING while one cannot
         reconcilers.start()
 
     try:
-        return serve_service(args, service=SERVICE, bindings=lambda: [], on_started=on_started,
+        return serve_service(args, service=SERVICE, bindings=lambda: [], start_serving=False, on_started=on_started,
                              on_stopping=lambda _server: reconcilers.close())
     finally:
         for provisioner in provisioners:

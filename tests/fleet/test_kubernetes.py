@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from services.fleet.kubernetes import (
     group_name,
     render_group,
 )
-from services.fleet.kubernetes_provisioner import Kubectl, KubernetesProvisioner, YamlDirectory, to_yaml
+from services.fleet.kubernetes_provisioner import KubernetesProvisioner, YamlDirectory, to_yaml
 from services.fleet.kubernetes_services import render_services
 from services.fleet.provisioner import GroupLaunch
 from services.fleet.spec import FleetSpec, GroupPlan
@@ -165,14 +164,14 @@ def test_a_manifest_fleet_needs_a_router_model_dir() -> None:
     assert router["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == ["--model", "/models/llama"]
 
 
-def test_the_controller_may_create_and_delete_leaderworkersets_and_never_overlaps() -> None:
+def test_the_controller_may_create_and_delete_leaderworkersets_and_runs_with_a_standby() -> None:
     objects = render_services(_spec(), SETTINGS)
     role = next(o for o in objects if o["kind"] == "Role")
     lws_rule = next(r for r in role["rules"] if r["resources"] == ["leaderworkersets"])
     assert lws_rule["apiGroups"] == ["leaderworkerset.x-k8s.io"]
     assert {"create", "delete", "get", "patch"} <= set(lws_rule["verbs"])
     controller = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "shardline-fleet")
-    assert controller["spec"]["strategy"] == {"type": "Recreate"}
+    assert controller["spec"]["replicas"] == 2 and "strategy" not in controller["spec"]  # the lease picks one
     pod = controller["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "shardline-fleet"
     assert pod["containers"][0]["args"][:2] == ["serve", "fleet"]
@@ -208,27 +207,6 @@ def test_the_yaml_directory_provisioner_writes_and_removes_a_file_per_group(tmp_
     assert list(tmp_path.iterdir()) == [] and provisioner.groups() == []
 
 
-def test_kubectl_pipes_the_objects_to_apply_and_deletes_by_kind_and_name() -> None:
-    calls: list[tuple[list[str], str | None]] = []
-
-    def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
-        calls.append((argv, kwargs.get("input")))  # type: ignore[arg-type]
-        return subprocess.CompletedProcess(argv, 0, "", "")
-
-    launch = _launch(2, 2)
-    provisioner = KubernetesProvisioner(SETTINGS, Kubectl("serving", kubectl="/usr/bin/kubectl", run=run),
-                                        delete_on_close=False)
-    provisioner.start(launch)
-    argv, stdin = calls[0]
-    assert argv == ["/usr/bin/kubectl", "--namespace", "serving", "apply", "-f", "-"]
-    assert list(yaml.safe_load_all(stdin or "")) == [render_group(launch, SETTINGS)]
-    provisioner.close()  # delete_on_close=False: the groups outlive the controller
-    assert len(calls) == 1
-    provisioner.stop(launch.name)
-    assert calls[1] == (["/usr/bin/kubectl", "--namespace", "serving", "delete", "--ignore-not-found", "--wait=false",
-                         f"leaderworkerset/{launch.name}"], None)
-
-
 def test_a_restarted_controller_finds_its_fleets_groups_through_the_sink(tmp_path: Path) -> None:
     first = KubernetesProvisioner(SETTINGS, YamlDirectory(tmp_path), delete_on_close=False)
     mine, other = _launch(1, 1, revision=1), replace(_launch(1, 1, revision=1), name="other-abc123", fleet="other")
@@ -239,27 +217,6 @@ def test_a_restarted_controller_finds_its_fleets_groups_through_the_sink(tmp_pat
     assert [(g.name, g.alive) for g in restarted.groups()] == [(mine.name, True)]
     restarted.stop(mine.name)  # one it did not apply itself
     assert restarted.groups() == [] and [p.name for p in tmp_path.iterdir()] == ["other-abc123.yaml"]
-
-
-def test_kubectl_lists_a_fleets_leaderworkersets_by_its_label() -> None:
-    calls: list[list[str]] = []
-
-    def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
-        calls.append(argv)
-        return subprocess.CompletedProcess(argv, 0, "smol-111111 smol-222222", "")
-
-    provisioner = KubernetesProvisioner(SETTINGS, Kubectl("serving", kubectl="kubectl", run=run), fleet="smol")
-    assert [g.name for g in provisioner.groups()] == ["smol-111111", "smol-222222"]
-    assert calls == [["kubectl", "--namespace", "serving", "get", "leaderworkerset", "-l", "shardline.dev/fleet=smol",
-                      "-o", "jsonpath={.items[*].metadata.name}"]]
-
-
-def test_kubectl_failure_names_the_command() -> None:
-    def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
-        return subprocess.CompletedProcess(argv, 1, "", "error: the server doesn't have a resource type")
-
-    with pytest.raises(RuntimeError, match="apply -f - exited with 1: error: the server"):
-        Kubectl("serving", kubectl="kubectl", run=run).apply("g", [render_group(_launch(), SETTINGS)])
 
 
 def test_resources_without_gpus_request_none() -> None:
