@@ -17,6 +17,21 @@ from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fix
 from tests.s3_fixtures import s3_bucket, s3_endpoint  # noqa: F401
 
 
+@pytest.fixture(params=["postgresql", "sqlite"])
+def registry_of_each_kind(request: pytest.FixtureRequest, tmp_path: Path):
+    """A migrated, empty registry: a fresh database on the real PostgreSQL, then a SQLite file."""
+    # deferred: only the registry tests pay for SQLAlchemy here
+    from services.common.registry import ShardRegistry
+
+    if request.param == "sqlite":
+        with ShardRegistry(f"sqlite:///{tmp_path / 'registry.db'}", migrate_schema=True) as registry:
+            yield registry
+        return
+    with stack.fresh_database(request.getfixturevalue("postgres_url"), "registry") as url, \
+            ShardRegistry(url, migrate_schema=True) as registry:
+        yield registry
+
+
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """URL of a real PostgreSQL: the one `make test` started, else a fresh one for this session."""
@@ -59,7 +74,8 @@ def redis_url() -> Iterator[str]:
 # telemetry stops, the host's costs a calibration fits, a service's 10 s start-up budget, the
 # events a stalled stream takes. Each one idles the other worker, so a test whose bound can
 # allow a starved process seconds (a collective timeout's waits) does that instead. On 2 cores
-# the other workers' ranks would skew it, so it runs while no other test of the run does: every test holds a lock in the base temp dir the run's workers share, a serial test
+# the other workers' ranks would skew it, so it runs while no other test of the run does: every
+# test holds a lock in the base temp dir the run's workers share, a serial test
 # holds it exclusive. The gate in front keeps a waiting serial test from being starved by
 # workers taking turns on the shared lock: a worker passes the gate only while no serial test
 # is waiting or running.

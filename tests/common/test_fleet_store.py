@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 
 from services.common.registry import Conflict, FleetNotFound, ShardRegistry, registry_group_id
-from tests.stack import fresh_database
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def registry(request: pytest.FixtureRequest, tmp_path) -> Iterator[ShardRegistry]:
-    if request.param == "sqlite":
-        with ShardRegistry(f"sqlite:///{tmp_path / 'registry.db'}", migrate_schema=True) as reg:
-            yield reg
-        return
-    with fresh_database(request.getfixturevalue("postgres_url"), "fleet") as url, \
-            ShardRegistry(url, migrate_schema=True) as reg:
-        yield reg
+@pytest.fixture
+def registry(registry_of_each_kind: ShardRegistry) -> ShardRegistry:
+    return registry_of_each_kind
 
 
 def test_apply_numbers_revisions_and_an_unchanged_spec_makes_none(registry: ShardRegistry) -> None:

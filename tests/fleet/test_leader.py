@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,15 +36,9 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def registry(request: pytest.FixtureRequest, tmp_path) -> Iterator[ShardRegistry]:
-    if request.param == "sqlite":
-        with ShardRegistry(f"sqlite:///{tmp_path / 'registry.db'}", migrate_schema=True) as reg:
-            yield reg
-        return
-    with fresh_database(request.getfixturevalue("postgres_url"), "lease") as url, \
-            ShardRegistry(url, migrate_schema=True) as reg:
-        yield reg
+@pytest.fixture
+def registry(registry_of_each_kind: ShardRegistry) -> ShardRegistry:
+    return registry_of_each_kind
 
 
 def elections(registry: ShardRegistry, clock: Clock) -> tuple[LeaderElection, LeaderElection]:
