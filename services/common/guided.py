@@ -4,9 +4,12 @@ A guide is ``(kind, spec)``: ``json_schema`` (a JSON schema, as JSON text; ``{"t
 is OpenAI's ``json_object``), ``regex`` (the whole output matches it) or ``choice`` (a JSON list of
 strings, the output is one of them). The router checks a guide when it parses the request (a bad
 one is a 400 before any stream), the worker compiles it against the model's tokenizer
-(``services.worker.engine.guided``). llguidance rather than xgrammar: a 3 MB wheel with no
-dependencies where xgrammar's requires triton (GPU kernels, hundreds of MB on every CPU install),
-and a SmolLM2 mask in about a millisecond here; vLLM offers both as backends.
+(``services.worker.engine.guided``). llguidance rather than xgrammar (vLLM offers both): a 3 MB
+wheel with no dependencies, where xgrammar's declare torch, transformers and triton (GPU kernels,
+hundreds of MB on every CPU install). Measured here (``bench.grammar_engines``, SmolLM2's
+tokenizer): a nested schema starts (compile, matcher, first mask) in 0.6-0.8 ms against
+xgrammar's 6-7 ms, a request's wait before its first guided token; per token, mask and advance
+take 5-19 µs at the median against xgrammar's 5-13 µs, both far below a decode step.
 """
 
 from __future__ import annotations
