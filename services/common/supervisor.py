@@ -66,7 +66,9 @@ class Supervisor:
         self.stop_requested = stop or threading.Event()
 
     def start(self, name: str, argv: list[str], port: int, *, env: dict[str, str] | None = None,
-              log_path: Path | None = None) -> ManagedProcess:
+              log_path: Path | None = None, die_with_parent: bool = True, track: bool = True) -> ManagedProcess:
+        """``die_with_parent`` False and ``track`` False: a process that outlives this one and
+        that :meth:`stop_all` leaves alone (a fleet's kept replica group)."""
         managed = ManagedProcess(name, argv, port, env=env or {}, log_path=log_path)
         out = None  # no log file: the child shares our terminal
         if log_path is not None:
@@ -76,11 +78,12 @@ class Supervisor:
             managed.proc = subprocess.Popen(
                 argv, env={**os.environ, **managed.env}, start_new_session=True, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT if out is not None else None,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                preexec_fn=_die_with_parent if die_with_parent and sys.platform.startswith("linux") else None)
         finally:
             if out is not None:
                 out.close()  # the child holds its own descriptor
-        self.processes.append(managed)
+        if track:
+            self.processes.append(managed)
         return managed
 
     def failure(self, managed: ManagedProcess, what: str) -> StackError:

@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "heartbeats in the registry)")
     parser.add_argument("--router-api-key", default=None,
                         help="the routers' API key, if they want one (env SHARDLINE_API_KEY)")
+    parser.add_argument("--keep-groups", action="store_true",
+                        help="local: the groups outlive this controller (a restarted one, or a standby that takes "
+                             "over, adopts them through their records in --log-dir/groups/); default: they stop "
+                             "with it")
     parser.add_argument("--lease-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
                         help=f"several controllers may run: the one holding a fleet's lease in the registry acts, "
                              f"the others take over once it has not renewed it for this long (default "
@@ -182,7 +186,7 @@ class Reconcilers:
 def provisioner_for(args: argparse.Namespace, supervisor: Supervisor, shared: list[str], url: str,
                     fleet: str) -> Provisioner:
     if args.provisioner == "local":
-        return LocalProvisioner(supervisor, shared, args.log_dir)
+        return LocalProvisioner(supervisor, shared, args.log_dir, keep=args.keep_groups, fleet=fleet)
     settings = KubernetesSettings(image=args.image, namespace=args.namespace, registry_url=url,
                                   redis_url=resolve("redis_url", args.redis_url, "") or None)
     # its groups outlive a restart of the controller's pod: closing it deletes nothing, and the

@@ -3,6 +3,8 @@ once the holder stops renewing, and a deposed holder's registry is fenced out of
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -155,8 +157,8 @@ def _controller(name: str, registry_url: str, tmp_path: Path) -> subprocess.Pope
     log = (tmp_path / f"{name}.log").open("ab")
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "fleet", "--port", str(free_port()), "--fleet", "lead",
-         "--registry-url", registry_url, "--log-dir", str(tmp_path / f"{name}-groups"), "--interval",
-         str(INTERVAL_S), "--lease-ttl", str(PROCESS_TTL_S)],
+         "--registry-url", registry_url, "--log-dir", str(tmp_path / "groups"), "--interval",
+         str(INTERVAL_S), "--lease-ttl", str(PROCESS_TTL_S), "--keep-groups"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_environ(), start_new_session=True)
 
 
@@ -172,7 +174,7 @@ def _until(what: str, predicate, timeout_s: float, logs: Path):
 
 
 @pytest.mark.slow
-def test_a_stopped_leader_is_replaced_by_the_standby_which_adopts_its_groups_and_the_old_one_stands_by(
+def test_a_stopped_or_killed_leader_is_replaced_by_the_standby_which_adopts_its_groups(
         tiny_model_dir, postgres_url, tmp_path):
     spec = tmp_path / "lead.yaml"
     spec.write_text(yaml.safe_dump(fleet_spec("lead", tiny_model_dir, replicas=1, kv_cache_cap_gb=1 / 1024)))
@@ -209,9 +211,22 @@ def test_a_stopped_leader_is_replaced_by_the_standby_which_adopts_its_groups_and
             time.sleep(2 * INTERVAL_S)
             assert registry.read_lease(f"{LEASE_PREFIX}/lead").term == 2
             assert [g.name for g in registry.fleet_groups("lead")] == [group] and serving() == [group]
+
+            # SIGKILL the new leader: the group (kept: it outlives its controllers) serves on, and a,
+            # on the same host, takes over at once and adopts it again
+            os.kill(b.pid, signal.SIGKILL)
+            b.wait(10)
+            lease = _until("a takes the lease back", lambda: (lease := registry.read_lease(f"{LEASE_PREFIX}/lead"))
+                           and lease.holder.endswith(f":{a.pid}") and lease, 4 * INTERVAL_S + 2, tmp_path)
+            assert lease.term == 3
+            time.sleep(2 * PROCESS_TTL_S)
+            assert [g.name for g in registry.fleet_groups("lead")] == [group] and serving() == [group]
         finally:
             for proc in (b, a):
                 if proc is not None:
                     if proc.poll() is None:
                         os.kill(proc.pid, signal.SIGCONT)
                     stop(proc, timeout_s=20)
+            for record in (tmp_path / "groups" / "groups").glob("*.json"):  # kept groups outlive their controllers
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
