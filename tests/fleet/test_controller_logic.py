@@ -305,3 +305,28 @@ def test_a_restarted_controller_keeps_the_autoscalers_count_and_finishes_a_drain
     s.until(lambda: victim not in {g.name for g in s.groups()})
     assert s.registry.get_group(registry_group_id(victim)).status == "dead" and victim in s.provisioner.stopped
     s.registry.close()
+
+
+def test_a_controller_restarted_mid_heal_and_mid_scale_out_converges(tmp_path: Path) -> None:
+    s = Sim(tmp_path)
+    data = json.loads(spec())
+    data["autoscaling"] = {"min_replicas": 2, "max_replicas": 4, "window_s": 3, "cooldown_s": 1}
+    s.registry.apply_fleet(FLEET, json.dumps(data))
+    s.until(lambda: s.in_rotation() == 2)
+    # mid-heal: a group's process exited and was marked dead; the controller dies before replacing it
+    victim = s.groups()[0].name
+    s.provisioner.exited[victim] = "worker process exited with code -9"
+    s.tick()
+    assert victim not in {g.name for g in s.groups()}
+    s.restart()
+    s.until(lambda: s.in_rotation() == 2)
+    # mid-scale-out: the third group is loading when the controller dies; the new one keeps it
+    s.controller.utilization = lambda registry, groups: {g.name: 0.95 for g in groups}
+    s.until(lambda: any(g.status == "provisioning" for g in s.groups()))
+    loading = next(g.name for g in s.groups() if g.status == "provisioning")
+    s.restart()
+    s.controller.utilization = lambda registry, groups: {g.name: 0.5 for g in groups}
+    s.until(lambda: s.in_rotation() == 3)
+    s.tick(5)
+    assert loading in {g.name for g in s.groups() if g.status == "healthy"} and s.in_rotation() == 3
+    s.registry.close()
