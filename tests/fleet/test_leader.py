@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 import yaml
 
 from bench._fleet_stack import fleet_spec
@@ -25,6 +26,7 @@ from services.fleet.leader import LEASE as LEASE_PREFIX
 from services.fleet.leader import RENEW_DEADLINE, LeaderElection
 from tests.router.processes import REPO, stop
 from tests.stack import fresh_database
+from tests.telemetry.procs import wait_until
 
 TTL = 10.0
 LEASE = "fleet-controller/smol"
@@ -147,6 +149,27 @@ def test_a_fenced_transaction_in_flight_finishes_before_a_takeover_on_postgresql
         fenced.close()
 
 
+def test_a_holder_stalled_inside_a_fenced_transaction_delays_a_takeover_by_a_second_not_forever(request):
+    """A holder paused (SIGSTOP) between two statements of a fenced transaction holds the lease row;
+    PostgreSQL ends that transaction after the fenced registry's stall limit, the takeover goes
+    through, and the stalled transaction's next statement fails instead of writing under term 1."""
+    with fresh_database(request.getfixturevalue("postgres_url"), "lease") as url, \
+            ShardRegistry(url, migrate_schema=True) as registry:
+        a, _ = elections(registry, Clock())
+        assert a.step()
+        fenced = registry.fenced(LEASE, 1)
+        with pytest.raises(Exception, match="idle-in-transaction|terminat|closed"):  # noqa: B017
+            with fenced._tx() as session:
+                t0 = time.monotonic()
+                taken = registry.take_lease(LEASE, "b", TTL, seen=registry.read_lease(LEASE))
+                waited = time.monotonic() - t0
+                assert taken is not None and taken.term == 2, taken
+                assert waited < 2.0, waited
+                session.execute(sa.text("SELECT 1"))  # the paused holder wakes up: its transaction is gone
+        assert registry.read_lease(LEASE).holder == "b"
+        fenced.close()
+
+
 # ---- two `shardline serve fleet` processes ------------------------------------------------
 
 PROCESS_TTL_S = 3.0
@@ -163,14 +186,11 @@ def _controller(name: str, registry_url: str, tmp_path: Path) -> subprocess.Pope
 
 
 def _until(what: str, predicate, timeout_s: float, logs: Path):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    text = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(logs.glob("*.log")))
-    raise AssertionError(f"not within {timeout_s} s: {what}\n{text}")
+    value = wait_until(predicate, timeout_s)
+    if not value:
+        text = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(logs.glob("*.log")))
+        raise AssertionError(f"not within {timeout_s} s: {what}\n{text}")
+    return value
 
 
 @pytest.mark.slow

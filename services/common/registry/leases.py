@@ -7,7 +7,9 @@ Kubernetes lease's observers do). A registry opened with ``fence=(name, term)`` 
 every transaction, that the lease is still in that term, and refuses the transaction otherwise:
 a holder that was paused past its TTL (SIGSTOP, a long GC, a partition) and wakes up believing
 it still leads cannot write a thing. On PostgreSQL the check holds the lease row (FOR SHARE), so
-a takeover waits for the fenced transaction to finish and the order of terms holds.
+a takeover waits for the fenced transaction to finish and the order of terms holds; a fenced
+transaction that stalls (its holder paused inside it) is ended by the server after a second
+(``ShardRegistry.fenced``), so the takeover waits that long, not forever.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import func, select, text, update
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from . import errors
 from .models import LeaseRow
+
+TAKE_WAIT_S = 2.0  # how long a taker waits for a holder's transaction on the lease row (PostgreSQL)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ class LeaseRecords:
             raise errors.InvalidValue(f"a lease needs a holder and a positive TTL, got {holder!r}, {ttl_s!r}")
         try:
             with self._tx() as session:
+                if session.get_bind().dialect.name == "postgresql":
+                    # a holder's fenced transaction holds the row while it runs (or until the server
+                    # ends it, if the holder stalled in it): wait that long at most, then try again later
+                    session.execute(text(f"SET LOCAL lock_timeout = {int(TAKE_WAIT_S * 1000)}"))
                 if seen is None:
                     session.add(LeaseRow(name=name, holder=holder, term=1, renewals=0, ttl_s=ttl_s))
                     session.flush()
@@ -90,6 +98,10 @@ class LeaseRecords:
                     .values(holder=holder, term=seen.term + 1, renewals=0, ttl_s=ttl_s))
                 return Lease(name, holder, seen.term + 1, 0, ttl_s) if taken.rowcount == 1 else None
         except IntegrityError:  # another taker made the first term first
+            return None
+        except OperationalError as exc:  # the row stayed locked past TAKE_WAIT_S
+            if "lock timeout" not in str(exc):
+                raise
             return None
 
     def renew_lease(self, lease: Lease) -> Lease | None:

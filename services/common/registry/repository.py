@@ -86,6 +86,10 @@ def _statuses(status: str | Iterable[str] | None, allowed: tuple[str, ...]) -> l
     return wanted
 
 
+# how long a fenced transaction may sit idle between its statements on PostgreSQL (see fenced())
+FENCED_STALL_S = 1.0
+
+
 class ShardRegistry(FleetRecords, LeaseRecords):
     """Replica groups, their GPU shards and checkpoint manifests (and fleets: FleetRecords), on
     PostgreSQL or SQLite.
@@ -121,10 +125,15 @@ class ShardRegistry(FleetRecords, LeaseRecords):
                 check_fence(session, *self.fence)
             yield session
 
-    def fenced(self, name: str, term: int) -> ShardRegistry:
+    def fenced(self, name: str, term: int, *, stall_s: float = FENCED_STALL_S) -> ShardRegistry:
         """A registry on the same database whose every transaction is fenced by lease ``name``
-        in ``term`` (its own engine: close it when the term ends)."""
-        return ShardRegistry(self.url, fence=(name, term))
+        in ``term`` (its own engine: close it when the term ends). On PostgreSQL a transaction of
+        it that stalls ``stall_s`` between statements is ended by the server: a holder paused
+        inside one (SIGSTOP) would otherwise keep the lease row locked, and no one could take over."""
+        kwargs: dict[str, Any] = {}
+        if self.engine.dialect.name == "postgresql":
+            kwargs["connect_args"] = {"options": f"-c idle_in_transaction_session_timeout={int(stall_s * 1000)}"}
+        return ShardRegistry(self.url, fence=(name, term), **kwargs)
 
     @staticmethod
     def _group_row(session: Session, group_id: uuid.UUID) -> ReplicaGroupRow:
