@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,12 +260,11 @@ class FleetController:
         self.heartbeats.reading(now)
         self.heartbeats.keep_only(g.name or "" for g in rows if g.status != "dead")
         by_name = {g.name: g for g in rows}
-        for name, proc in procs.items():  # processes of a group that is dead in the registry
-            row = by_name.get(name)
-            if (row is None or row.status == "dead") and not self.jobs.running(name):
+        for name in ended(by_name, procs):
+            if not self.jobs.running(name):
                 self.provisioner.stop(name)
-                if row is not None:
-                    self.event("stopped", group=name, reason=row.status_reason or "dead in the registry")
+                if by_name.get(name) is not None:
+                    self.event("stopped", group=name, reason=by_name[name].status_reason or "dead in the registry")
         live = []
         for g in rows:
             if g.status == "dead":
@@ -444,27 +443,19 @@ class FleetController:
             self.event("rollout-succeeded", rollout, to_revision=target)
         return rollout
 
-    def run(self, stop: Any, interval_s: float = 1.0, *, after_tick: Callable[[], None] | None = None) -> None:
-        """Tick until ``stop`` (a threading.Event) is set; a failed tick is logged and retried."""
-        while not stop.is_set():
-            try:
-                self.tick()
-                if after_tick is not None:
-                    after_tick()
-            except Exception as exc:  # noqa: BLE001 - a registry outage must not end the loop
-                log.warning("fleet %s: reconcile failed: %s", self.fleet, exc, exc_info=log.isEnabledFor(10))
-            stop.wait(interval_s)
+
+def ended(rows: dict[str | None, ReplicaGroup], procs: Iterable[str]) -> list[str]:
+    """The processes (by group name) whose group the registry says is dead, or no longer holds:
+    they are to be stopped."""
+    return [name for name in procs if rows.get(name) is None or rows[name].status == "dead"]
 
 
 def tidy_own(registry: ShardRegistry, provisioner: Provisioner, fleet: str) -> list[str]:
     """What a standby controller still does: stop the processes it started (it led once) whose
-    group the registry says is dead or no longer holds, as the leader decided. It reads the
-    registry and touches only its own processes, so it needs no lease."""
+    group has :func:`ended`, as the leader decided. It reads the registry and touches only its
+    own processes, so it needs no lease."""
     rows = {g.name: g for g in registry.fleet_groups(fleet, include_dead=True)}
-    stopped = []
-    for proc in provisioner.groups():
-        row = rows.get(proc.name)
-        if row is None or row.status == "dead":
-            provisioner.stop(proc.name)
-            stopped.append(proc.name)
+    stopped = ended(rows, [proc.name for proc in provisioner.groups()])
+    for name in stopped:
+        provisioner.stop(name)
     return stopped

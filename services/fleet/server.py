@@ -160,8 +160,9 @@ class Reconcilers:
     def _set_ready(self, fleet: str, ready: bool) -> None:
         was = all(self.ready.values())
         self.ready[fleet] = ready
-        if all(self.ready.values()) != was:
-            self.on_ready(not was)
+        now = all(self.ready.values())
+        if now != was:
+            self.on_ready(now)
 
     def _step_down(self, fleet: str) -> None:
         controller = self.controllers.pop(fleet)

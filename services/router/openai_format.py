@@ -22,7 +22,14 @@ from services.common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from services.router.admission import context_error
 from services.router.catalog import ServedModel
 from services.router.chat import parse_messages
-from services.router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, validate
+from services.router.protocol import (
+    ChatCompletionRequest,
+    CompletionFields,
+    CompletionRequest,
+    ResponseFormat,
+    SamplingFields,
+    validate,
+)
 from services.router.request_fields import BadRequest, check_fields
 from services.router.tools import ToolCalling, parse_tool_calling
 from services.router.tools import message as tool_message
@@ -214,7 +221,11 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> ParsedRequest:
     elif isinstance(prompt, list) and len(prompt) > model.max_model_len and not isinstance(prompt[0], str | list):
         asked = body.get("max_tokens")  # too many ids to fit: said before each id is looked at
         raise context_error(model.max_model_len, len(prompt), asked if type(asked) is int else DEFAULT_MAX_TOKENS)
-    req = validate(CompletionRequest, body)
+    return _completion(validate(CompletionRequest, body), model)
+
+
+def _completion(req: CompletionFields, model: ServedModel) -> ParsedRequest:
+    """One prompt's request from a validated body."""
     text: str | None = None
     ids: tuple[int, ...] | None = None
     if isinstance(req.prompt, str):
@@ -249,9 +260,10 @@ def parse_completions(body: dict[str, Any], model: ServedModel) -> list[ParsedRe
     if not several:
         return [parse_completion(body, model)]
     check_fields(body, "completions")
-    if validate(CompletionRequest, body).stream:
+    req = validate(CompletionRequest, body)  # once: each prompt's request is a copy with its prompt
+    if req.stream:
         raise BadRequest("several prompts are served without streaming: send stream false", "stream")
-    return [parse_completion({**body, "prompt": p}, model) for p in prompt]
+    return [_completion(req.model_copy(update={"prompt": p}), model) for p in req.prompt]
 
 
 def chat_prompt_ids(raw_messages: Any, model: ServedModel, *, add_generation_prompt: bool = True,

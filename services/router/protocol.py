@@ -15,7 +15,7 @@ tool choice naming a tool that exists) stays with the parser.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model
 
@@ -276,7 +276,9 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-ROLES = ("system", "developer", "user", "tool", "assistant")  # Message's discriminator values
+# Message's discriminator values, as its members declare them
+ROLES = frozenset(role for member in get_args(get_args(Message)[0])
+                  for role in get_args(member.model_fields["role"].annotation))
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

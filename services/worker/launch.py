@@ -169,8 +169,7 @@ class Followers:
         self.port = free_port()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK="0",
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        self.forked = fork and threading.active_count() == 1
-        ctx = _context(fork=self.forked)
+        ctx = _context(fork=fork and threading.active_count() == 1)
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_rank_main,
                                   args=(rank, world_size, self.port, self.results, rank_fn, args, dict(os.environ),
