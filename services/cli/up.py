@@ -7,8 +7,11 @@ the groups are in rotation; prints the router's gRPC and HTTP endpoints; and ser
 or SIGTERM, which stops everything (process groups, no orphan). The groups are a fleet applied to
 the stack's registry and reconciled by a fleet controller in this process (``up_fleet``): a dead
 worker process is a failed replica group, not a stopped stack; the router continues its requests
-on the other groups and the controller replaces the group. Only the router's death (or ``up``'s
-own) stops the stack.
+on the other groups and the controller replaces the group. ``--routers N`` runs N routers in
+front of the same fleet (ports ``--port`` and ``--http-port`` and the N-1 after each), each
+discovering the groups in the registry; the workers' own KV admission keeps them from spending
+the same headroom. A dead router is started again at its ports while another serves; with a
+single router, or all of them dead, the stack stops (or on ``up``'s own death).
 ``-f FLEET.yaml`` serves a declared fleet instead of the layout flags (``up_fleet``: the groups
 are a fleet reconciled in this process). ``--model smollm2`` / ``tiny`` make the model under
 ``.models/`` on first use. ``--demo-prompt`` streams one completion through the router once the stack is up.
@@ -58,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"router gRPC port (default {DEFAULT_PORTS['router']})")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"router OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT})")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="routers in front of the fleet, on --port / --http-port and the ports after them "
+                             "(default 1)")
     parser.add_argument("--port-base", type=int, default=None,
                         help="first port of the internal services: telemetry, loader, planner take it and the "
                              "next two (default: their standard ports); the replica groups take free ports")
@@ -170,11 +176,11 @@ def group_dtypes(args: argparse.Namespace) -> list[str | None]:
 
 
 def router_flags(args: argparse.Namespace, model_dir: Path, registry: str, telemetry_metrics_url: str,
-                 telemetry: str = "") -> list[str]:
+                 telemetry: str = "", *, http_port: int | None = None) -> list[str]:
     # the router discovers the groups in the registry (the fleet controller puts them in rotation
     # there); its /metrics re-exports telemetry's collective histograms: one scrape target
-    flags = ["--http-port", str(args.http_port), "--model", str(model_dir), "--registry-url", registry,
-             "--telemetry-metrics-url", telemetry_metrics_url]
+    flags = ["--http-port", str(args.http_port if http_port is None else http_port), "--model", str(model_dir),
+             "--registry-url", registry, "--telemetry-metrics-url", telemetry_metrics_url]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
     if args.chat_template:
@@ -223,9 +229,10 @@ def _wait_all(supervisor: Supervisor, started: list[ManagedProcess], timeout_s: 
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.replicas < 1:
-        print(f"shardline up: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
-        return 2
+    for flag, value in (("--replicas", args.replicas), ("--routers", args.routers)):
+        if value < 1:
+            print(f"shardline up: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     if args.drift_every is not None and not args.drift_every > 0:
         print(f"shardline up: --drift-every must be > 0 seconds, got {args.drift_every:g}", file=sys.stderr)
         return 2
@@ -260,30 +267,36 @@ def run(args: argparse.Namespace) -> int:
                       for name in BACKGROUND]
         telemetry = f"127.0.0.1:{ports['telemetry']}"
         fleets = UpFleets(specs, registry, supervisor, logs, telemetry=telemetry, redis_url=args.redis_url,
-                          router=f"127.0.0.1:{args.port}", api_key=args.api_key, say=say)
+                          routers=[f"127.0.0.1:{args.port + i}" for i in range(args.routers)],
+                          api_key=args.api_key, say=say)
         fleets.start()
         _wait_all(supervisor, background, args.startup_timeout)
         fleets.wait_in_rotation(args.startup_timeout, stop.is_set, say)
         # the router comes last: it reads every group in the registry once before it reports SERVING
         scheme = "https" if args.tls_cert else "http"
-        router = supervisor.start("router", serve_argv("router", args.port, *router_flags(
-                                      args, model_dir, registry, f"{scheme}://127.0.0.1:{metrics_port}/metrics",
-                                      telemetry)),
-                                  args.port, log_path=logs / "router.log")
-        _wait_all(supervisor, [router], args.startup_timeout)
+        routers = [supervisor.start(name, serve_argv("router", args.port + i, *router_flags(
+                                        args, model_dir, registry, f"{scheme}://127.0.0.1:{metrics_port}/metrics",
+                                        telemetry, http_port=args.http_port + i)),
+                                    args.port + i, log_path=logs / f"{name}.log")
+                   for i, name in enumerate(router_names(args.routers))]
+        _wait_all(supervisor, routers, args.startup_timeout)
+        router = routers[0]
         drift = drift_argv(args, model_dir, registry, telemetry)
         if drift is not None:  # no gRPC port: reported when it dies, like the other background services
             background.append(supervisor.start("drift", drift, 0, log_path=logs / "drift.log"))
             say(f"  {'drift':<10} every {args.drift_every:g} s (log: {logs / 'drift.log'})")
         say(f"shardline is up: router gRPC 127.0.0.1:{args.port}{' (TLS)' if args.tls_cert else ''}, "
             f"OpenAI HTTP {scheme}://127.0.0.1:{args.http_port}/v1")
+        for i in range(1, args.routers):
+            say(f"  and router gRPC 127.0.0.1:{args.port + i}, "
+                f"OpenAI HTTP {scheme}://127.0.0.1:{args.http_port + i}/v1")
         if args.demo_prompt is not None:
             if not demo(router.address, args):
                 return 1
         if args.exit_after_demo:
             return 0
         say("Ctrl-C stops the stack.")
-        watch(supervisor, router, background, stop)
+        watch(supervisor, routers, background, stop, startup_timeout_s=args.startup_timeout)
         return 0
     except StackStopped:
         return 0
@@ -299,22 +312,48 @@ def run(args: argparse.Namespace) -> int:
         signals.stop()
 
 
-def watch(supervisor: Supervisor, router: ManagedProcess, background: list[ManagedProcess],
-          stop: threading.Event) -> None:
+def router_names(count: int) -> list[str]:
+    """``router`` alone, else ``router-0`` ... ``router-<count-1>`` (process and log names)."""
+    return ["router"] if count == 1 else [f"router-{i}" for i in range(count)]
+
+
+def watch(supervisor: Supervisor, routers: list[ManagedProcess], background: list[ManagedProcess],
+          stop: threading.Event, *, startup_timeout_s: float) -> None:
     """Serve until stopped. A dead worker is a failed replica group (its fleet controller replaces
     it, on its own thread); a dead background service is reported and left dead (it is not on the
-    request path); only the router's death stops the stack, as it is the front door."""
+    request path). A dead router is started again while another serves (clients that spread over
+    the routers lose only its streams); a single router's death, or all of theirs, stops the
+    stack, as they are its front door."""
     reported: set[int] = set()
     while not stop.wait(0.5):
-        if router.proc.poll() is not None:
+        dead = [r for r in routers if r.proc.poll() is not None]
+        if len(dead) == len(routers):
+            router = dead[0]
             raise supervisor.failure(router, f"exited with code {router.proc.returncode}: the router is the "
                                              f"stack's front door, so the stack stops")
+        for router in dead:
+            print(f"shardline up: {router.name} exited with code {router.proc.returncode}; the other routers "
+                  f"serve while it starts again (log: {router.log_path})", flush=True)
+            supervisor.reap(router)
+            routers[routers.index(router)] = again = supervisor.start(
+                router.name, router.argv, router.port, env=router.env, log_path=router.log_path)
+            threading.Thread(target=_report_restarted, args=(supervisor, again, startup_timeout_s),
+                             name=f"{again.name}-start", daemon=True).start()
         for managed in background:
             if managed.proc.poll() is not None and id(managed) not in reported:
                 reported.add(id(managed))
                 print(f"shardline up: {managed.name} exited with code {managed.proc.returncode}; it is not on "
                       f"the request path, so the stack keeps serving without it (log: {managed.log_path})",
                       flush=True)
+
+
+def _report_restarted(supervisor: Supervisor, router: ManagedProcess, timeout_s: float) -> None:
+    try:
+        took = supervisor.wait_healthy(router, timeout_s)
+    except StackError as exc:
+        print(f"shardline up: {exc}", flush=True)  # the watch sees it dead and starts it again
+        return
+    say(f"  {router.name:<10} {router.address:<16} SERVING again (+{took:.1f} s)")
 
 
 def demo(router_address: str, args: argparse.Namespace) -> bool:

@@ -68,7 +68,7 @@ class UpFleets:
     """Apply the stack's fleets, reconcile them on threads, and report their groups as they serve."""
 
     def __init__(self, specs: list[FleetSpec], registry_url: str, supervisor: Supervisor, log_dir: Path, *,
-                 telemetry: str, redis_url: str | None, router: str, api_key: str | None,
+                 telemetry: str, redis_url: str | None, routers: list[str], api_key: str | None,
                  say: Callable[[str], None]) -> None:
         self.specs = specs
         self.registry = ShardRegistry(registry_url)
@@ -77,7 +77,7 @@ class UpFleets:
             say(f"  fleet {spec.name}: revision {revision.revision} ({'applied' if created else 'unchanged'}), "
                 f"{spec.replicas} group(s) of {spec.group.describe()}")
         shared = worker_shared_flags(registry_url, redis_url or "", telemetry, [])
-        utilization = RouterUtilization([router], api_key=api_key)
+        utilization = RouterUtilization(routers, api_key=api_key)
         signals = controller_signals(redis_url, telemetry)
         self.provisioners = {spec.name: LocalProvisioner(supervisor, shared, log_dir) for spec in specs}
 

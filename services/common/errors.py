@@ -47,6 +47,11 @@ class ResourceExhausted(ShardlineError, grpc_status="RESOURCE_EXHAUSTED", http_s
     """The request is valid but cannot be taken now: queue full, or deadline passed in queue."""
 
 
+# how a worker's refusal of a request whose KV claim does not fit begins (services/worker/engine/
+# kv_budget.py): a router that reads it tries another group instead of failing the request
+KV_BUDGET_FULL = "KV budget full"
+
+
 class Unavailable(ShardlineError, grpc_status="UNAVAILABLE", http_status=503,
                   openai_type="service_unavailable_error"):
     """No healthy replica group (or backing service) can serve the request; retrying may work."""

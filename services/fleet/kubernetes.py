@@ -93,6 +93,9 @@ class KubernetesSettings:
     rendezvous_port: int = RENDEZVOUS_PORT
     fleet_port: int = DEFAULT_PORTS["fleet"]  # the fleet controller's gRPC health
     router_http_port: int = 8000
+    # routers behind the one Service: each admits into the groups' KV budgets, which the workers
+    # enforce themselves, so any number share a fleet; a PodDisruptionBudget keeps one up
+    router_replicas: int = 2
     log_level: str = "INFO"
     termination_grace_s: int = 60  # a draining driver finishes or hands off its streams first
     image_pull_policy: str = "IfNotPresent"
@@ -105,6 +108,8 @@ class KubernetesSettings:
             port = getattr(self, port_name)
             if not 0 < port < 65536:
                 raise KubernetesRenderError(f"{port_name} must be in 1..65535, got {port}")
+        if self.router_replicas < 1:
+            raise KubernetesRenderError(f"router_replicas must be >= 1, got {self.router_replicas}")
 
 
 def group_name(fleet: str, revision: int, index: int) -> str:

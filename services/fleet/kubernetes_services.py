@@ -1,6 +1,9 @@
 """The fleet's shared services as Kubernetes objects: a Deployment and a Service for each of the
 router, planner, loader and telemetry, and for the fleet controller, which also gets the
-ServiceAccount and Role that let it create and delete the groups' LeaderWorkerSets.
+ServiceAccount and Role that let it create and delete the groups' LeaderWorkerSets. The router
+and the controller run several replicas (routers side by side, the workers' own KV admission
+keeping them exact; controllers as a leader and standbys) with a PodDisruptionBudget each, so a
+node drain never takes the last one.
 
 Each container runs the entry point docker-compose.yml runs (``shardline serve <name> --port P``,
 the same ports) with the same environment (bind all interfaces, registry, health store, the
@@ -86,6 +89,13 @@ def _service(component: str, spec: FleetSpec, settings: KubernetesSettings, port
                                for name, port in ports.items()]}}
 
 
+def _disruption_budget(component: str, spec: FleetSpec, settings: KubernetesSettings) -> dict:
+    """At most one of the component's pods evicted at a time (a voluntary disruption such as a node
+    drain waits for the replacement to be ready)."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(component, spec, settings),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(component)}}}
+
+
 def _serve_args(name: str, port: int, *extra: str) -> list[str]:
     return ["serve", name, "--port", str(port), *extra]
 
@@ -128,7 +138,8 @@ def _controller_objects(spec: FleetSpec, settings: KubernetesSettings) -> list[d
         ports=ports, volumes=volumes,
         pod_extra={"serviceAccountName": name, "automountServiceAccountToken": True},
         replicas=2)  # one acts (it holds the fleet's lease in the registry), the other stands by to take over
-    return [config, account, role, binding, deployment, _service(CONTROLLER, spec, settings, ports)]
+    return [config, account, role, binding, deployment, _service(CONTROLLER, spec, settings, ports),
+            _disruption_budget(CONTROLLER, spec, settings)]
 
 
 def render_services(spec: FleetSpec, settings: KubernetesSettings) -> list[dict]:
@@ -142,6 +153,8 @@ def render_services(spec: FleetSpec, settings: KubernetesSettings) -> list[dict]
                     _service(name, spec, settings, ports)]
     router_ports = {"grpc": DEFAULT_PORTS["router"], "http": settings.router_http_port}
     objects += [_deployment("router", spec, settings, args=_router_args(spec, settings), ports=router_ports,
-                            env=telemetry_env, volumes=model_volume(settings)),
+                            env=telemetry_env, volumes=model_volume(settings), replicas=settings.router_replicas),
                 _service("router", spec, settings, router_ports)]
+    if settings.router_replicas > 1:
+        objects.append(_disruption_budget("router", spec, settings))
     return objects + _controller_objects(spec, settings)

@@ -4,9 +4,11 @@ A router admits a request only where its whole KV estimate fits, so the cache a 
 give is what routers have *committed* there (bytes in use plus what their admitted requests may
 still claim), not only what the worker has filled so far: a fleet whose every group is committed
 queues requests at the routers even while the workers' caches are half empty. So the signal is
-``(used + Σ over routers of their outstanding reservations) / capacity`` per group, from every
-router's ``ListReplicaGroups``. Without routers to ask, the registry's heartbeats give ``used /
-capacity`` (the workers' view), which under-reads a fleet that routers hold back.
+``max over routers of committed / capacity`` per group, from every router's
+``ListReplicaGroups``: each router's committed bytes count the claims the worker had admitted at
+its last report from every router (the worker's ``kv_bytes_admitted``) plus its own since.
+Without routers to ask, the registry's heartbeats give ``used / capacity`` (the workers' view),
+which under-reads a fleet that routers hold back.
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ class RouterUtilization:
         self.timeout_s = timeout_s
 
     def __call__(self, registry: ShardRegistry, groups: list[ReplicaGroup]) -> dict[str, float]:
-        used: dict[str, int] = {}
-        outstanding: dict[str, int] = {}
+        committed: dict[str, int] = {}
         capacity: dict[str, int] = {}
         answered = 0
         for address in self.addresses:
@@ -56,10 +57,8 @@ class RouterUtilization:
             answered += 1
             for info in infos:
                 name = info.replica_group_id
-                used[name] = max(used.get(name, 0), info.kv_bytes_used)
-                outstanding[name] = outstanding.get(name, 0) + max(0, info.kv_bytes_committed - info.kv_bytes_used)
+                committed[name] = max(committed.get(name, 0), info.kv_bytes_used, info.kv_bytes_committed)
                 capacity[name] = max(capacity.get(name, 0), info.kv_bytes_capacity)
         if not answered:
             return registry_utilization(registry, groups)
-        return {name: min(1.0, (used[name] + outstanding[name]) / capacity[name])
-                for name in used if capacity.get(name)}
+        return {name: min(1.0, committed[name] / capacity[name]) for name in committed if capacity.get(name)}

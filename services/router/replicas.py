@@ -90,6 +90,7 @@ class WorkerStats:
     prefix_seq: int = 0
     prefix_snapshot: bool = False
     prefix_events: list[tuple[bytes, bool]] = field(default_factory=list)
+    kv_bytes_admitted: int = 0  # Σ KV claims of the requests the group holds, from every router
 
 
 class StatsSource(Protocol):
@@ -170,6 +171,9 @@ class ReplicaGroupView:
     # running sums over ``reservations`` (the pick reads them for every group on every request)
     kv_bytes_reserved: int = 0  # Σ estimates of our unfinished requests here
     kv_bytes_materialized: int = 0  # Σ of their parts already inside kv_bytes_used
+    # the claims the group had admitted at the last report beyond ours (other routers'), or the
+    # whole capacity after the worker refused one of ours as full, until the next report
+    kv_bytes_claimed_elsewhere: int = 0
     shadow_scores: int = 0  # the shadow mirror's Scores running there now (the pick avoids the group)
     routable: bool = False  # status.routable, kept as a plain bool for the pick's inner loop
 
@@ -193,8 +197,10 @@ class ReplicaGroupView:
 
     @property
     def committed_bytes(self) -> int:
-        """KV bytes in use at the last report plus what our requests may still claim."""
-        return self.kv_bytes_used + self.outstanding_bytes
+        """KV bytes in use at the last report plus what our requests may still claim, or, when
+        more, the claims admitted through other routers plus ours (the worker's own rule)."""
+        return max(self.kv_bytes_used + self.kv_bytes_reserved - self.kv_bytes_materialized,
+                   self.kv_bytes_claimed_elsewhere + self.kv_bytes_reserved)
 
     @property
     def headroom_bytes(self) -> int:
@@ -236,6 +242,7 @@ class ReplicaGroupView:
             reservation.materialized_bytes = reservation.in_cache_bytes()
             total += reservation.materialized_bytes
         self.kv_bytes_materialized = total
+        self.kv_bytes_claimed_elsewhere = max(0, stats.kv_bytes_admitted - self.kv_bytes_reserved)
 
     def forget_prefixes(self) -> None:
         """Drop the mirror of the group's prefix cache (its names leave the index); the next
@@ -347,6 +354,12 @@ class ReplicaSet:
 
     def by_group_id(self, replica_group_id: str) -> ReplicaGroupView | None:
         return next((v for v in self._views.values() if v.replica_group_id == replica_group_id), None)
+
+    def mark_full(self, view: ReplicaGroupView) -> None:
+        """The worker refused one of our requests as over its KV budget: no headroom there until
+        its next report says how much it holds."""
+        with self.lock:
+            view.kv_bytes_claimed_elsewhere = view.kv_bytes_capacity
 
     def mark_failed(self, view: ReplicaGroupView, reason: str) -> None:
         with self.lock:

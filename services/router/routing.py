@@ -17,6 +17,15 @@ guards the growth still to come. Ties go to the lower replica_group_id (determin
 
 Reserve at pick, release on finish, error or cancel (``Router.release``, idempotent).
 
+**Several routers.** The pick is a forecast; the worker decides. Every request goes out with
+``reserve_kv``: the worker admits it only if its estimate fits beside the estimates of every
+request it holds, from any router (``services/worker/engine/kv_budget.py``), so two routers can
+never spend the same headroom. Each Stats report says what the worker holds (``admitted``); what
+is not ours of it counts too, ``committed(g) = max(the sum above, elsewhere(g) + Σ_r∈g
+estimate(r))`` with ``elsewhere(g) = admitted(g) − Σ_r∈g estimate(r)`` at the report. A refusal
+(``WorkerFull``) sets ``elsewhere(g)`` to the capacity until the next report, and the request
+goes back to admission: another group, or the queue.
+
 **Prefix affinity.** Each group's poller mirrors the names of the blocks its prefix cache holds
 (``ReplicaGroupView.prefix_blocks``, and ``ReplicaSet.prefix_index``: which groups hold a name).
 Among the groups that fit by the rule above, the one that would reuse the most of the prompt's
@@ -136,7 +145,7 @@ def pick(views: Iterable[ReplicaGroupView], prompt_tokens: int, max_tokens: int,
         need = tokens * view.kv_bytes_per_token
         if not view.routable or not view.kv_bytes_per_token or tokens > view.max_model_len or need > capacity:
             continue
-        committed = view.kv_bytes_used + view.kv_bytes_reserved - view.kv_bytes_materialized
+        committed = view.committed_bytes
         if capacity - committed < need:
             continue
         key = (view.shadow_scores > 0, committed / capacity, view.replica_group_id)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
-from services.common.errors import InvalidArgument, Unimplemented
+from services.common.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from services.common.sampling import MAX_LOGPROBS, FinishReason, SamplingParams, is_integer
 from services.router.admission import AdmissionQueue, RequestCancelled, context_error
 from services.router.catalog import ModelCatalog, ServedModel
@@ -52,7 +52,14 @@ from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import PromptPrefix, Reservation, Router
 from services.router.shadow import ShadowJob, ShadowMirror
 from services.router.types import Finished, GenerationRequest, Scored, Timings, TokenAlternative, TokenOut
-from services.router.worker_client import UpstreamFinished, UpstreamScore, UpstreamStream, WorkerFailed, WorkerRejected
+from services.router.worker_client import (
+    UpstreamFinished,
+    UpstreamScore,
+    UpstreamStream,
+    WorkerFailed,
+    WorkerFull,
+    WorkerRejected,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,6 +199,8 @@ class Generation:
         self._finished = False  # a final event was produced (the worker needs no cancel)
         self._failure_counted = False
         self._continued_from = 0  # tokens generated before the current upstream stream
+        self._upstream_prompt: list[int] = []  # what the current upstream stream was sent
+        self._upstream_sampling: SamplingParams | None = None
         self._running_on = ""  # group counted in the running-requests gauge
         # the incumbent's logprob of each generated token, kept only for a request picked for mirroring
         shadow = core.shadow
@@ -306,6 +315,7 @@ class Generation:
         reservation = self.reservation
         assert reservation is not None
         self.replica_group_id = reservation.group.replica_group_id
+        self._upstream_prompt, self._upstream_sampling = prompt_ids, sampling  # sent again if refused as full
         self._upstream = self.core.open_upstream(reservation.group.address, self.request_id, prompt_ids, sampling,
                                                  self.prepared.trace_context)
         if self.core.metrics is not None:
@@ -430,6 +440,12 @@ class Generation:
                                            tuple([TokenAlternative(t, "", lp) for t, lp in event.top_logprobs]))
                         else:
                             yield TokenOut(index, token_id, text, event.logprob)
+                except WorkerFull as exc:  # refused before its first token: admit it again
+                    if self.cancelled.is_set():
+                        raise RequestCancelled(f"request {self.request_id} cancelled") from None
+                    self._refused(reservation, exc)
+                    await self._continue(self._upstream_prompt, self._upstream_sampling,
+                                         continued_from=continued_from)
                 except (WorkerFailed, WorkerRejected) as exc:
                     if self.cancelled.is_set():
                         raise RequestCancelled(f"request {self.request_id} cancelled") from None
@@ -450,6 +466,16 @@ class Generation:
             raise
         finally:
             self.close()
+
+    def _refused(self, reservation: Reservation, exc: WorkerFull) -> None:
+        """The group's worker found our KV claim over its budget (another router got there
+        first): no headroom there until its next report; give up once the queue wait is over."""
+        self.core.replicas.mark_full(reservation.group)
+        self._finish_reservation()
+        waited_s = (time.monotonic_ns() - self.arrival_ns) / 1e9
+        if waited_s > self.core.admission.config.max_wait_s:
+            raise ResourceExhausted(f"no replica group had KV headroom for request {self.request_id} within "
+                                    f"{self.core.admission.config.max_wait_s:g} s (last: {exc})")
 
     def _fail_over(self, reservation: Reservation, exc: WorkerFailed | WorkerRejected, failovers: int) -> None:
         view = reservation.group

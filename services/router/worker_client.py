@@ -8,7 +8,8 @@ token costs the router no gRPC read of its own). Each request is an :class:`Upst
 whose ``await next()`` gives :class:`UpstreamToken` events then one :class:`UpstreamFinished`;
 a failure becomes a ShardlineError (a group that failed mid-generation, UNAVAILABLE with the ids
 it had produced, becomes :class:`WorkerFailed`, which carries those ids; a draining worker
-:class:`WorkerRejected`; a broken relay stream WorkerFailed for each of its live requests).
+:class:`WorkerRejected`, one whose KV budget is full :class:`WorkerFull`; a broken relay stream
+WorkerFailed for each of its live requests).
 
 Two channels per worker: a blocking one for the poller thread's Stats and health checks, and a
 grpc.aio one, made on the router's event loop, for the Relay stream that the loop reads.
@@ -25,7 +26,14 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, ShardlineError, Unavailable
+from services.common.errors import (
+    KV_BUDGET_FULL,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ShardlineError,
+    Unavailable,
+)
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB, finish_reason_from_pb, sampling_to_pb
 from services.common.sampling import FinishReason, SamplingParams
@@ -50,6 +58,11 @@ class WorkerFailed(Unavailable):
 
 class WorkerRejected(Unavailable):
     """The worker refused the request before producing anything (draining, stopping)."""
+
+
+class WorkerFull(WorkerRejected):
+    """The worker refused the request because its KV claim does not fit beside the requests the
+    group admitted already (from this router or another): try another group, or wait."""
 
 
 @dataclass(slots=True)  # one per relayed token: not frozen, which would cost a setattr call per field
@@ -89,6 +102,8 @@ def error_for_status(code: grpc.StatusCode, details: str, address: str, *,
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if generated is None and details.startswith(KV_BUDGET_FULL):
+            return WorkerFull(f"worker {address}: {details}")
         return ResourceExhausted(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
@@ -185,8 +200,9 @@ class WorkerRelay:
                trace_context: Sequence[tuple[str, str]] = ()) -> UpstreamStream:
         relay_id = next(self._ids)
         stream = self._streams[relay_id] = UpstreamStream(self, relay_id)
+        # reserve_kv: the worker admits it only if its KV claim fits (exact across routers)
         request = worker_pb2.GenerateRequest(request_id=request_id, token_ids=common_pb2.TokenIds(ids=prompt_ids),
-                                             sampling=sampling_to_pb(sampling))
+                                             sampling=sampling_to_pb(sampling), reserve_kv=True)
         self._outbox.put_nowait(worker_pb2.RelayRequest(submit=worker_pb2.RelaySubmit(
             relay_id=relay_id, request=request, trace_context=dict(trace_context))))
         return stream
@@ -288,7 +304,8 @@ class WorkerClient:
             prefix_cache_queries=r.prefix_cache_queries, prefix_cache_hits=r.prefix_cache_hits,
             blocks_cached=r.blocks_cached, prefix_cache_evictions=r.prefix_cache_evictions, block_size=r.block_size,
             prefix_epoch=r.prefix_cache_epoch, prefix_seq=r.prefix_cache_seq, prefix_snapshot=r.prefix_cache_snapshot,
-            prefix_events=[(e.block_hash, e.removed) for e in r.prefix_cache_events])
+            prefix_events=[(e.block_hash, e.removed) for e in r.prefix_cache_events],
+            kv_bytes_admitted=r.kv_bytes_admitted)
 
     def serving(self, timeout_s: float) -> bool:
         try:

@@ -88,7 +88,7 @@ class RelaySession:
         return len(self._live)
 
     def submit(self, relay_id: int, prompt_ids: list[int], params: SamplingParams, *, request_id: str = "",
-               trace_context: Mapping[str, str] | None = None) -> None:
+               trace_context: Mapping[str, str] | None = None, reserve_kv: bool = False) -> None:
         """Start a request; a refusal by the engine becomes its :class:`Rejected` event. Raises
         RelayProtocolError if ``relay_id`` is live."""
         with self._lock:  # only this (the reader's) thread adds ids: check, then add below
@@ -105,7 +105,8 @@ class RelaySession:
         try:
             with use_span(relayed.span) if relayed.span is not None else nullcontext():
                 # (the engine's step tracer binds the current span to the sequence)
-                relayed.handle = self.engine.submit(prompt_ids, params, request_id=request_id, events=relayed)
+                relayed.handle = self.engine.submit(prompt_ids, params, request_id=request_id, events=relayed,
+                                                    reserve_kv=reserve_kv)
         except ShardlineError as exc:
             self._forget(relay_id)
             self._out.put([(relay_id, Rejected(exc))])

@@ -111,7 +111,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                  context: grpc.ServicerContext) -> Iterator[worker_pb2.GenerateResponse]:
         engine = self.engine
         ids = self._prompt_ids(request, "prompt")
-        handle = engine.submit(ids, sampling_from_pb(request.sampling), request_id=request.request_id)
+        handle = engine.submit(ids, sampling_from_pb(request.sampling), request_id=request.request_id,
+                               reserve_kv=request.reserve_kv)
         context.add_callback(handle.cancel)  # client cancel or disconnect frees the blocks at once
         rid = handle.request_id
         index = 0
@@ -153,7 +154,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         session.reject(submit.relay_id, exc)
                         continue
                     session.submit(submit.relay_id, ids, params, request_id=submit.request.request_id,
-                                   trace_context=dict(submit.trace_context))
+                                   trace_context=dict(submit.trace_context), reserve_kv=submit.request.reserve_kv)
                 elif command == "cancel":
                     session.cancel(message.cancel.relay_id)
                 else:

@@ -56,7 +56,8 @@ def _env(container: dict) -> dict[str, str]:
 def test_every_built_in_kind_validates_against_the_schemas() -> None:
     objects = render_services(_spec(), SETTINGS)
     kinds = sorted({o["kind"] for o in objects})
-    assert kinds == ["ConfigMap", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "Service",
+                     "ServiceAccount"]
     for obj in objects:
         _validate(obj)
     names = {(o["kind"], o["metadata"]["name"]) for o in objects}
@@ -177,6 +178,22 @@ def test_the_controller_may_create_and_delete_leaderworkersets_and_runs_with_a_s
     assert pod["containers"][0]["args"][:2] == ["serve", "fleet"]
     config = next(o for o in objects if o["kind"] == "ConfigMap")
     assert FleetSpec.from_dict(yaml.safe_load(config["data"]["fleet.yaml"])) == _spec()
+
+
+def test_routers_and_controllers_run_several_replicas_behind_a_disruption_budget() -> None:
+    objects = render_services(_spec(), SETTINGS)
+    replicas = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects if o["kind"] == "Deployment"}
+    assert (replicas["shardline-router"], replicas["shardline-fleet"]) == (2, 2)
+    budgets = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "PodDisruptionBudget"}
+    assert set(budgets) == {"shardline-router", "shardline-fleet"}
+    for name, budget in budgets.items():
+        deployment = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
+        assert budget["maxUnavailable"] == 1
+        assert budget["selector"] == deployment["spec"]["selector"]
+    single = render_services(_spec(), replace(SETTINGS, router_replicas=1))
+    assert [o["metadata"]["name"] for o in single if o["kind"] == "PodDisruptionBudget"] == ["shardline-fleet"]
+    with pytest.raises(KubernetesRenderError, match="router_replicas"):
+        replace(SETTINGS, router_replicas=0)
 
 
 def test_the_services_run_the_compose_entry_points_on_the_default_ports() -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from services.common.config import child_environ
 from services.common.healthcheck import wait_serving as wait_serving_or_why
+from services.common.process_names import rank_of_process
 from tests.stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +91,23 @@ def router_and_worker(model_dir: Path, logs: Path, *, worker_flags: list[str] = 
     router_log = (logs / "router.log").read_text()
     assert codes[0] == 0, router_log
     assert "Traceback" not in router_log, router_log
+
+
+def serving_pid(service: str, port_number: int) -> int:
+    """The pid of ``shardline serve SERVICE --port PORT`` (not a rank forked from it, which shares
+    its command line)."""
+    port = str(port_number)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if ("serve" in args and service in args and any(a == "--port" and b == port for a, b in zip(args, args[1:]))
+                and rank_of_process(int(pid)) is None):
+            return int(pid)
+    raise AssertionError(f"no {service} on port {port}")
 
 
 @contextlib.contextmanager

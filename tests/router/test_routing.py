@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.common.prefix_blocks import block_hashes
@@ -123,13 +125,34 @@ def test_worker_reports_replace_the_materialized_part_of_a_reservation():
     r.generated = 20
     a.apply_stats(stats, now=1.25, wall_ms=2)
     assert r.materialized_bytes == 120 * BPT
-    assert a.outstanding_bytes == 80 * BPT and a.committed_bytes == (112 + 80) * BPT
+    assert a.outstanding_bytes == 80 * BPT
+    # 112 + 80 tokens by the blocks, but the worker admits by whole claims: our 200 still count
+    assert a.committed_bytes == 200 * BPT
     # never more than the estimate, whatever the count says
     r.generated = 500
     a.apply_stats(stats, now=1.5, wall_ms=3)
     assert r.materialized_bytes == r.kv_bytes and a.outstanding_bytes == 0
     router.release(r)
     assert a.committed_bytes == 112 * BPT
+
+
+def test_claims_admitted_through_other_routers_count_and_a_refusal_closes_the_group_until_its_next_report():
+    a, b = view("a"), view("b")
+    replicas = replica_set(a, b)
+    router = Router(replicas)
+    mine = router.try_reserve("m", 100, 100)
+    assert mine.group is a
+    # the worker holds our 200 tokens and 300 more from another router, none of it in blocks yet
+    stats = WorkerStats("a", "m", 2, 1, "float32", kv_bytes_used=0, kv_bytes_capacity=640 * BPT,
+                        kv_bytes_per_token=BPT, max_model_len=2048, kv_bytes_admitted=500 * BPT)
+    a.apply_stats(stats, now=1.0, wall_ms=1)
+    assert a.kv_bytes_claimed_elsewhere == 300 * BPT and a.committed_bytes == 500 * BPT
+    assert router.try_reserve("m", 100, 100).group is b  # a has 140 tokens left, b 640
+    # a worker's refusal: nothing more goes to a until it reports again
+    replicas.mark_full(b)
+    assert b.headroom_bytes <= 0 and router.try_reserve("m", 10, 10).group is a
+    b.apply_stats(replace(stats, replica_group_id="b", kv_bytes_admitted=200 * BPT), now=2.0, wall_ms=2)
+    assert b.kv_bytes_claimed_elsewhere == 0 and b.committed_bytes == 200 * BPT
 
 
 # ---- prefix affinity ---------------------------------------------------------------------

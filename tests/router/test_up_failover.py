@@ -29,10 +29,9 @@ import openai
 import pytest
 
 from bench._fleet_stack import driver_pid
-from services.common.process_names import rank_of_process
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.registry import ShardRegistry, registry_group_id
-from tests.router.processes import REPO
+from tests.router.processes import REPO, serving_pid
 from tests.router.test_up import our_processes, up_command
 
 pytestmark = pytest.mark.slow
@@ -64,20 +63,6 @@ class Stack:
             assert time.monotonic() < deadline, f"no {pattern!r} within {timeout_s} s:\n{self.log()}"
             time.sleep(0.2)
         return match
-
-    def serving_pid(self, service: str, port_number: int) -> int:
-        port = str(port_number)
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if ("serve" in args and service in args and any(a == "--port" and b == port for a, b in zip(args, args[1:]))
-                    and rank_of_process(int(pid)) is None):  # a forked rank shares its worker's command line
-                return int(pid)
-        raise AssertionError(f"no {service} on port {port}")
 
     def groups(self) -> dict[str, str]:
         """The fleet's live groups in the registry: name -> worker address."""
@@ -328,7 +313,7 @@ def test_streams_end_with_an_error_when_no_group_is_left(stack):
 
 
 def test_the_routers_death_stops_the_stack(stack):
-    os.kill(stack.serving_pid("router", stack.ports["router"]), signal.SIGKILL)
+    os.kill(serving_pid("router", stack.ports["router"]), signal.SIGKILL)
     assert stack.proc.wait(timeout=60) == 1, stack.log()
     assert "router exited with code -9: the router is the stack's front door, so the stack stops" in stack.log()
     assert "shardline up: stopping the stack" in stack.log()

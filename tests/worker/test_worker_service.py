@@ -129,6 +129,35 @@ def test_sixteen_concurrent_streams_complete(worker):
     assert wait_blocks_free(worker).blocks_used == 0
 
 
+def test_reserve_kv_admits_only_what_fits_beside_the_admitted_claims(worker):
+    """The group's own admission, exact whoever sends: a claim is (prompt + max_tokens) tokens
+    of KV; 640 tokens fit, so a running 3 + 400 claim leaves room for 237 more and no more."""
+    bpt = worker.Stats(worker_pb2.StatsRequest()).kv_bytes_per_token
+    running = worker.Generate(worker_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=[9, 8, 7]), reserve_kv=True,
+        sampling=sampling(temperature=0, max_tokens=400, ignore_eos=True)))
+    next(running)
+    stats = worker.Stats(worker_pb2.StatsRequest())
+    assert stats.kv_bytes_admitted == 403 * bpt
+    with pytest.raises(grpc.RpcError) as caught:  # 3 + 235 = 238 tokens: one too many
+        list(worker.Generate(worker_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=[1, 2, 3]), reserve_kv=True, sampling=sampling(max_tokens=235))))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.details().startswith("KV budget full")
+    fits = list(worker.Generate(worker_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=[1, 2, 3]), reserve_kv=True,
+        sampling=sampling(temperature=0, max_tokens=234, ignore_eos=True))))
+    assert fits[-1].finished.usage.completion_tokens == 234
+    # without reserve_kv a request is counted, never refused (the scheduler queues it)
+    unreserved = list(worker.Generate(worker_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=[1, 2, 3]), sampling=sampling(temperature=0, max_tokens=300))))
+    assert unreserved[-1].HasField("finished")
+    running.cancel()
+    stats = wait_blocks_free(worker)
+    assert stats.kv_bytes_admitted == 0 and stats.kv_budget_refusals == 1
+    assert stats.kv_bytes_admitted_peak >= 640 * bpt
+
+
 @pytest.mark.parametrize(("request_kwargs", "field"), [
     (dict(text=""), "text must not be empty"),
     (dict(text="hi", sampling=common_pb2.SamplingParameters(max_tokens=0)), "max_tokens"),

@@ -36,6 +36,7 @@ from services.common.sampling import MAX_LOGPROBS, FinishReason, InvalidRequest,
 from services.modeling.parallel.coordinator import ShardGroupUnhealthy
 from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.guided import Guides
+from services.worker.engine.kv_budget import KVBudget
 from services.worker.engine.kv_cache import KVCacheLayout
 from services.worker.engine.prefix_events import PrefixCacheLog
 from services.worker.engine.runner import IDLE_HEARTBEAT_S, StageRunner
@@ -131,6 +132,7 @@ class LLMEngine:
         self.guides = Guides(tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # structured outputs' matchers
         # what the prefix cache holds, for routers that route by prefix (None: no prefix caching)
         self.prefix_events = PrefixCacheLog() if scheduler_config.prefix_caching else None
+        self.kv_budget = KVBudget(layout.capacity_bytes, layout.bytes_per_token)  # admission across routers
         self.scheduler.allocator.events = self.prefix_events
         self.coordinator = runner.rt.coordinator
         self.groups = runner.rt.groups
@@ -154,10 +156,11 @@ class LLMEngine:
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
-               events: EventSink | None = None) -> RequestHandle:
-        """Validate and queue a request. Raises InvalidRequest (bad field, too long) or
-        Unavailable (group failed, draining) at once; nothing is queued then. ``events``: where
-        its events go (default: a queue of the handle's own)."""
+               events: EventSink | None = None, reserve_kv: bool = False) -> RequestHandle:
+        """Validate and queue a request. Raises InvalidRequest (bad field, too long),
+        Unavailable (group failed, draining) or, with ``reserve_kv``, KVBudgetFull (its KV claim
+        does not fit beside the admitted ones: ``kv_budget.py``) at once; nothing is queued then.
+        ``events``: where its events go (default: a queue of the handle's own)."""
         if self.failure is not None:
             raise Unavailable(f"replica group {self.coordinator.replica_group_id} is unhealthy: {self.failure}")
         if self.draining or self.stopped:
@@ -177,6 +180,7 @@ class LLMEngine:
         detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
                  if self.tokenizer is not None else None)
         handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", detok, events=events)
+        self.kv_budget.admit(seq.seq_id, seq.num_prompt_tokens + params.max_tokens, reserve=reserve_kv)
         with self._lock:
             self._requests[seq.seq_id] = handle
         for listener in tuple(self.step_listeners):
@@ -235,6 +239,9 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "blocks_cached": alloc.num_cached_blocks,
             "prefix_cache_evictions": alloc.num_evictions,
+            "kv_bytes_admitted": self.kv_budget.admitted,
+            "kv_bytes_admitted_peak": self.kv_budget.peak,
+            "kv_budget_refusals": self.kv_budget.refused,
         }
 
     @property
@@ -372,6 +379,7 @@ class LLMEngine:
     def _remove(self, seq_id: int) -> None:
         with self._lock:
             removed = self._requests.pop(seq_id, None)
+        self.kv_budget.release(seq_id)
         if removed is not None:
             for listener in tuple(self.step_listeners):
                 listener.on_request_done(seq_id)
@@ -411,6 +419,7 @@ class LLMEngine:
                 seq = finished[seq_id]
                 with self._lock:
                     self._requests.pop(seq_id, None)
+                self.kv_budget.release(seq_id)
                 handle.events.put(FinishEvent(
                     seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
                     handle.detok.text if handle.detok else "",
@@ -436,6 +445,7 @@ class LLMEngine:
                 return
             self.failure = exc
             handles, self._requests = list(self._requests.values()), {}
+        self.kv_budget.clear()
         log.error("engine stopped: %s", exc)
         for handle in handles:
             for listener in tuple(self.step_listeners):
