@@ -40,7 +40,7 @@ from services.common.registry import IN_ROTATION, Fenced, FleetRollout, ReplicaG
 from services.fleet import metrics
 from services.fleet.autoscale import Autoscaler
 from services.fleet.heartbeats import HeartbeatWatch
-from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate
+from services.fleet.jobs import GateOutcome, Jobs, drain_group, gate_candidate, recorded_gate
 from services.fleet.load_signal import registry_utilization
 from services.fleet.paging import Page
 from services.fleet.provisioner import GroupLaunch, GroupProcess, Provisioner
@@ -75,7 +75,8 @@ def new_group_name(fleet: str) -> str:
 class FleetState:
     """What the controller knows between ticks. None of it is needed to resume after a restart:
     a fresh controller reads the desired count off the fleet as it stands, waits a settle time
-    before its first drain, resumes the drains it finds, and gates again a candidate it finds."""
+    before its first drain, resumes the drains it finds, and acts on the verdict recorded on a
+    candidate it finds (or gates it, if none was recorded)."""
 
     desired: int | None = None
     admitted_at: float = float("-inf")  # last admission into rotation (a fresh controller: its start)
@@ -198,15 +199,17 @@ class FleetController:
                 self.event("drained", rollout, group=name,
                            handed_off=(None if exc is not None else future.result()))
 
-    def _gated(self, outcome: GateOutcome, rollout: FleetRollout | None) -> None:
+    def _gated(self, outcome: GateOutcome, rollout: FleetRollout | None, *, recorded: bool = False) -> None:
+        """Act on a verdict: this controller's gate's, or (``recorded``) one found in the registry."""
+        how = {"recorded": True} if recorded else {}
         if outcome.passed:
             self.state.gates[outcome.candidate] = outcome
             self.event("gate-passed", rollout, group=outcome.candidate, reference=outcome.reference,
-                       **outcome.figures)
+                       **how, **outcome.figures)
             return
         reason = "failed the quality gate: " + "; ".join(outcome.reasons)
         self.event("gate-failed", rollout, group=outcome.candidate, reference=outcome.reference,
-                   reasons=list(outcome.reasons), **outcome.figures)
+                   reasons=list(outcome.reasons), **how, **outcome.figures)
         self._mark_dead(outcome.candidate, reason[:500])
         self.provisioner.stop(outcome.candidate)
         if rollout is not None and rollout.status == "running":
@@ -309,6 +312,10 @@ class FleetController:
             if not self._ready(g) or self.jobs.running(name):
                 continue
             if others_in_rotation and name not in self.state.gates:
+                recorded = recorded_gate(self.registry, name)  # gated before this controller started
+                if recorded is not None:  # passed: in rotation on the next tick, as after our own gate
+                    self._gated(recorded, rollout, recorded=True)
+                    continue
                 scored = [g.name for g in others_in_rotation if g.name in self.state.reference_scores]
                 reference = scored[0] if scored else others_in_rotation[0].name or ""
                 self.jobs.submit(name, "gate", self.gate, name, reference, spec)

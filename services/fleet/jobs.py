@@ -2,7 +2,8 @@
 
 - :func:`gate_candidate`: the golden set scored on a candidate group and on a group of the
   serving revision (each through its worker's ``Score``), the gate's verdict, recorded in the
-  registry.
+  registry (``quality_gate_results``), where :func:`recorded_gate` finds it again: a controller
+  that starts after its predecessor gated a candidate acts on that verdict instead of gating again.
 - :func:`drain_group`: out of rotation in the registry (routers stop sending it requests), the
   worker told to drain (it refuses new requests and finishes its own), and after the deadline
   the group is stopped: the streams it still holds end there and their routers continue them
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.proto import worker_pb2, worker_pb2_grpc
-from services.common.registry import Fenced, ShardRegistry, registry_group_id
+from services.common.registry import Fenced, QualityGateResult, ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
 from services.modeling.golden_set import GoldenSet
 from services.worker.plan_scoring import GateResult, PlanScores, record_gate, run_gate, score_live_group
@@ -39,13 +40,38 @@ class GateOutcome:
     reasons: tuple[str, ...]
 
 
-def gate_figures(result: GateResult) -> dict[str, Any]:
-    c, v = result.comparison, result.verdict
-    return {"perplexity_delta_pct": round(c.perplexity_delta_pct, 4),
-            "delta_interval_pct": [round(v.delta_interval_pct[0], 4), round(v.delta_interval_pct[1], 4)],
-            "threshold_pct": v.threshold_pct, "top1_agreement": round(c.top1_agreement, 4),
-            "reference_perplexity": round(c.reference_perplexity, 4),
-            "candidate_perplexity": round(c.candidate_perplexity, 4), "scored_tokens": c.scored_tokens}
+def live_plan(group: str) -> str:
+    """How a serving group is named as a plan, to score it (``score_live_group``) and in the
+    verdicts recorded on it."""
+    return f"group={group}"
+
+
+def gate_figures(result: GateResult | QualityGateResult) -> dict[str, Any]:
+    """A verdict's figures for the rollout's events, from the gate's result or its record."""
+    if isinstance(result, GateResult):
+        c, v = result.comparison, result.verdict
+        figures = (c.perplexity_delta_pct, *v.delta_interval_pct, v.threshold_pct, c.top1_agreement,
+                   c.reference_perplexity, c.candidate_perplexity, c.scored_tokens)
+    else:
+        r = result
+        figures = (r.perplexity_delta_pct, r.delta_low_pct, r.delta_high_pct, r.threshold_pct, r.top1_agreement,
+                   r.reference_perplexity, r.candidate_perplexity, r.scored_tokens)
+    delta, low, high, threshold, top1, ref_ppl, cand_ppl, scored = figures
+    return {"perplexity_delta_pct": round(delta, 4), "delta_interval_pct": [round(low, 4), round(high, 4)],
+            "threshold_pct": threshold, "top1_agreement": round(top1, 4),
+            "reference_perplexity": round(ref_ppl, 4), "candidate_perplexity": round(cand_ppl, 4),
+            "scored_tokens": scored}
+
+
+def recorded_gate(registry: ShardRegistry, candidate: str) -> GateOutcome | None:
+    """The newest verdict recorded on the serving group ``candidate``, or None (never gated, or
+    its gate died with its controller before the verdict was written)."""
+    verdicts = registry.list_gate_results(candidate=live_plan(candidate))
+    if not verdicts:
+        return None
+    newest = verdicts[0]
+    return GateOutcome(candidate, newest.reference.removeprefix(live_plan("")), newest.passed, gate_figures(newest),
+                       tuple(line for line in newest.reasons.splitlines() if line))
 
 
 def gate_candidate(candidate: str, reference: str, golden: GoldenSet, *, registry_url: str,
@@ -55,8 +81,8 @@ def gate_candidate(candidate: str, reference: str, golden: GoldenSet, *, registr
     the serving groups share one plan, and scoring one holds its engine for a prefill per chunk."""
     ref = reference_scores.get(reference)
     if ref is None:
-        ref = reference_scores[reference] = score_live_group(f"group={reference}", golden, registry_url=registry_url)
-    cand = score_live_group(f"group={candidate}", golden, registry_url=registry_url)
+        ref = reference_scores[reference] = score_live_group(live_plan(reference), golden, registry_url=registry_url)
+    cand = score_live_group(live_plan(candidate), golden, registry_url=registry_url)
     result = run_gate(ref, cand, golden, threshold_pct=threshold_pct, min_top1_agreement=min_top1_agreement)
     try:
         record_gate(result, registry_url, migrate_schema=False)

@@ -13,7 +13,7 @@ import pytest
 from services.common.health import MemoryHealthStore
 from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
 from services.fleet.controller import FleetController
-from services.fleet.jobs import GateOutcome
+from services.fleet.jobs import GateOutcome, live_plan
 from services.fleet.provisioner import GroupLaunch, GroupProcess
 from services.fleet.spec import FleetSpec
 
@@ -96,10 +96,18 @@ class Sim:
                                say=lambda line: None)
 
     def gate(self, candidate: str, reference: str, target: FleetSpec) -> GateOutcome:
+        """A verdict by the dtype, recorded in the registry as the live gate records it."""
         self.gated.append((candidate, reference))
         passed = target.group.dtype not in self.failing_dtypes
-        return GateOutcome(candidate, reference, passed, {"perplexity_delta_pct": 0.0 if passed else 5.0},
-                           () if passed else ("perplexity delta 5 % above 0.5 %",))
+        reasons = () if passed else ("perplexity delta 5 % above 0.5 %",)
+        delta = 0.0 if passed else 5.0
+        self.registry.record_gate_result(
+            model_name=FLEET, reference=live_plan(reference), candidate=live_plan(candidate),
+            candidate_dtype=target.group.dtype, text_fingerprint="sim", chunks=1, scored_tokens=100,
+            reference_perplexity=10.0, candidate_perplexity=10.0 * (1 + delta / 100), perplexity_delta_pct=delta,
+            delta_low_pct=delta, delta_high_pct=delta, mean_abs_logprob_delta=0.0, p99_abs_logprob_delta=0.0,
+            top1_agreement=1.0, threshold_pct=0.5, min_top1_agreement=None, passed=passed, reasons="\n".join(reasons))
+        return GateOutcome(candidate, reference, passed, {"perplexity_delta_pct": delta}, reasons)
 
     def drain(self, registry: ShardRegistry, name: str, endpoint: str, *, reason: str, stop, **_: object) -> int:
         if registry.get_group(registry_group_id(name)).status != "draining":  # a resumed drain: it is already
@@ -197,6 +205,24 @@ def test_a_failed_gate_ends_the_rollout_failed_and_nothing_more_is_tried(tmp_pat
     assert len(dead) == 1 and "failed the quality gate" in dead[0].status_reason
 
 
+def test_a_new_controller_acts_on_a_failed_verdict_recorded_by_its_predecessor(tmp_path: Path) -> None:
+    s = Sim(tmp_path, failing_dtypes=("int8",))
+    s.apply()
+    s.until(lambda: s.in_rotation() == 2)
+    s.apply(dtype="int8")
+    s.until(lambda: bool(s.gated))  # the verdict is recorded; its controller dies before acting on it
+    s.controller.jobs.wait_all(5.0)
+    s.restart()
+    s.until(lambda: s.rollout_status() == "failed")
+    s.tick(5)
+    [candidate] = {c for c, _ in s.gated}
+    assert len(s.gated) == 1 and s.registry.get_group(registry_group_id(candidate)).status == "dead"
+    assert [r.status for r in s.registry.list_rollouts(FLEET)] == ["failed"] and s.plans() == {(1, 1, "bf16")}
+    events = [e for e in s.controller.state.events if e["event"] == "gate-failed"]
+    assert events and events[0]["recorded"] is True
+    s.registry.close()
+
+
 def test_heal_replaces_a_group_whose_process_exited(sim: Sim) -> None:
     victim = sim.groups()[0].name
     sim.provisioner.exited[victim] = "worker process exited with code -9"
@@ -284,6 +310,8 @@ def test_a_controller_restarted_mid_rollout_finishes_it_once(sim: Sim, moment: s
     assert sim.plans() == {(1, 2, "bf16")} and len(sim.groups()) == 2 and sim.in_rotation() == 2
     assert min(sim.rotation) >= 2 and max(sim.rotation) <= 3
     assert [r.status for r in sim.registry.list_rollouts(FLEET)] == ["succeeded"]
+    # each candidate gated once: a verdict recorded before the restart is read, not run again
+    assert len(sim.gated) == len({candidate for candidate, _ in sim.gated}) == 2
 
 
 def test_a_restarted_controller_keeps_the_autoscalers_count_and_finishes_a_drain(tmp_path: Path) -> None:
