@@ -1,7 +1,9 @@
 """A fleet under load, as ``bench.fleet`` and the fleet tests run it: real processes throughout.
 
 :class:`FleetStack` is a router (registry discovery) and a fleet controller (``shardline serve
-fleet``, local provisioner) on one registry, plus ``shardline apply`` for each spec change.
+fleet``, local provisioner) on one registry, plus ``shardline apply`` for each spec change. With
+``keep_groups`` the groups outlive the controller (``--keep-groups``), so that
+:meth:`FleetStack.kill_controller` can SIGKILL it and start another that adopts them.
 :class:`Load` keeps N greedy streams going through the real ``openai`` client, checking every
 completion against its fault-free text. :class:`RotationMonitor` samples the router's view of the
 groups (how many are in rotation, their KV utilization) every quarter second.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -74,8 +77,10 @@ def fleet_spec(name: str, model_dir: Path, *, replicas: int = 2, tp: int = 1, pp
 class FleetStack:
     def __init__(self, workdir: Path, model_dir: Path, fleet: str, registry_url: str, *,
                  redis_url: str | None = None, telemetry: str | None = None,
-                 worker_flags: tuple[str, ...] = ()) -> None:
+                 worker_flags: tuple[str, ...] = (), keep_groups: bool = False) -> None:
         self.workdir, self.model_dir, self.fleet = workdir, model_dir, fleet
+        self.keep_groups = keep_groups
+        self.controllers = 0  # started so far
         self.registry_url, self.redis_url, self.telemetry = registry_url, redis_url, telemetry
         self.worker_flags = worker_flags
         self.logs = workdir / "logs"
@@ -126,7 +131,17 @@ class FleetStack:
             "serve", "fleet", "--port", str(self.fleet_port), "--fleet", self.fleet, "--log-dir", str(self.logs),
             "--interval", "0.5", "--router", self.router, *self._shared(),
             *(["--telemetry", self.telemetry] if self.telemetry else []),
+            *(["--keep-groups"] if self.keep_groups else []),
             *(f"--worker-flag={f}" for f in self.worker_flags)])
+        self.controllers += 1
+
+    def kill_controller(self) -> None:
+        """SIGKILL the controller (the kept groups serve on) and start a new one in its place."""
+        assert self.keep_groups, "without --keep-groups the groups die with the controller"
+        os.kill(self.controller.pid, signal.SIGKILL)
+        self.controller.wait(timeout=10)
+        self.procs.remove(self.controller)
+        self.start_controller()
 
     @staticmethod
     def _serving(address: str) -> bool:
@@ -196,6 +211,32 @@ class FleetStack:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, 9)
                 proc.wait()
+        self._stop_kept_groups()
+
+    def _stop_kept_groups(self, grace_s: float = 15.0) -> None:
+        """The groups a controller kept (they outlive it by design): by their records."""
+        pids = []
+        for path in (self.logs / "groups").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pids.append(json.loads(path.read_text())["pid"])
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline and any(_exists(pid) for pid in pids):
+            time.sleep(0.2)
+        for pid in pids:  # and what their process groups still hold (ranks)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    """A live process (a zombie, exited but not reaped by its parent, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 @dataclass

@@ -1,18 +1,25 @@
 """The fleet controller on real processes: a router discovering groups in a PostgreSQL registry,
-``shardline serve fleet`` with the local provisioner, Redis as the health store, and 4 greedy
-streams looping through the ``openai`` client, every completion checked against its fault-free
-text. One stack for the module, one fleet through five scenarios in order:
+``shardline serve fleet --keep-groups`` with the local provisioner, Redis as the health store, and
+4 greedy streams looping through the ``openai`` client, every completion checked against its
+fault-free text. One stack for the module, one fleet through five scenarios in order, and in them
+the controller SIGKILLed and replaced by a new one at five moments (its groups live on; the new
+one adopts them and finishes what the old one was doing, from the registry alone):
 
 1. heal: SIGKILL the worker process of one of two groups; nothing fails, and a new group of the
-   same plan is in rotation within collective timeout + start-up + 10 s, the old one dead with why;
+   same plan is in rotation within collective timeout + start-up + 10 s, the old one dead with why
+   (the controller killed while the replacement loads: **mid-heal**);
 2. re-shard: TP1 x PP1 -> TP1 x PP2 (bfloat16) under load: no failed request, never fewer than 2 groups in
-   rotation (the router's view), identical outputs, the gate's figures per new group;
+   rotation (the router's view), identical outputs, the gate's figures per new group, the rollout
+   succeeded once (the controller killed while the first candidate loads, **mid-surge**, and
+   again once a candidate is being gated, **mid-gate**);
 3. a rollout whose candidate fails the gate (weights with planted noise) ends ``failed``, the
    groups of the serving revision still serving;
 4. a rollout to int8 weights under load: nothing fails, never fewer than 2 groups in rotation,
-   each new group's gate figures recorded;
+   each new group's gate figures recorded (the controller killed while an old group drains,
+   **mid-drain**);
 5. autoscaling (min 1, max 3): streams that fill the KV cache add a group; without them it scales
-   back to 1, draining without a failed request.
+   back to 1, draining without a failed request (the controller killed while the added group
+   loads, **mid-scale-out**).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -56,7 +63,8 @@ def spec(**overrides):
 def stack(tiny_model_dir: Path, postgres_url: str, redis_url: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
     with fresh_database(postgres_url, "fleet") as db:
-        fleet = FleetStack(tmp_path_factory.mktemp("fleet"), tiny_model_dir, FLEET, db, redis_url=redis_url)
+        fleet = FleetStack(tmp_path_factory.mktemp("fleet"), tiny_model_dir, FLEET, db, redis_url=redis_url,
+                           keep_groups=True)
         try:
             fleet.start(spec(model_dir=tiny_model_dir), groups=2)
             yield fleet
@@ -96,6 +104,26 @@ def live_groups(stack: FleetStack) -> dict[str, dict]:
     return {g["id"]: g for g in stack.status()["groups"] if g["status"] != "dead"}
 
 
+def kill_controller_when(stack: FleetStack, moment: Callable[[], bool], what: str, *, unless=lambda: False) -> bool:
+    """SIGKILL the controller once ``moment`` holds and start a new one; False (nothing killed)
+    when ``unless`` came first (the step it waited for was already over)."""
+    stack.wait(lambda: unless() or moment(), 90, what)
+    if unless():
+        print(f"not killed {what}: it was over first")
+        return False
+    stack.kill_controller()
+    print(f"controller {stack.controllers - 1} SIGKILLed {what}; controller {stack.controllers} started")
+    return True
+
+
+def provisioning(stack: FleetStack, plan: str | None = None) -> bool:
+    return any(g["status"] == "provisioning" and plan in (None, g["plan"]) for g in live_groups(stack).values())
+
+
+def successes(rollout: dict) -> int:
+    return sum(e["event"] == "rollout-succeeded" for e in rollout["events"])
+
+
 def test_heal_replaces_a_killed_group_with_the_same_plan(stack: FleetStack, expected: dict[int, str]) -> None:
     before = live_groups(stack)
     assert len(before) == 2 and all(g["status"] == "healthy" for g in before.values())
@@ -104,6 +132,7 @@ def test_heal_replaces_a_killed_group_with_the_same_plan(stack: FleetStack, expe
     time.sleep(1.0)
     os.kill(driver_pid(victim), signal.SIGKILL)
     killed = time.monotonic()
+    kill_controller_when(stack, lambda: provisioning(stack), "mid-heal (the replacement loading)")
 
     def healed() -> bool:
         groups = live_groups(stack)
@@ -127,12 +156,17 @@ def test_rolling_reshard_to_pp2_loses_nothing_and_keeps_two_groups_in_rotation(
     load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, concurrency=STREAMS, pause_s=PAUSE_S).start()
     time.sleep(1.0)
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2)))
+    kill_controller_when(stack, lambda: provisioning(stack, "TP1 x PP2 bfloat16"), "mid-surge (a candidate loading)",
+                         unless=lambda: rollout_ended(stack))
+    gating = sum(e.startswith("gating ") for _, e in stack.events())
+    kill_controller_when(stack, lambda: sum(e.startswith("gating ") for _, e in stack.events()) > gating,
+                         "mid-gate (a candidate gated)", unless=lambda: rollout_ended(stack))
     stack.wait(lambda: rollout_ended(stack), 150, "the rollout to end")
     time.sleep(1.0)
     outcomes, samples = load.stop(), monitor.stop()
     check_outcomes(outcomes, expected)
     rollout = stack.rollout()
-    assert rollout["status"] == "succeeded", rollout
+    assert rollout["status"] == "succeeded" and successes(rollout) == 1, rollout
     assert min(n for _, n, _ in samples) >= 2, f"fewer than 2 groups in rotation: {[n for _, n, _ in samples]}"
     groups = live_groups(stack)
     assert len(groups) == 2 and {g["plan"] for g in groups.values()} == {"TP1 x PP2 bfloat16"}
@@ -167,12 +201,14 @@ def test_a_rolling_requantization_to_int8_loses_nothing_and_records_each_gate(
     monitor = RotationMonitor(stack).start()
     load = Load(stack.http, "tinyfleet", PROMPTS, MAX_TOKENS, concurrency=STREAMS, pause_s=PAUSE_S).start()
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, dtype="int8")))
+    kill_controller_when(stack, lambda: any(g["status"] == "draining" for g in live_groups(stack).values()),
+                         "mid-drain (an old group draining)", unless=lambda: rollout_ended(stack))
     stack.wait(lambda: rollout_ended(stack), 150, "the rollout to int8 to end")
     time.sleep(1.0)
     outcomes, samples = load.stop(), monitor.stop()
     check_outcomes(outcomes, None)  # the texts change with the weights
     rollout = stack.rollout()
-    assert rollout["status"] == "succeeded", rollout
+    assert rollout["status"] == "succeeded" and successes(rollout) == 1, rollout
     assert min(n for _, n, _ in samples) >= 2, f"fewer than 2 groups in rotation: {[n for _, n, _ in samples]}"
     groups = live_groups(stack)
     assert len(groups) == 2 and {g["plan"] for g in groups.values()} == {"TP1 x PP2 int8"}, groups
@@ -193,6 +229,8 @@ def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
     # each request's KV estimate (prompt + 230 tokens) is near a quarter of a PP2 group's 1024: the
     # routers commit ~94 % of every group while requests wait, however many groups there are
     load = Load(stack.http, "tinyfleet", PROMPTS, 230, concurrency=12, ignore_eos=True).start()
+    kill_controller_when(stack, lambda: provisioning(stack), "mid-scale-out (the added group loading)",
+                         unless=lambda: stack.status()["in_rotation"] >= 2)
     # one group added under pressure is the point; the bounds (max 3) are test_autoscale's
     stack.wait(lambda: stack.status()["in_rotation"] >= 2, 90, "a scale-out under load")
     peak = stack.status()["in_rotation"]
