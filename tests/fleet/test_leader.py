@@ -21,7 +21,7 @@ import yaml
 from bench._fleet_stack import fleet_spec
 from services.common.config import child_environ
 from services.common.ports import free_port
-from services.common.registry import Fenced, ShardRegistry
+from services.common.registry import Fenced, ShardRegistry, registry_group_id
 from services.fleet.leader import LEASE as LEASE_PREFIX
 from services.fleet.leader import RENEW_DEADLINE, LeaderElection
 from tests.router.processes import REPO, stop
@@ -194,17 +194,26 @@ def _until(what: str, predicate, timeout_s: float, logs: Path):
 
 
 @pytest.mark.slow
-def test_a_stopped_or_killed_leader_is_replaced_by_the_standby_which_adopts_its_groups(
+def test_a_leader_stopped_mid_rollout_is_replaced_by_the_standby_which_finishes_it_and_fences_it_out(
         tiny_model_dir, postgres_url, tmp_path):
-    spec = tmp_path / "lead.yaml"
-    spec.write_text(yaml.safe_dump(fleet_spec("lead", tiny_model_dir, replicas=1, kv_cache_cap_gb=1 / 1024)))
-    with fresh_database(postgres_url, "lead") as url, ShardRegistry(url, migrate_schema=True) as registry:
-        subprocess.run([sys.executable, "-m", "services.cli", "apply", "-f", str(spec), "--registry-url", url],
+    def spec_file(revision: int, **plan) -> Path:
+        path = tmp_path / f"lead-{revision}.yaml"
+        path.write_text(yaml.safe_dump(fleet_spec("lead", tiny_model_dir, replicas=1, kv_cache_cap_gb=1 / 1024,
+                                                  gate_chunks=2, gate_chunk_tokens=128, drain_deadline_s=3.0,
+                                                  settle_s=1.0, **plan)))
+        return path
+
+    def apply(path: Path) -> None:
+        subprocess.run([sys.executable, "-m", "services.cli", "apply", "-f", str(path), "--registry-url", url],
                        cwd=REPO, env=child_environ(), check=True, capture_output=True, timeout=120)
+
+    lease_name = f"{LEASE_PREFIX}/lead"
+    with fresh_database(postgres_url, "lead") as url, ShardRegistry(url, migrate_schema=True) as registry:
+        apply(spec_file(1))
         a = _controller("a", url, tmp_path)
         b = None
         try:
-            lease = _until("a holds the lease", lambda: registry.read_lease(f"{LEASE_PREFIX}/lead"), 60, tmp_path)
+            lease = _until("a holds the lease", lambda: registry.read_lease(lease_name), 60, tmp_path)
             assert lease.holder.endswith(f":{a.pid}") and lease.term == 1
 
             def serving() -> list[str]:
@@ -213,34 +222,47 @@ def test_a_stopped_or_killed_leader_is_replaced_by_the_standby_which_adopts_its_
             (group,) = _until("a group in rotation", serving, 120, tmp_path)
             b = _controller("b", url, tmp_path)
             time.sleep(PROCESS_TTL_S)  # b watches a renewing lease: it stands by
-            assert registry.read_lease(f"{LEASE_PREFIX}/lead").holder.endswith(f":{a.pid}")
+            assert registry.read_lease(lease_name).holder.endswith(f":{a.pid}")
 
-            os.kill(a.pid, signal.SIGSTOP)  # the leader hangs; its group's processes serve on
+            # mid-rollout: a has started the candidate of revision 2 (PP2) when it hangs; the group
+            # processes (kept: they outlive their controllers) serve on
+            apply(spec_file(2, pp=2))
+            (candidate,) = _until("a candidate loading", lambda: [g.name for g in registry.fleet_groups("lead")
+                                                                  if g.pp_degree == 2], 60, tmp_path)
+            os.kill(a.pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            lease = _until("b takes the lease", lambda: (lease := registry.read_lease(f"{LEASE_PREFIX}/lead")) and
+            lease = _until("b takes the lease", lambda: (lease := registry.read_lease(lease_name)) and
                            lease.holder.endswith(f":{b.pid}") and lease, PROCESS_TTL_S * 3, tmp_path)
             took = time.monotonic() - t0
             assert lease.term == 2
             # within the TTL and a reconcile of both (a's last renewal may be that old), plus a poll
             assert took < PROCESS_TTL_S + 2 * INTERVAL_S + 1.0, took
-            time.sleep(4 * INTERVAL_S)  # b reconciles 4 times: it adopts a's group (a replacement would start at once)
-            assert [g.name for g in registry.fleet_groups("lead")] == [group] and serving() == [group]
+            # b adopts the candidate a started (no second one), gates it and drains the old group
+            _until("b finishes the rollout", lambda: registry.latest_rollout("lead").status == "succeeded", 90,
+                   tmp_path)
+            _until("the old group gone", lambda: serving() == [candidate] and
+                   [g.name for g in registry.fleet_groups("lead")] == [candidate], 30, tmp_path)
 
             os.kill(a.pid, signal.SIGCONT)  # a wakes up believing it leads: it finds its term over
             _until("a steps down", lambda: "term 1 is over" in (tmp_path / "a.log").read_text(), 10, tmp_path)
+            with registry.fenced(lease_name, 1) as old_term, pytest.raises(Fenced):  # what a write of a's meets
+                old_term.set_status(registry_group_id(candidate), "draining", reason="a, deposed")
             time.sleep(2 * INTERVAL_S)
-            assert registry.read_lease(f"{LEASE_PREFIX}/lead").term == 2
-            assert [g.name for g in registry.fleet_groups("lead")] == [group] and serving() == [group]
+            assert registry.read_lease(lease_name).term == 2
+            assert [g.name for g in registry.fleet_groups("lead")] == [candidate] and serving() == [candidate]
+            assert [r.status for r in registry.list_rollouts("lead")] == ["succeeded"]  # once, by b
+            assert "Fenced" not in (tmp_path / "b.log").read_text()
 
-            # SIGKILL the new leader: the group (kept: it outlives its controllers) serves on, and a,
-            # on the same host, takes over at once and adopts it again
+            # SIGKILL the new leader: the group serves on, and a, on the same host, takes over at
+            # once and adopts it again
             os.kill(b.pid, signal.SIGKILL)
             b.wait(10)
-            lease = _until("a takes the lease back", lambda: (lease := registry.read_lease(f"{LEASE_PREFIX}/lead"))
+            lease = _until("a takes the lease back", lambda: (lease := registry.read_lease(lease_name))
                            and lease.holder.endswith(f":{a.pid}") and lease, 4 * INTERVAL_S + 2, tmp_path)
             assert lease.term == 3
             time.sleep(4 * INTERVAL_S)
-            assert [g.name for g in registry.fleet_groups("lead")] == [group] and serving() == [group]
+            assert [g.name for g in registry.fleet_groups("lead")] == [candidate] and serving() == [candidate]
+            assert group != candidate
         finally:
             for proc in (b, a):
                 if proc is not None:
