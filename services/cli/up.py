@@ -37,9 +37,11 @@ import grpc
 
 from services.cli.client import stream_generate, summary
 from services.cli.up_fleet import UpFleets, fleets_from_flags, load_fleet_file
+from services.common.bearer_auth import BearerCheck
 from services.common.config import DEFAULT_PORTS
 from services.common.errors import InvalidArgument
 from services.common.logging import say_line
+from services.common.metrics_http import MetricsHttpServer
 from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2
 from services.common.registry.engine import registry_url
@@ -175,12 +177,15 @@ def group_dtypes(args: argparse.Namespace) -> list[str | None]:
     return dtypes
 
 
-def router_flags(args: argparse.Namespace, model_dir: Path, registry: str, telemetry_metrics_url: str,
+def router_flags(args: argparse.Namespace, model_dir: Path, registry: str, metrics_urls: list[str],
                  telemetry: str = "", *, http_port: int | None = None) -> list[str]:
     # the router discovers the groups in the registry (the fleet controller puts them in rotation
-    # there); its /metrics re-exports telemetry's collective histograms: one scrape target
+    # there); its /metrics re-exports the shardline_ series of ``metrics_urls`` (telemetry's
+    # collective histograms and alerts, this process's fleet controllers'): one scrape target
     flags = ["--http-port", str(args.http_port if http_port is None else http_port), "--model", str(model_dir),
-             "--registry-url", registry, "--telemetry-metrics-url", telemetry_metrics_url]
+             "--registry-url", registry]
+    for url in metrics_urls:
+        flags += ["--telemetry-metrics-url", url]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
     if args.chat_template:
@@ -274,9 +279,11 @@ def run(args: argparse.Namespace) -> int:
         fleets.wait_in_rotation(args.startup_timeout, stop.is_set, say)
         # the router comes last: it reads every group in the registry once before it reports SERVING
         scheme = "https" if args.tls_cert else "http"
+        own_metrics = fleet_metrics_server(args)
+        metrics_urls = [f"{scheme}://127.0.0.1:{port}/metrics" for port in (metrics_port, own_metrics.server_port)]
         routers = [supervisor.start(name, serve_argv("router", args.port + i, *router_flags(
-                                        args, model_dir, registry, f"{scheme}://127.0.0.1:{metrics_port}/metrics",
-                                        telemetry, http_port=args.http_port + i)),
+                                        args, model_dir, registry, metrics_urls, telemetry,
+                                        http_port=args.http_port + i)),
                                     args.port + i, log_path=logs / f"{name}.log")
                    for i, name in enumerate(router_names(args.routers))]
         _wait_all(supervisor, routers, args.startup_timeout)
@@ -310,6 +317,14 @@ def run(args: argparse.Namespace) -> int:
             fleets.close()  # the controllers first: nothing is replaced while the stack stops
         supervisor.stop_all()
         signals.stop()
+
+
+def fleet_metrics_server(args: argparse.Namespace) -> MetricsHttpServer:
+    """``/metrics`` of this process on a free loopback port: its fleet controllers' series
+    (``shardline_fleet_*``), which the routers re-export with the rest of the stack's."""
+    security = TransportSecurity.from_args(args)
+    auth = BearerCheck(security.internal_token, what="internal token") if args.metrics_auth else None
+    return MetricsHttpServer(0, auth=auth, ssl_context=security.server_ssl_context())
 
 
 def router_names(count: int) -> list[str]:

@@ -92,6 +92,9 @@ class KubernetesSettings:
     worker_port: int = DEFAULT_PORTS["worker"]
     rendezvous_port: int = RENDEZVOUS_PORT
     fleet_port: int = DEFAULT_PORTS["fleet"]  # the fleet controller's gRPC health
+    # every pod's Prometheus /metrics (the drivers' carry vLLM's series; a PodMonitor scrapes the
+    # containers' "metrics" port: deploy/observability/)
+    metrics_port: int = 9400
     router_http_port: int = 8000
     # routers behind the one Service: each admits into the groups' KV budgets, which the workers
     # enforce themselves, so any number share a fleet; a PodDisruptionBudget keeps one up
@@ -104,7 +107,7 @@ class KubernetesSettings:
     def __post_init__(self) -> None:
         if not self.image:
             raise KubernetesRenderError("image must be set")
-        for port_name in ("worker_port", "rendezvous_port", "fleet_port", "router_http_port"):
+        for port_name in ("worker_port", "rendezvous_port", "fleet_port", "router_http_port", "metrics_port"):
             port = getattr(self, port_name)
             if not 0 < port < 65536:
                 raise KubernetesRenderError(f"{port_name} must be in 1..65535, got {port}")
@@ -170,11 +173,13 @@ def _rank_env(launch: GroupLaunch, settings: KubernetesSettings, rank: str) -> l
 
 def _rank_pod(launch: GroupLaunch, settings: KubernetesSettings, *, leader: bool) -> dict:
     role = "driver" if leader else "follower"
-    args = ["serve", "worker", "--port", str(settings.worker_port), *launch.worker_flags()]
+    args = ["serve", "worker", "--port", str(settings.worker_port), "--metrics-port", str(settings.metrics_port),
+            *launch.worker_flags()]
     if launch.plan.tp_degree > 1:
         # one rank per pod, and the scheduler may put a TP group's pods on different machines
         args.append("--allow-cross-node-tp")
-    ports = [{"name": "rendezvous", "containerPort": settings.rendezvous_port, "protocol": "TCP"}]
+    ports = [{"name": "rendezvous", "containerPort": settings.rendezvous_port, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"}]
     container: dict = {
         "name": "worker",
         "image": settings.image,

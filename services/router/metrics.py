@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.errors import ShardlineError
+from services.common.vllm_metrics import ENGINE, EngineState, RequestTimes, VllmMetrics, engine_families
 from services.router.types import Finished
 
 if TYPE_CHECKING:
@@ -63,6 +64,31 @@ PREFIX_CACHE = PrefixCacheCollector()
 REGISTRY.register(PREFIX_CACHE)
 
 
+class VllmGroupsCollector:
+    """vLLM's scheduler gauges and cache counters of every replica group, labelled
+    ``replica_group``, as the group's last Stats said (``services.common.vllm_metrics``)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, EngineState] = {}
+
+    def collect(self):
+        return engine_families(list(self.groups.values()), extra=("replica_group",))
+
+
+VLLM_GROUPS = VllmGroupsCollector()
+REGISTRY.register(VLLM_GROUPS)
+_vllm_requests: VllmMetrics | None = None
+
+
+def vllm_request_metrics(max_model_len: int) -> VllmMetrics:
+    """vLLM's request series of the requests this router streams, labelled ``replica_group``:
+    one set per process (a registry takes each name once), made by the first router of it."""
+    global _vllm_requests
+    if _vllm_requests is None:
+        _vllm_requests = VllmMetrics(max_model_len, extra=("replica_group",))
+    return _vllm_requests
+
+
 def outcome_of(exc: BaseException) -> str:
     """``InvalidArgument`` -> ``invalid_argument``; other exceptions -> ``internal``."""
     if not isinstance(exc, ShardlineError):
@@ -79,9 +105,10 @@ class RouterMetrics:
     """Updates the module's metrics from the request path and the pollers. The request path's
     labelled children are looked up once per label value (``labels()`` hashes and locks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = 2048) -> None:
         self._running: dict[str, Any] = {}
         self._per_model: dict[str, tuple[Any, Any]] = {}
+        self.vllm = vllm_request_metrics(max_model_len)
 
     def bind_queue_depth(self, depth: Callable[[], int]) -> None:
         QUEUE_DEPTH.set_function(depth)
@@ -98,26 +125,45 @@ class RouterMetrics:
     def request_ended(self, replica_group_id: str) -> None:
         self._running_of(replica_group_id).dec()
 
-    def request_finished(self, model: str, finished: Finished) -> None:
+    def request_finished(self, model: str, finished: Finished, *, replica_group: str = "", max_tokens: int = 0,
+                         token_ns: list[int] | None = None) -> None:
+        """A request that ended with a finish reason; ``token_ns``: when each of its tokens came
+        (monotonic ns), for the inter-token latencies."""
         REQUESTS.labels(model, finished.reason.value).inc()
         tokens = self._per_model.get(model)
         if tokens is None:
             tokens = self._per_model[model] = (PROMPT_TOKENS.labels(model), GENERATED_TOKENS.labels(model))
         tokens[0].inc(finished.prompt_tokens)
         tokens[1].inc(finished.completion_tokens)
-        if finished.timings.time_to_first_token_ns:
-            TTFT.observe(finished.timings.time_to_first_token_ns / 1e9)
+        t = finished.timings
+        if t.time_to_first_token_ns:
+            TTFT.observe(t.time_to_first_token_ns / 1e9)
+        stamps = token_ns or ()
+        queue_s = t.queue_ns / 1e9
+        ttft_s = t.time_to_first_token_ns / 1e9 if t.time_to_first_token_ns else None
+        self.vllm.request_finished((model, ENGINE, replica_group), RequestTimes(
+            finished.reason, finished.prompt_tokens, finished.completion_tokens,
+            max_tokens or finished.completion_tokens, e2e_s=t.total_ns / 1e9, ttft_s=ttft_s, queue_s=queue_s,
+            prefill_s=max(0.0, ttft_s - queue_s) if ttft_s is not None else 0.0, decode_s=t.decode_ns / 1e9,
+            intervals_s=[(b - a) / 1e9 for a, b in zip(stamps, stamps[1:])]), count_tokens=True)
 
-    def request_failed(self, model: str, exc: BaseException) -> None:
-        REQUESTS.labels(model, outcome_of(exc)).inc()
+    def request_failed(self, model: str, exc: BaseException, *, replica_group: str = "") -> None:
+        outcome = outcome_of(exc)
+        REQUESTS.labels(model, outcome).inc()
+        self.vllm.request_success.labels(model, ENGINE, replica_group,
+                                         "abort" if outcome == "request_cancelled" else "error").inc()
 
     def group_reported(self, replica_group_id: str, used: int, capacity: int, reserved: int, *,
-                       prefix_cache: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
+                       prefix_cache: tuple[int, int, int, int] = (0, 0, 0, 0), model: str = "", running: int = 0,
+                       waiting: int = 0, preemptions: int = 0) -> None:
         if not replica_group_id:
             return
         KV_USAGE.labels(replica_group_id).set(used / capacity if capacity else 0.0)
         KV_RESERVED.labels(replica_group_id).set(reserved)
         PREFIX_CACHE.groups[replica_group_id] = prefix_cache
+        VLLM_GROUPS.groups[replica_group_id] = EngineState(
+            (model, ENGINE, replica_group_id), running, waiting, used / capacity if capacity else 0.0,
+            prefix_cache[0], prefix_cache[1], preemptions)
 
 
 # shadow traffic (``shadow.py``): per (incumbent, candidate) pair of replica groups

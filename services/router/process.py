@@ -55,7 +55,7 @@ class RouterProcess:
         replicas = ReplicaSet()
         router = Router(replicas, prefix_affinity=prefix_affinity)
         admission = AdmissionQueue(replicas, router, queue)
-        metrics = RouterMetrics()
+        metrics = RouterMetrics(max((m.max_model_len for m in catalog), default=2048))
         metrics.bind_queue_depth(admission.depth)
         self.clients: dict[str, WorkerClient] = {}
         self.shadow = self._shadow_mirror(shadow, replicas, telemetry_address)
@@ -112,7 +112,8 @@ class RouterProcess:
         def on_update(v: ReplicaGroupView) -> None:
             if metrics is not None:
                 metrics.group_reported(v.replica_group_id, v.kv_bytes_used, v.kv_bytes_capacity, v.kv_bytes_reserved,
-                                       prefix_cache=v.prefix_cache)
+                                       prefix_cache=v.prefix_cache, model=v.model, running=v.running,
+                                       waiting=v.waiting, preemptions=v.preemptions)
 
         poller = GroupPoller(self.core.replicas, view, client, store=self.store, interval_s=self.poll_interval_s,
                              on_update=on_update, prefix_events=self.core.router.prefix_affinity)

@@ -91,6 +91,7 @@ class WorkerStats:
     prefix_snapshot: bool = False
     prefix_events: list[tuple[bytes, bool]] = field(default_factory=list)
     kv_bytes_admitted: int = 0  # Σ KV claims of the requests the group holds, from every router
+    num_preemptions: int = 0  # since the worker started
 
 
 class StatsSource(Protocol):
@@ -148,6 +149,7 @@ class ReplicaGroupView:
     running: int = 0
     waiting: int = 0
     prefix_cache: tuple[int, int, int, int] = (0, 0, 0, 0)  # queries, hits, cached blocks, evictions
+    preemptions: int = 0  # sequences the group preempted since its worker started
     # the names of the blocks the group's prefix cache holds (services/common/prefix_blocks.py),
     # mirrored from its events, and the cursor of the next poll; block_size: tokens per block
     block_size: int = 0
@@ -233,6 +235,7 @@ class ReplicaGroupView:
         self.running, self.waiting, self.draining = stats.running, stats.waiting, stats.draining
         self.prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.blocks_cached,
                              stats.prefix_cache_evictions)
+        self.preemptions = stats.num_preemptions
         self.block_size = stats.block_size
         self.apply_prefix_events(stats)
         self.reported_at, self.last_report_ms, self.stats_error = now, wall_ms, ""

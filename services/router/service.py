@@ -363,7 +363,7 @@ class Generation:
         self._failure_counted = True
         if isinstance(exc, asyncio.CancelledError):  # the client went away
             exc = RequestCancelled(f"request {self.request_id} cancelled")
-        self.core.metrics.request_failed(self.prepared.model.name, exc)
+        self.core.metrics.request_failed(self.prepared.model.name, exc, replica_group=self.replica_group_id)
 
     def _timings(self, first_ns: int, last_ns: int) -> Timings:
         end_ns = time.monotonic_ns()
@@ -387,6 +387,9 @@ class Generation:
             token_text = model.token_text
             monotonic_ns = time.monotonic_ns
             shadow_logprobs = self._shadow_logprobs
+            metrics = self.core.metrics
+            token_ns: list[int] = []  # when each token came (the inter-token latencies)
+            stamp = token_ns.append if metrics is not None else None
             while True:
                 upstream, reservation = self._upstream, self.reservation
                 assert upstream is not None and reservation is not None
@@ -403,8 +406,9 @@ class Generation:
                             finished = Finished(reason, len(p.prompt_ids), len(generated),
                                                 self._timings(first_ns, last_ns), event.stop_sequence,
                                                 detok.text if detok else "")
-                            if self.core.metrics is not None:
-                                self.core.metrics.request_finished(model.name, finished)
+                            if metrics is not None:
+                                metrics.request_finished(model.name, finished, replica_group=self.replica_group_id,
+                                                         max_tokens=p.sampling.max_tokens, token_ns=token_ns)
                             if shadow_logprobs and not continued_from and reason in MIRRORED_REASONS:
                                 self._shadow_job = ShadowJob(
                                     self.request_id, model.name, self.replica_group_id, tuple(p.prompt_ids),
@@ -420,6 +424,8 @@ class Generation:
                                            text=detok.text if detok else "")
                             return
                         last_ns = monotonic_ns()
+                        if stamp is not None:
+                            stamp(last_ns)
                         if not first_ns:
                             first_ns = last_ns
                         index = len(generated)

@@ -305,7 +305,7 @@ class WorkerClient:
             blocks_cached=r.blocks_cached, prefix_cache_evictions=r.prefix_cache_evictions, block_size=r.block_size,
             prefix_epoch=r.prefix_cache_epoch, prefix_seq=r.prefix_cache_seq, prefix_snapshot=r.prefix_cache_snapshot,
             prefix_events=[(e.block_hash, e.removed) for e in r.prefix_cache_events],
-            kv_bytes_admitted=r.kv_bytes_admitted)
+            kv_bytes_admitted=r.kv_bytes_admitted, num_preemptions=r.num_preemptions)
 
     def serving(self, timeout_s: float) -> bool:
         try:

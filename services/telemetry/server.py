@@ -111,11 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_metrics_arguments(group)
 
 
-def add_metrics_arguments(parser) -> None:
-    """``--metrics-port`` and ``--otlp-endpoint``: the same two flags on every service."""
+def add_metrics_arguments(parser, *, default_port: int | None = None) -> None:
+    """``--metrics-port`` and ``--otlp-endpoint``: the same two flags on every service.
+    ``default_port``: where /metrics is served without the flag (None: off, 0: any free port)."""
+    default = {None: "off", 0: "any free port"}.get(default_port, str(default_port))
     parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus /metrics on this port, 0 for any (env SHARDLINE_METRICS_PORT; "
-                             "default: off)")
+                        help=f"serve Prometheus /metrics on this port, 0 for any, -1 for none (env "
+                             f"SHARDLINE_METRICS_PORT; default: {default})")
+    parser.set_defaults(metrics_port_default=-1 if default_port is None else default_port)
     parser.add_argument("--otlp-endpoint", default=None,
                         help="export OpenTelemetry metrics and traces over OTLP/gRPC to host:port "
                              "(env SHARDLINE_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; default: off)")
@@ -150,7 +153,7 @@ def build_pipeline(args: argparse.Namespace) -> TelemetryPipeline:
 
 def setup_observability(args: argparse.Namespace, service: str):
     """Metrics (/metrics, OTLP) and traces for one service process, from its flags and env."""
-    port = resolve("metrics_port", args.metrics_port, -1)
+    port = resolve("metrics_port", args.metrics_port, getattr(args, "metrics_port_default", -1))
     otlp = args.otlp_endpoint or otlp_endpoint_from_env()
     host = resolve("host", getattr(args, "host", None), "127.0.0.1")
     configure_tracing(service, otlp)

@@ -23,10 +23,12 @@ from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_
 from services.modeling.parallel.placement import node_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
+from services.telemetry.otel import current_metrics
 from services.worker import node_health
 from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.runner import StageRunner, follower_loop
+from services.worker.engine_metrics import attach_engine_metrics
 from services.worker.launch import Followers, threads_per_rank
 from services.worker.runtime import RankSpec
 
@@ -108,6 +110,8 @@ class ReplicaDriver:
         self._node_ids = runner.rt.node_ids
         try:
             instrument_engine(self.engine, self.replica_group_id, self.shipper)
+            if current_metrics() is not None and current_metrics().metrics_port is not None:  # /metrics is served
+                attach_engine_metrics(self.engine, self.options.model_name or self.spec.plan.config.name)
             self._register(runner.rt.loaded_bytes)
         except BaseException:
             self._stop.set()  # the loop thread, waiting for _ready, ends instead

@@ -28,6 +28,7 @@ from services.common.proto_convert import FINISH_REASON_TO_PB, dtype_to_pb, samp
 from services.common.transport_security import TransportSecurity
 from services.modeling.parallel.placement import PlacementError
 from services.telemetry.client import ShipperConfig
+from services.telemetry.otel import current_metrics
 from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
 from services.worker import multinode
@@ -189,6 +190,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             layout=common_pb2.ShardLayout(tp_degree=plan.tp_degree, pp_degree=plan.pp_degree,
                                           dtype=dtype_to_pb(plan.dtype)),
             model_name=self.driver.options.model_name or plan.config.name, **engine.stats())
+        metrics = current_metrics()
+        if metrics is not None and metrics.metrics_port:
+            response.metrics_port = metrics.metrics_port
         if request.prefix_cache_events and engine.prefix_events is not None:
             read = engine.prefix_events.read(request.prefix_cache_epoch, request.prefix_cache_after)
             response.prefix_cache_epoch, response.prefix_cache_seq = read.epoch, read.seq
@@ -226,7 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--telemetry-sample", default=None, metavar="OP=RATE,...",
                         help="per-op sampling of shipped events, e.g. broadcast=0.1; timeouts are always kept "
                              "(env SHARDLINE_TELEMETRY_SAMPLE; default: every event)")
-    add_metrics_arguments(parser)
+    add_metrics_arguments(parser, default_port=0)  # vLLM's metric names among ours: scraped like a vLLM server
     multinode.add_arguments(parser)
 
 

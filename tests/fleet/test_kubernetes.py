@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,8 +110,9 @@ def test_the_leader_is_the_driver_and_serves_where_it_advertises() -> None:
     assert container["image"] == "registry.example/shardline:1.0"
     assert container["command"] == ["shardline"]
     port = DEFAULT_PORTS["worker"]
-    assert container["args"] == ["serve", "worker", "--port", str(port), *launch.worker_flags(),
-                                 "--allow-cross-node-tp", "--advertise-address", f"$(LWS_LEADER_ADDRESS):{port}"]
+    assert container["args"] == ["serve", "worker", "--port", str(port), "--metrics-port", "9400",
+                                 *launch.worker_flags(), "--allow-cross-node-tp", "--advertise-address",
+                                 f"$(LWS_LEADER_ADDRESS):{port}"]
     grpc = next(p for p in container["ports"] if p["name"] == "grpc")
     assert container["readinessProbe"]["grpc"]["port"] == grpc["containerPort"] == port
     assert "livenessProbe" not in container  # a liveness kill would recreate the group mid-load
@@ -138,8 +140,8 @@ def test_a_follower_joins_the_leaders_rendezvous_at_its_worker_index() -> None:
     # torchrun's variables for a node of one rank: the worker runs as a torchrun-launched rank
     assert env["LOCAL_WORLD_SIZE"] == "1" and env["GROUP_RANK"] == "$(LWS_WORKER_INDEX)"
     # a TP group's pods may land on different machines: the placement check is told so
-    assert follower["args"] == ["serve", "worker", "--port", str(DEFAULT_PORTS["worker"]), *launch.worker_flags(),
-                                "--allow-cross-node-tp"]
+    assert follower["args"] == ["serve", "worker", "--port", str(DEFAULT_PORTS["worker"]), "--metrics-port", "9400",
+                                *launch.worker_flags(), "--allow-cross-node-tp"]
     assert "readinessProbe" not in follower  # only the driver serves gRPC
 
 
@@ -257,3 +259,28 @@ def test_fleet_render_writes_the_services_and_one_leaderworkerset_per_replica(tm
         assert container["image"] == "img:2" and "nvidia.com/gpu" not in container["resources"]["limits"]
     for obj in yaml.safe_load_all((out / "shardline.yaml").read_text()):
         _validate(obj)
+
+
+def test_the_monitors_and_the_keda_example_select_what_the_renderer_writes() -> None:
+    observability = Path(__file__).resolve().parents[2] / "deploy" / "observability"
+    monitors = {m["kind"]: m for m in yaml.safe_load_all((observability / "monitors.yaml").read_text())}
+    objects = render_services(_spec(), SETTINGS)
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "shardline-router")
+    selector = monitors["ServiceMonitor"]["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert monitors["ServiceMonitor"]["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    leader = render_group(_launch(2, 2), SETTINGS)["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    pod_monitor = monitors["PodMonitor"]["spec"]
+    assert pod_monitor["selector"]["matchLabels"].items() <= leader["metadata"]["labels"].items()
+    (container,) = leader["spec"]["containers"]
+    (endpoint,) = pod_monitor["podMetricsEndpoints"]
+    port = next(p for p in container["ports"] if p["name"] == endpoint["port"])
+    assert container["args"][container["args"].index("--metrics-port") + 1] == str(port["containerPort"])
+    # Prometheus's name of the pod label that names the group
+    group_label = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9]", "_", LABEL_GROUP)
+    assert endpoint["relabelings"][0]["sourceLabels"] == [group_label]
+    (scaled,) = yaml.safe_load_all((observability / "keda-scaledobject.yaml").read_text())
+    deployment = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "shardline-router")
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                "name": deployment["metadata"]["name"]}
+    assert scaled["spec"]["minReplicaCount"] == deployment["spec"]["replicas"]

@@ -397,7 +397,7 @@ def test_up_passes_the_shadow_flags_and_a_dtype_per_group_on():
     args = parser.parse_args(["up", "--replicas", "2", "--dtype", "bfloat16,int8", "--shadow-fraction", "0.5",
                               "--shadow-group", "rg-x", "--shadow-group", "rg-y", "--shadow-threshold-pct", "1.5"])
     assert up_group_dtypes(args) == ["bfloat16", "int8"]
-    flags = router_flags(args, Path("/m"), [], "http://t/metrics", "127.0.0.1:50051")
+    flags = router_flags(args, Path("/m"), "sqlite:///r.db", ["http://t/metrics"], "127.0.0.1:50051")
     assert flags[flags.index("--telemetry") + 1] == "127.0.0.1:50051"
     assert flags[flags.index("--shadow-fraction"):] == ["--shadow-fraction", "0.5", "--shadow-threshold-pct", "1.5",
                                                          "--shadow-group", "rg-x", "--shadow-group", "rg-y"]

@@ -239,6 +239,7 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "blocks_cached": alloc.num_cached_blocks,
             "prefix_cache_evictions": alloc.num_evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
             "kv_bytes_admitted": self.kv_budget.admitted,
             "kv_bytes_admitted_peak": self.kv_budget.peak,
             "kv_budget_refusals": self.kv_budget.refused,

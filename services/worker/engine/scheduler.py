@@ -199,6 +199,7 @@ class Scheduler:
         # prompt tokens looked up in the prefix cache at admission, and those found there
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_preemptions = 0  # since the engine started
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -413,6 +414,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         _insert_by_arrival(self.waiting, seq)
         out.preempted.append(seq.seq_id)
 
