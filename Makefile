@@ -46,15 +46,18 @@ proto: $(STAMP)
 kernels: $(STAMP)
 	$(PY) -m services.modeling.kernels
 
-# redis-server for the tests, docker-compose to validate docker-compose.yml (no engine needed).
+# redis-server for the tests, docker-compose to validate docker-compose.yml (no engine needed),
+# promtool (Debian's prometheus package; its server is not started) to check the alert rules.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (apt)"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends $$missing >/dev/null; \
 	fi
 
 # Starts a throw-away PostgreSQL and Redis on loopback, runs the whole suite on TEST_WORKERS

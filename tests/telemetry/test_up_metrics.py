@@ -34,6 +34,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -269,6 +270,11 @@ def test_every_metric_of_the_dashboard_and_the_alert_rules_is_in_a_live_scrape(s
     assert all({"alert", "expr", "labels", "annotations"} <= set(rule) for rule in alerts)
     assert {"ShardlineGroupUnhealthy", "ShardlineTpotOverSlo", "ShardlineKvPressureWithoutScaleOut",
             "ShardlineRolloutFailed", "ShardlineCollectiveAlerts"} <= {rule["alert"] for rule in alerts}
+    promtool = shutil.which("promtool")  # `make test` installs it (Debian's prometheus package)
+    if promtool is not None:
+        checked = subprocess.run([promtool, "check", "rules", str(OBSERVABILITY / "shardline-alerts.yaml")],
+                                 capture_output=True, text=True, timeout=60)
+        assert checked.returncode == 0 and f"SUCCESS: {len(alerts)} rules found" in checked.stdout, checked
 
     # one scrape target: the router's /metrics (its own, telemetry's and the fleet controller's)
     def scraped() -> set[str]:
