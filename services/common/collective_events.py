@@ -31,6 +31,25 @@ class CollectiveEvent:
     communicator: str = ""
 
 
+def rank_gpu_id(replica_group_id: str, pp_stage: int, tp_rank: int) -> str:
+    """How a rank is named in its events, the registry's shards and health: ``GROUP:pp<s>-tp<r>``."""
+    return f"{replica_group_id}:pp{pp_stage}-tp{tp_rank}"
+
+
+def tp_communicator(pp_stage: int) -> str:
+    """The tensor-parallel communicator of a pipeline stage, as events name it."""
+    return f"tp/pp{pp_stage}"
+
+
+def communicator_members(replica_group_id: str, communicator: str, group_size: int) -> list[str]:
+    """The ranks of a stage's tensor-parallel communicator (``group_size`` of them); [] for one
+    whose members its name and size do not say (the group-wide "control")."""
+    stage = communicator.removeprefix("tp/pp")
+    if stage == communicator or not stage.isdigit():
+        return []
+    return [rank_gpu_id(replica_group_id, int(stage), r) for r in range(group_size)]
+
+
 class EventSink(Protocol):
     def record(self, event: CollectiveEvent) -> None: ...
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from services.common.collective_events import communicator_members
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
 from services.telemetry.rules import RAISED_KINDS, Alert, AlertKind, RuleConfig, RuleEngine
 from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowConfig, WindowStore, WindowSummary
@@ -253,13 +254,18 @@ def _not_heard_from(event: EventLike, members: list[Series]) -> set[str]:
     """The ranks of a group that reported nothing of the timed-out ``event`` since it was issued.
     A peer on its communicator is judged by count: it never finished the op if its highest number
     there is below the op's, whatever its clock said (a rank descheduled as it leaves a collective
-    stamps its end late). Any other rank is judged by the time its last event ended."""
+    stamps its end late), and a peer of it that telemetry never heard from at all (stopped before
+    its first events were shipped) is silent too. Any other rank is judged by the time its last
+    event ended."""
     finished: dict[str, int] = {}
     last_seen: dict[str, int] = {}
     for s in members:
         last_seen[s.gpu_id] = max(last_seen.get(s.gpu_id, 0), s.last_seen_ms)
         if event.seq and s.communicator == event.communicator:
             finished[s.gpu_id] = max(finished.get(s.gpu_id, 0), s.last_seq)
+    if event.seq:
+        for gpu in communicator_members(event.replica_group_id, event.communicator, event.group_size):
+            finished.setdefault(gpu, 0)
     began_ms = event.timestamp_ms - event.duration_ms + min(SAME_ROUND_MS, event.duration_ms / 4)
     return ({gpu for gpu, n in finished.items() if n < event.seq}
             | {gpu for gpu, seen in last_seen.items() if gpu not in finished and seen < began_ms})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.collective_events import rank_gpu_id
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_fields
 from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
@@ -168,7 +169,7 @@ class ReplicaDriver:
                                                replica_group_id=group_uuid)
         for pp in range(plan.pp_degree):
             for tp in range(plan.tp_degree):  # each shard on its own rank's node
-                self.registry.register_shard(group_uuid, f"{self.replica_group_id}:pp{pp}-tp{tp}",
+                self.registry.register_shard(group_uuid, rank_gpu_id(self.replica_group_id, pp, tp),
                                              self._node_ids[pp * plan.tp_degree + tp], tp, pp, weight_bytes)
         if not opts.await_rotation:
             self.registry.set_status(group_uuid, "healthy")
@@ -208,7 +209,7 @@ class ReplicaDriver:
         plan = self.spec.plan
         for pp in range(plan.pp_degree):
             for tp in range(plan.tp_degree):
-                self.registry.heartbeat(f"{self.replica_group_id}:pp{pp}-tp{tp}", kv_bytes_used)
+                self.registry.heartbeat(rank_gpu_id(self.replica_group_id, pp, tp), kv_bytes_used)
 
     def _on_node_lost(self, failure: Exception, lost: list[str]) -> None:
         """The watchdog gave up on a stage-boundary op whose peer's node stopped reporting: the

@@ -1,6 +1,6 @@
 """The fleet controller on real processes: a router discovering groups in a PostgreSQL registry,
 ``shardline serve fleet --keep-groups`` with the local provisioner, Redis as the health store, and
-4 greedy streams looping through the ``openai`` client, every completion checked against its
+8 greedy clients looping through the ``openai`` client, every completion checked against its
 fault-free text. One stack for the module, one fleet through five scenarios in order, and in them
 the controller SIGKILLed and replaced by a new one at five moments (its groups live on; the new
 one adopts them and finishes what the old one was doing, from the registry alone):
@@ -40,10 +40,11 @@ pytestmark = pytest.mark.slow
 FLEET = "tinyfleet"
 PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
 MAX_TOKENS = 24
-# 4 streams with 0.5 s of think time each: load that crosses every rollout, heal and drain, and leaves the 2
-# cores room to start groups (8 streams at 0.3 s cost the module 189 s of CPU against 118 s, all alone)
-STREAMS = 4
-PAUSE_S = 0.5
+# 8 clients with 1.2 s of think time each: load that crosses every rollout, heal, drain and controller
+# restart, and leaves the 2 cores room to start groups (8 streams at 0.3 s cost the module 189 s of CPU
+# against 118 s at 4 streams and 0.5 s, all alone)
+STREAMS = 8
+PAUSE_S = 1.2
 COLLECTIVE_TIMEOUT_S = 2.0
 # bfloat16, as served: on CPU its matmuls and attention are batch-invariant (a sequence's bits do
 # not depend on what shares its steps), so a text is the same in any batch and in either layout

@@ -170,6 +170,19 @@ def test_a_peer_on_the_communicator_is_judged_by_the_ops_it_finished_not_by_its_
     assert alert.message.endswith("not heard from since it began: rg:pp0-tp1"), alert.message
 
 
+def test_a_peer_on_the_communicator_that_telemetry_never_heard_from_is_silent():
+    # tp1 stopped before its shipper sent anything: no series of it at all. The timed-out op's
+    # communicator and size say who its peers are, so tp1 is named all the same
+    clock = Clock()
+    pipeline = make_pipeline(clock)
+    sub = pipeline.subscribe("rg")
+    pipeline.ingest([CollectiveEvent("rg", "rg:pp0-tp0", "all_reduce", 8, 1500.0, 2, ORIGIN + 2500, True,
+                                     seq=61, communicator="tp/pp0")])
+    alert = sub.get(1.0)
+    assert alert.kind is AlertKind.COLLECTIVE_TIMEOUT
+    assert alert.message.endswith("not heard from since it began: rg:pp0-tp1"), alert.message
+
+
 def test_a_timeout_names_the_node_of_the_ranks_it_waited_on():
     # each rank's shipper says which node it runs on; a hung host's ranks go silent together
     clock = Clock()

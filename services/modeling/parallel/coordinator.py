@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.common.collective_events import CollectiveEvent, EventSink, RingBufferSink
+from services.common.collective_events import CollectiveEvent, EventSink, RingBufferSink, rank_gpu_id, tp_communicator
 from services.modeling.parallel.faults import FaultInjector
 from services.modeling.parallel.groups import ParallelGroups
 
@@ -63,7 +63,7 @@ class Coordinator:
                  faults: FaultInjector | None = None) -> None:
         self.groups = groups
         self.replica_group_id = replica_group_id
-        self.gpu_id = f"{replica_group_id}:pp{groups.pp_stage}-tp{groups.tp_rank}"
+        self.gpu_id = rank_gpu_id(replica_group_id, groups.pp_stage, groups.tp_rank)
         self.timeout_s = timeout_s
         self.sink: EventSink = sink if sink is not None else RingBufferSink()
         self.faults = faults if faults is not None else FaultInjector(groups.global_rank)
@@ -75,7 +75,7 @@ class Coordinator:
         self._lock = threading.Lock()
         # ops issued per communicator: every member issues the same ones in the same order, so
         # telemetry can tell which peer never finished a timed-out op by its number
-        self._tp_comm = f"tp/pp{groups.pp_stage}"
+        self._tp_comm = tp_communicator(groups.pp_stage)
         self._seq: dict[str, int] = {}
 
     @property
