@@ -13,6 +13,7 @@ second) and exits, for scripts.
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import sys
 import time
@@ -43,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="shard registry, for the fleets' revisions and rollouts (env SHARDLINE_REGISTRY_URL; "
                              "default: the embedded SQLite file)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default 2)")
+    parser.add_argument("--window", type=float, default=10.0,
+                        help="seconds the latencies and tokens/s cover (default 10: a group's requests are counted "
+                             "as they end)")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.set_defaults(func=run)
 
@@ -169,13 +173,16 @@ def run(args: argparse.Namespace) -> int:
             print(frame(groups, scrape(args.metrics_url, token), before, fleet_lines(url, groups),
                         since_start=True))
             return 0
+        history = collections.deque([before])  # the scrapes of the last window, oldest first
         while True:
             time.sleep(args.interval)
             groups = groups_of(args.router, token)
             now = scrape(args.metrics_url, token)
-            sys.stdout.write(CLEAR + frame(groups, now, before, fleet_lines(url, groups)) + "\n")
+            while len(history) > 1 and now.at - history[1].at >= args.window:
+                history.popleft()
+            sys.stdout.write(CLEAR + frame(groups, now, history[0], fleet_lines(url, groups)) + "\n")
             sys.stdout.flush()
-            before = now
+            history.append(now)
     except KeyboardInterrupt:
         return 0
     except Exception as exc:  # noqa: BLE001 - a router that does not answer: say so, exit 1
