@@ -6,9 +6,9 @@ Every panel queries what a shardline router's ``/metrics`` serves (vLLM's series
 ``replica_group``, the ``shardline_*`` series it re-exports from telemetry and the fleet
 controller), so one scrape target per router fills it. The rows: the fleet (groups by status,
 KV use, requests, rollouts), latency (TTFT and inter-token percentiles per group), collectives
-(p99 by op, timeouts, alerts), quality (gate verdicts, shadow traffic). ``tests/telemetry/
-test_up_metrics.py`` checks that the committed JSON is this script's output and that every
-metric a panel names is in a live stack's scrape.
+(p99 by op and by rank, timeouts, alerts), quality (gate verdicts and figures, drift, shadow
+traffic). ``tests/telemetry/test_up_metrics.py`` checks that the committed JSON is this
+script's output and that every metric a panel names is in a live stack's scrape.
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         _panel("Collective p99 by op", [
             ("histogram_quantile(0.99, sum by (le, op_type) "
              "(rate(shardline_collective_duration_seconds_bucket[$__rate_interval])))", "{{op_type}}")], unit="s"),
-        _panel("Collective p99 by group", [
-            ("histogram_quantile(0.99, sum by (le, replica_group_id) "
-             "(rate(shardline_collective_duration_seconds_bucket[$__rate_interval])))", "{{replica_group_id}}")],
-            unit="s"),
+        _panel("Collective p99 by rank", [
+            ("histogram_quantile(0.99, sum by (le, gpu_id) "
+             "(rate(shardline_collective_duration_seconds_bucket[$__rate_interval])))", "{{gpu_id}}")],
+            unit="s", description="A slow or hung rank stands out from its group's"),
         _panel("Collective timeouts and alerts", [
             ("sum by (replica_group_id, op_type) (increase(shardline_collective_timeouts_total[$__rate_interval]))",
              "timeouts {{replica_group_id}} {{op_type}}"),
@@ -86,6 +86,12 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         _panel("Gate verdicts", [
             ('sum by (event) (increase(shardline_fleet_events_total{event=~"gate-passed|gate-failed"}'
              '[$__rate_interval]))', "{{event}}")]),
+        _panel("Last gate: perplexity delta and top-1 agreement", [
+            ("max by (fleet) (shardline_fleet_gate_perplexity_delta_pct)", "delta % {{fleet}}"),
+            ("min by (fleet) (shardline_fleet_gate_top1_agreement)", "top-1 {{fleet}}")]),
+        _panel("Drift and other quality alerts", [
+            ('sum by (kind) (increase(shardline_telemetry_alerts_total{kind=~"quality_drift|shadow_divergence"}'
+             '[$__rate_interval]))', "{{kind}}")]),
         _panel("Shadow traffic: perplexity delta", [
             ("max by (incumbent, candidate) (shardline_shadow_perplexity_delta_pct)",
              "{{incumbent}} vs {{candidate}}")], unit="percent"),

@@ -202,6 +202,7 @@ class FleetController:
     def _gated(self, outcome: GateOutcome, rollout: FleetRollout | None, *, recorded: bool = False) -> None:
         """Act on a verdict: this controller's gate's, or (``recorded``) one found in the registry."""
         how = {"recorded": True} if recorded else {}
+        metrics.gate_figures(self.fleet, outcome.figures)
         if outcome.passed:
             self.state.gates[outcome.candidate] = outcome
             self.event("gate-passed", rollout, group=outcome.candidate, reference=outcome.reference,

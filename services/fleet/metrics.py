@@ -18,6 +18,10 @@ LEADER = Gauge("shardline_fleet_leader", "1 while this controller holds the flee
                "(a standby)", ["fleet"])
 LEASE_TERM = Gauge("shardline_fleet_lease_term", "The lease term this controller acts in (0: standby)", ["fleet"])
 EVENTS = Counter("shardline_fleet_events_total", "Fleet controller actions by kind", ["fleet", "event"])
+GATE_DELTA = Gauge("shardline_fleet_gate_perplexity_delta_pct", "The last quality gate's perplexity delta of the "
+                   "fleet's candidate against its serving plan, 100 * (ppl_candidate / ppl_reference - 1)", ["fleet"])
+GATE_TOP1 = Gauge("shardline_fleet_gate_top1_agreement", "The last quality gate's top-1 agreement of the fleet's "
+                  "candidate with its serving plan (0..1)", ["fleet"])
 
 
 def publish(fleet: str, desired: int | None, groups: list[ReplicaGroup], utilization_pct: float | None) -> None:
@@ -33,6 +37,14 @@ def publish(fleet: str, desired: int | None, groups: list[ReplicaGroup], utiliza
 
 def count_event(fleet: str, event: str) -> None:
     EVENTS.labels(fleet, event).inc()
+
+
+def gate_figures(fleet: str, figures: dict) -> None:
+    """A gate's verdict figures (``GateOutcome.figures``), when it ran."""
+    if "perplexity_delta_pct" in figures:
+        GATE_DELTA.labels(fleet).set(figures["perplexity_delta_pct"])
+    if "top1_agreement" in figures:
+        GATE_TOP1.labels(fleet).set(figures["top1_agreement"])
 
 
 def leading(fleet: str, term: int | None) -> None:

@@ -18,7 +18,7 @@ model (``Histogram`` with explicit bounds, monotonic ``Sum``s, cumulative tempor
 - ``shardline.collective.bytes`` (By, sum) -> ``shardline_collective_bytes_total``
 - ``shardline.collective.timeouts`` (sum) -> ``shardline_collective_timeouts_total``
 
-each with attributes ``replica_group_id``, ``op_type``, ``group_size``. Worker gauges use the
+each with attributes ``replica_group_id``, ``gpu_id`` (the rank), ``op_type``, ``group_size``. Worker gauges use the
 SDK's observable instruments directly: ``shardline.kv_cache.usage_ratio`` ->
 ``shardline_kv_cache_usage_ratio``, ``shardline.requests.running`` / ``.waiting``.
 """
@@ -207,13 +207,14 @@ SeriesTotalsRow = tuple[str, str, str, int, SeriesTotals]  # group, gpu, op, gro
 
 
 def collective_metrics(rows: list[SeriesTotalsRow], *, start_ns: int, now_ns: int) -> list[Metric]:
-    """The ``shardline.collective.*`` metrics from per-series totals, summed over the ranks of
-    each (replica_group_id, op_type, group_size)."""
-    merged: dict[tuple[str, str, int], SeriesTotals] = {}
-    for group, _gpu, op, group_size, t in rows:
-        m = merged.get((group, op, group_size))
+    """The ``shardline.collective.*`` metrics from per-series totals: one series per rank and op
+    type (attributes ``replica_group_id``, ``gpu_id``, ``op_type``, ``group_size``), so a
+    dashboard shows p99 by op and by rank, and ``sum by (op_type)`` the group's."""
+    merged: dict[tuple[str, str, str, int], SeriesTotals] = {}
+    for group, gpu, op, group_size, t in rows:
+        m = merged.get((group, gpu, op, group_size))
         if m is None:
-            merged[(group, op, group_size)] = m = SeriesTotals()
+            merged[(group, gpu, op, group_size)] = m = SeriesTotals()
         m.count += t.count
         m.bytes += t.bytes
         m.timeouts += t.timeouts
@@ -222,8 +223,8 @@ def collective_metrics(rows: list[SeriesTotalsRow], *, start_ns: int, now_ns: in
         m.min_ms = min(m.min_ms, t.min_ms)
         m.max_ms = max(m.max_ms, t.max_ms)
     hist, nbytes, timeouts = [], [], []
-    for (group, op, group_size), t in sorted(merged.items()):
-        attrs = {"replica_group_id": group, "op_type": op, "group_size": group_size}
+    for (group, gpu, op, group_size), t in sorted(merged.items()):
+        attrs = {"replica_group_id": group, "gpu_id": gpu, "op_type": op, "group_size": group_size}
         hist.append(HistogramDataPoint(attributes=attrs, start_time_unix_nano=start_ns, time_unix_nano=now_ns,
                                        count=t.count, sum=t.sum_ms / 1e3, bucket_counts=list(t.bucket_counts),
                                        explicit_bounds=list(DURATION_BOUNDS_S),

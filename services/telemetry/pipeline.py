@@ -79,6 +79,7 @@ class TelemetryPipeline:
         self.lock = threading.Lock()
         self.dropped_total = 0  # reported by senders
         self.alerts_fired = 0
+        self.alerts_by_kind: dict[str, int] = {}  # AlertKind value -> alerts raised
         self._judged: dict[str, int] = {}  # group -> last window index the slow-rank rule saw
         self._history: collections.deque[Alert] = collections.deque(maxlen=ALERT_HISTORY)
         self._subscribers: list[AlertSubscription] = []
@@ -201,6 +202,7 @@ class TelemetryPipeline:
         log.warning("alert %s: %s", alert.kind.value, alert.message)
         with self.lock:
             self.alerts_fired += 1
+            self.alerts_by_kind[alert.kind.value] = self.alerts_by_kind.get(alert.kind.value, 0) + 1
             self._history.append(alert)
             subscribers = [s for s in self._subscribers if s.wants(alert)]
         for sub in subscribers:

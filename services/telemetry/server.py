@@ -34,7 +34,7 @@ from services.telemetry.otel import (
     otlp_endpoint_from_env,
 )
 from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
-from services.telemetry.rules import RuleConfig
+from services.telemetry.rules import AlertKind, RuleConfig
 from services.telemetry.tracing import configure_tracing
 from services.telemetry.windows import WindowConfig
 
@@ -185,8 +185,10 @@ def serve(args: argparse.Namespace) -> int:
         description="Events the ranks' shippers reported dropping",
         callbacks=[lambda _o: [_observation(pipeline.dropped_total)]])
     metrics.meter.create_observable_counter(
-        "shardline.telemetry.alerts", unit="{alert}", description="Alerts raised",
-        callbacks=[lambda _o: [_observation(pipeline.alerts_fired)]])
+        "shardline.telemetry.alerts", unit="{alert}", description="Alerts raised, by kind (collective_timeout, "
+        "slow_rank, stage_link_failure, stage_link_flap, shadow_divergence, quality_drift, provisioning_failed)",
+        callbacks=[lambda _o: [Observation(pipeline.alerts_by_kind.get(kind.value, 0), {"kind": kind.value})
+                               for kind in AlertKind]])
 
     def on_started(server: GrpcServer) -> None:
         pipeline.start()

@@ -64,15 +64,17 @@ def test_collective_histogram_and_gauges_are_exported_over_otlp(otlp_metrics):
                          <= set(collector.metrics()), 10)
         assert got, sorted(collector.metrics())
         exported = collector.metrics()
-        (point,) = exported["shardline.collective.duration"].histogram.data_points
-        attrs = {a.key: (a.value.string_value or a.value.int_value) for a in point.attributes}
-        assert attrs == {"replica_group_id": "rg-otlp", "op_type": "all_reduce", "group_size": 2}
-        assert point.count == 8 and exported["shardline.collective.duration"].unit == "s"
+        points = exported["shardline.collective.duration"].histogram.data_points
+        attrs = [{a.key: (a.value.string_value or a.value.int_value) for a in p.attributes} for p in points]
+        assert attrs == [{"replica_group_id": "rg-otlp", "gpu_id": f"rg-otlp:pp0-tp{r}", "op_type": "all_reduce",
+                          "group_size": 2} for r in range(2)]  # one series per rank
+        assert [p.count for p in points] == [4, 4] and exported["shardline.collective.duration"].unit == "s"
         # 40 µs, 0.3 ms, 3 ms and 2 s per rank: buckets le 50 µs, 0.5 ms, 5 ms, 2.5 s
-        bounds = list(point.explicit_bounds)
-        assert point.bucket_counts[bounds.index(0.00005)] == 2 and point.bucket_counts[bounds.index(2.5)] == 2
-        (timeouts,) = exported["shardline.collective.timeouts"].sum.data_points
-        assert timeouts.as_int == 2 and exported["shardline.collective.timeouts"].sum.is_monotonic
+        for point in points:
+            bounds = list(point.explicit_bounds)
+            assert point.bucket_counts[bounds.index(0.00005)] == 1 and point.bucket_counts[bounds.index(2.5)] == 1
+        timeouts = exported["shardline.collective.timeouts"].sum.data_points
+        assert [t.as_int for t in timeouts] == [1, 1] and exported["shardline.collective.timeouts"].sum.is_monotonic
         (kv,) = exported["shardline.kv_cache.usage_ratio"].gauge.data_points
         assert kv.as_double == 0.25
         (running,) = exported["shardline.requests.running"].gauge.data_points
