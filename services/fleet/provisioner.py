@@ -40,6 +40,8 @@ class GroupLaunch:
             flags += ["--collective-timeout", f"{plan.collective_timeout_s:g}"]
         if not plan.prefix_caching:
             flags.append("--no-prefix-caching")
+        if plan.numerics != "default":
+            flags += ["--numerics", plan.numerics]
         if self.served_model_name:
             flags += ["--served-model-name", self.served_model_name]
         return flags

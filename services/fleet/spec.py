@@ -11,6 +11,7 @@
       max_concurrent_sequences: 64
       collective_timeout_s: 2        # a collective slower than this fails the group (it is healed)
       prefix_caching: true           # reuse the KV blocks of cached prompt prefixes (the default)
+      numerics: default              # or layout-invariant: the same bits at every TP/PP degree
       checkpoint:
         manifest_uri: s3://models/smollm2/bf16/manifest.json   # or model_dir: .models/smollm2-135m-instruct
       env: {}                        # extra environment of the group's processes
@@ -47,6 +48,7 @@ import yaml
 
 from services.common.dtypes import canonical_dtype
 from services.common.errors import InvalidArgument
+from services.common.numerics import NUMERICS
 from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")  # a DNS label: it names Kubernetes objects
@@ -102,6 +104,7 @@ class GroupPlan:
     env: tuple[tuple[str, str], ...] = ()
     collective_timeout_s: float | None = None  # None: the worker's default
     prefix_caching: bool = True
+    numerics: str = "default"  # ParallelPlan's: "default" | "layout-invariant"
 
     @property
     def world_size(self) -> int:
@@ -113,7 +116,8 @@ class GroupPlan:
         return self.manifest_uri or self.model_dir or ""
 
     def describe(self) -> str:
-        return f"TP{self.tp_degree} x PP{self.pp_degree} {self.dtype}"
+        invariant = " layout-invariant" if self.numerics != "default" else ""
+        return f"TP{self.tp_degree} x PP{self.pp_degree} {self.dtype}{invariant}"
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ class FleetSpec:
         """Two revisions with equal keys build interchangeable groups."""
         g = self.group
         return (g.tp_degree, g.pp_degree, g.dtype, g.kv_cache_cap_gb, g.max_concurrent_sequences, g.source, g.env,
-                g.collective_timeout_s, g.prefix_caching, self.served_model_name)
+                g.collective_timeout_s, g.prefix_caching, g.numerics, self.served_model_name)
 
     def bounded(self, replicas: int) -> int:
         """``replicas`` within the autoscaling bounds (the spec's count without autoscaling)."""
@@ -178,6 +182,8 @@ class FleetSpec:
             group["collective_timeout_s"] = g.collective_timeout_s
         if not g.prefix_caching:
             group["prefix_caching"] = False
+        if g.numerics != "default":
+            group["numerics"] = g.numerics
         if g.env:
             group["env"] = dict(g.env)
         r = self.rollout
@@ -259,6 +265,9 @@ def _group_plan(group: dict[str, Any], base_dir: Path | None) -> GroupPlan:
     if collective_timeout is not None:
         _positive(collective_timeout, "replica_group.collective_timeout_s")
     prefix_caching = _take(group, "prefix_caching", bool, True, w)
+    numerics = _take(group, "numerics", str, "default", w)
+    if numerics not in NUMERICS:
+        raise InvalidFleetSpec(f"replica_group.numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     group.pop("gpus_per_replica", None)  # the seed's shape names it; it is tp x pp here
     group.pop("nvlink_domain", None)
     checkpoint = _section(group, "checkpoint", w)
@@ -280,7 +289,8 @@ def _group_plan(group: dict[str, Any], base_dir: Path | None) -> GroupPlan:
         raise InvalidFleetSpec("replica_group.env maps names to strings")
     _no_extra(group, "replica_group")
     return GroupPlan(tp, pp, dtype, kv, seqs, manifest, model_dir,
-                     tuple(sorted((k, str(v)) for k, v in env.items())), collective_timeout, prefix_caching)
+                     tuple(sorted((k, str(v)) for k, v in env.items())), collective_timeout, prefix_caching,
+                     numerics)
 
 
 def _rollout(section: dict[str, Any]) -> RolloutPolicy:

@@ -49,14 +49,15 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None,
-                 quant: QuantScheme | None = None) -> None:
+                 quant: QuantScheme | None = None, invariant_chunks: int = 0) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, coordinator, dtype=dtype, device=device,
                                           quant=quant)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        coordinator, dtype=dtype, device=device, quant=quant)
+                                        coordinator, dtype=dtype, device=device, quant=quant,
+                                        invariant_chunks=invariant_chunks)
         self.heads = self.qkv_proj.heads_local
         self.kv_heads = self.qkv_proj.kv_heads_local
         self.scale = cfg.head_dim ** -0.5
@@ -84,21 +85,24 @@ class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) · up(x))`` — gate/up column-parallel, down row-parallel."""
 
     def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None,
-                 quant: QuantScheme | None = None) -> None:
+                 quant: QuantScheme | None = None, invariant_chunks: int = 0) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
                                                        coordinator, dtype=dtype, device=device, quant=quant)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, coordinator,
-                                           dtype=dtype, device=device, quant=quant)
+                                           dtype=dtype, device=device, quant=quant,
+                                           invariant_chunks=invariant_chunks)
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, coordinator: Coordinator, *, dtype: torch.dtype, device=None,
-                 quant: QuantScheme | None = None) -> None:
+                 quant: QuantScheme | None = None, invariant_chunks: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(cfg, coordinator, dtype=dtype, device=device, quant=quant)
+        self.self_attn = LlamaAttention(cfg, coordinator, dtype=dtype, device=device, quant=quant,
+                                        invariant_chunks=invariant_chunks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device, quant=quant)
+        self.mlp = LlamaMLP(cfg, coordinator, dtype=dtype, device=device, quant=quant,
+                            invariant_chunks=invariant_chunks)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,14 +142,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, coordinator, dtype=dtype,
                                                     device=device, quant=embed_quant) if self.is_first else None)
         self.layers = nn.ModuleDict({
-            str(i): LlamaDecoderLayer(cfg, coordinator, dtype=dtype, device=device, quant=plan.weight_quant)
+            str(i): LlamaDecoderLayer(cfg, coordinator, dtype=dtype, device=device, quant=plan.weight_quant,
+                                      invariant_chunks=plan.invariant_chunks)
             for i in self.layer_range
         })
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
         self.ops: LayerOps = ops_for(device)
         # whole layers on this rank (no all-reduce inside one): the C++ kernels may run them in one
-        # call (False: the Python loop, layer by layer; the tests compare the two)
-        self.fused_layers = groups.tp_degree == 1
+        # call (False: the Python loop, layer by layer; the tests compare the two). Not in the
+        # layout-invariant numerics, whose row-parallel layers sum fixed k-chunks (the fused call
+        # would sum whole rows, as TP1 alone does)
+        self.fused_layers = groups.tp_degree == 1 and not plan.invariant_chunks
         self._attns = [layer.self_attn for layer in self.layers.values()]
         self._stage_args: tuple | None = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,

@@ -59,7 +59,8 @@ def load_rank_shard(model: LlamaForCausalLM, manifest: Manifest, shard_path: str
 
 
 def plan_for_checkpoint(checkpoint_uri: str | Path, *, tp_degree: int, pp_degree: int, dtype: str | None = None,
-                        activation_dtype: str | None = None, endpoint_url: str | None = None) -> ParallelPlan:
+                        activation_dtype: str | None = None, endpoint_url: str | None = None,
+                        numerics: str = "default") -> ParallelPlan:
     """The plan a worker runs when the checkpoint is its only source of the model's shape.
 
     ``dtype`` and ``activation_dtype`` default to the checkpoint's, and so does whether the
@@ -72,7 +73,8 @@ def plan_for_checkpoint(checkpoint_uri: str | Path, *, tp_degree: int, pp_degree
     same_scheme = got.quantization is not None and canonical_serving_dtype(dtype) == got.dtype
     return ParallelPlan(config, tp_degree, pp_degree, dtype,
                         activation_dtype=activation_dtype or (got.activation_dtype if same_scheme else None),
-                        quantize_lm_head=bool(got.quantization["lm_head"]) if same_scheme else True)
+                        quantize_lm_head=bool(got.quantization["lm_head"]) if same_scheme else True,
+                        numerics=numerics)
 
 
 def load_checkpoint_weights(model: LlamaForCausalLM, plan: ParallelPlan, rank: int, checkpoint_uri: str | Path, *,

@@ -43,6 +43,7 @@ class RankSpec:
     dtype: str | None = field(default=None, kw_only=True)  # None: float32 from an HF directory, the checkpoint's
     activation_dtype: str | None = field(default=None, kw_only=True)  # int8/fp8 plans: None is bfloat16
     quantize_lm_head: bool = field(default=True, kw_only=True)  # int8/fp8 plans from an HF directory
+    numerics: str = field(default="default", kw_only=True)  # ParallelPlan's: "default" | "layout-invariant"
     replica_group_id: str = field(default="local", kw_only=True)
     collective_timeout_s: float = field(default=DEFAULT_TIMEOUT_S, kw_only=True)
     checkpoint: str | None = field(default=None, kw_only=True)  # manifest URI of a pre-sharded checkpoint
@@ -69,11 +70,12 @@ class RankSpec:
             raise ModelConfigError("give a model directory (--model) or a pre-sharded checkpoint (--checkpoint)")
         if self.checkpoint:
             plan = plan_for_checkpoint(self.checkpoint, tp_degree=self.tp_degree, pp_degree=self.pp_degree,
-                                       dtype=self.dtype, activation_dtype=self.activation_dtype)
+                                       dtype=self.dtype, activation_dtype=self.activation_dtype,
+                                       numerics=self.numerics)
         else:
             plan = ParallelPlan(ModelConfig.from_dir(self.model_dir), self.tp_degree, self.pp_degree,
                                 self.dtype or "float32", activation_dtype=self.activation_dtype,
-                                quantize_lm_head=self.quantize_lm_head)
+                                quantize_lm_head=self.quantize_lm_head, numerics=self.numerics)
         object.__setattr__(self, "plan", plan)
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -69,6 +69,20 @@ def test_prefix_caching_is_on_unless_the_spec_turns_it_off() -> None:
                                                "prefix_caching": "no"}})
 
 
+def test_the_numerics_reach_the_workers_flags_and_tell_two_plans_apart() -> None:
+    default = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"}}})
+    invariant = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
+                                                       "numerics": "layout-invariant"}})
+    assert "--numerics" not in GroupLaunch("smol-1", "smol", 1, default.group).worker_flags()
+    flags = GroupLaunch("smol-1", "smol", 1, invariant.group).worker_flags()
+    assert flags[flags.index("--numerics") + 1] == "layout-invariant"
+    assert FleetSpec.from_json(invariant.to_json()) == invariant and invariant.plan_key() != default.plan_key()
+    assert invariant.group.describe() == "TP1 x PP1 bfloat16 layout-invariant"
+    with pytest.raises(InvalidFleetSpec, match="numerics must be one of default, layout-invariant"):
+        FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
+                                               "numerics": "exact"}})
+
+
 def test_a_relative_model_dir_is_the_yaml_folders(tmp_path: Path) -> None:
     path = tmp_path / "fleet.yaml"
     path.write_text("replica_group: {name: smol, checkpoint: {model_dir: models/smol}}\nreplicas: 2\n")

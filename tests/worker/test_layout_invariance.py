@@ -1,20 +1,28 @@
-"""The same bits at every pipeline layout: bfloat16 logprobs and tokens identical across PP degrees.
+"""The same bits at every layout: bfloat16 logprobs and tokens identical across TP and PP degrees.
 
-A pipeline stage runs its layers with the same kernels on the same shapes as the unsharded model
-does, and hands the next stage its hidden states unchanged (a send of the exact tensor), so no
+Pipeline stages run their layers with the same kernels on the same shapes as the unsharded model
+does, and hand the next stage its hidden states unchanged (a send of the exact tensor), so no
 reduction's order depends on the number of stages: scoring (PP1, PP2, PP4) and generation (PP1,
 PP2: a mixed batch of prompts decoding together, greedy, with logprobs) are bit-identical on the
-tiny model in bfloat16. Tensor parallelism splits the row-parallel layers' sums by rank and is
-not layout-invariant yet.
+tiny model in bfloat16, in either numerics. Tensor parallelism splits a row-parallel layer's sum
+by rank; in the layout-invariant numerics it is summed over fixed k-chunks in one fixed order
+(services/modeling/parallel/layers.py), and TP1, TP2, TP4 and TP2 x PP2 give the same bits too.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.common.sampling import SamplingParams
+from services.worker.engine.bootstrap import generate_rank
+from services.worker.engine.kv_cache import CacheConfig
+from services.worker.launch import run_replica_group
+from services.worker.runtime import RankSpec
+from services.worker.scoring import score_rank
+from tests.worker.oracle import reference_logprobs
 from tests.worker.test_engine import generate, prompts_of
-from tests.worker.test_parallel_parity import make_tiny, random_ids, sharded_logprobs
+from tests.worker.test_parallel_parity import ENGLISH, make_tiny, random_ids, sharded_logprobs
 
 PIPELINES = (1, 2, 4)  # the tiny model's 4 layers: 4, 2 + 2, 1 + 1 + 1 + 1 per stage
 
@@ -37,3 +45,59 @@ def test_a_mixed_batch_generates_the_same_tokens_and_logprobs_at_every_pipeline_
         for a, b in zip(outs[1], outs[pp], strict=True):
             assert a.token_ids == b.token_ids, pp
             assert a.logprobs == b.logprobs, pp  # the floats themselves, not within a tolerance
+
+
+# ---- tensor parallelism, layout-invariant numerics ----------------------------------------------
+
+INVARIANT = "layout-invariant"
+TP_LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2)]
+
+
+def invariant_spec(model_dir, tp: int, pp: int, dtype: str = "bfloat16") -> RankSpec:
+    return RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype, numerics=INVARIANT,
+                    cache=CacheConfig(kv_cache_bytes=64 << 20))
+
+
+def test_scoring_is_bit_identical_at_every_tensor_parallel_degree_in_the_invariant_numerics(tmp_path_factory):
+    model_dir = make_tiny(tmp_path_factory.mktemp("tiny-bf16-tp"), "--dtype", "bfloat16")
+    ids = random_ids(96, 512, seed=8)
+    logprobs = {}
+    for tp, pp in TP_LAYOUTS:
+        result = run_replica_group(tp * pp, score_rank, invariant_spec(model_dir, tp, pp), ids)
+        logprobs[(tp, pp)] = torch.tensor(result.logprobs)
+    base = logprobs[(1, 1)]
+    for layout, got in logprobs.items():
+        assert torch.equal(got, base), (layout, int((got != base).sum()), (got - base).abs().max().item())
+    # still the model: as close to transformers' bfloat16 as the default numerics
+    assert (base - reference_logprobs(model_dir, ids, dtype="bfloat16")).abs().max().item() <= 5e-2
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_quantized_plans_score_the_same_bits_at_tp1_and_tp2_in_the_invariant_numerics(tmp_path_factory, dtype):
+    model_dir = make_tiny(tmp_path_factory.mktemp(f"tiny-{dtype}-tp"), "--dtype", "bfloat16")
+    ids = random_ids(64, 512, seed=3)
+    got = {tp: run_replica_group(tp, score_rank, invariant_spec(model_dir, tp, 1, dtype), ids).logprobs
+           for tp in (1, 2)}
+    assert got[1] == got[2]
+
+
+@pytest.mark.slow
+def test_smollm2_scores_the_same_bits_at_tp1_and_tp3_in_the_invariant_numerics(smollm2_dir):
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(f"{smollm2_dir}/tokenizer.json").encode(ENGLISH).ids
+    got = {tp: run_replica_group(tp, score_rank, invariant_spec(smollm2_dir, tp, 1), ids).logprobs for tp in (1, 3)}
+    assert got[1] == got[3]
+
+
+def test_a_mixed_batch_generates_the_same_bits_at_every_layout_in_the_invariant_numerics(tmp_path_factory):
+    model_dir = make_tiny(tmp_path_factory.mktemp("tiny-bf16-tp-gen"), "--dtype", "bfloat16")
+    prompts = prompts_of([3, 40, 11, 90, 7, 25], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {(tp, pp): run_replica_group(tp * pp, generate_rank, invariant_spec(model_dir, tp, pp), prompts,
+                                        [params] * 6)
+            for tp, pp in TP_LAYOUTS}
+    for layout, out in outs.items():
+        for a, b in zip(outs[(1, 1)], out, strict=True):
+            assert a.token_ids == b.token_ids, layout
+            assert a.logprobs == b.logprobs, layout

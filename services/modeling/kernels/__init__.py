@@ -264,6 +264,19 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def dense_linear_chunks(x: torch.Tensor, chunks: list[torch.Tensor], *, sum: bool) -> torch.Tensor | None:
+    """The C++ kernel's fixed-chunk products of a row-parallel layer (``dense_linear_chunks`` in
+    ``cpu_gemm.cpp``): summed to ``x``'s shape with ``sum``, else ``[C, ..., N]``; None where
+    :func:`dense_linear` would not run the kernel (the caller takes the chunks one by one)."""
+    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and chunks[0].dtype == torch.bfloat16
+            and dense_linear_vectorized()):
+        return None
+    lead, k = x.shape[:-1], x.shape[-1]
+    out = cpu_kernels().dense_linear_chunks(x.reshape(-1, k), chunks, sum)
+    n = chunks[0].shape[0]
+    return out.view(*lead, n) if sum else out.view(len(chunks), *lead, n)
+
+
 def dense_linear_vectorized() -> bool:
     """Whether :func:`dense_linear` runs the C++ kernel on CPU here (built with AVX512-BF16 or
     AVX2 + FMA, enabled)."""

@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, nogil());
   m.def("quant_linear_vectorized", &quant_linear_vectorized);
   m.def("dense_linear", &dense_linear, nogil());
+  m.def("dense_linear_chunks", &dense_linear_chunks, nogil());
   m.def("dense_linear_vectorized", &dense_linear_vectorized);
   m.def("amx_ready", &shardline::amx::ready);
 #ifndef SHARDLINE_MATMUL_ONLY  // the matmuls alone: a build of cpu_{quant,gemm,amx}.cpp (kernels/__init__.py)

@@ -171,6 +171,31 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
 #endif
 }
 
+// A row-parallel layer's fixed k-chunks in the layout-invariant numerics: x's columns
+// [j*W, (j+1)*W) times chunks[j] ([N, W]) for each j, each through dense_linear (the same bits
+// whichever rank computes it). With ``sum`` the products are added in float32 in chunk order
+// and rounded to bfloat16 once; without, the products come back as [C, M, N], for a caller that
+// gathers every rank's and adds them in the same order (services/modeling/parallel/layers.py).
+at::Tensor dense_linear_chunks(at::Tensor x, const std::vector<at::Tensor>& chunks, bool sum) {
+  TORCH_CHECK(!chunks.empty() && x.dim() == 2, "dense_linear_chunks: x [M, K] and at least one chunk");
+  const int64_t width = chunks[0].size(1);
+  TORCH_CHECK(x.size(1) == width * static_cast<int64_t>(chunks.size()),
+              "dense_linear_chunks: x has ", x.size(1), " columns for ", chunks.size(), " chunks of ", width);
+  std::vector<at::Tensor> parts;
+  parts.reserve(chunks.size());
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    parts.push_back(dense_linear(x.narrow(1, static_cast<int64_t>(j) * width, width), chunks[j]));
+  }
+  if (!sum) {
+    at::Tensor out = at::empty({static_cast<int64_t>(parts.size()), x.size(0), chunks[0].size(0)}, x.options());
+    for (size_t j = 0; j < parts.size(); ++j) out.select(0, static_cast<int64_t>(j)).copy_(parts[j]);
+    return out;
+  }
+  at::Tensor total = parts[0].to(at::kFloat);
+  for (size_t j = 1; j < parts.size(); ++j) total.add_(parts[j]);  // bfloat16 widens exactly
+  return total.to(at::kBFloat16);
+}
+
 // whether a kernel was compiled in, AVX512-BF16 or AVX2 (dense_linear is torch's linear otherwise)
 bool dense_linear_vectorized() {
 #ifdef SHARDLINE_GEMM

@@ -20,6 +20,7 @@ void mask_tokens_(at::Tensor logits, at::Tensor masks);
 at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale);
 bool quant_linear_vectorized();
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);
+at::Tensor dense_linear_chunks(at::Tensor x, const std::vector<at::Tensor>& chunks, bool sum);
 bool dense_linear_vectorized();
 // cpu_layers.cpp
 std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const std::vector<at::Tensor>& weights,

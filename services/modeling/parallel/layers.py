@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.modeling.kernels import dense_linear
+from services.modeling.kernels import dense_linear, dense_linear_chunks
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.quant import QuantScheme, channel_scales, quant_linear, quantize_with_scales
 
@@ -192,14 +192,26 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """``weight`` columns ``[tp_rank·in/p, (tp_rank+1)·in/p)``; one all-reduce on the way out.
 
-    Quantized, every rank keeps every row's scale, from the whole unsharded row."""
+    Quantized, every rank keeps every row's scale, from the whole unsharded row.
+
+    With ``invariant_chunks`` C (the layout-invariant numerics), the input dimension is cut into
+    C fixed chunks, each rank's slice a union of C/p of them: each chunk's product is computed on
+    its own (the same kernel on the same shapes at every TP degree), the chunks' partials are
+    all-gathered in chunk order and summed in float32 in that one order. So the output has the
+    same bits whichever ranks held which chunks, TP1 included, where the backend's all-reduce
+    would sum each rank's whole slice in its own ring order."""
 
     def __init__(self, in_features: int, out_features: int, coordinator: Coordinator, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 quant: QuantScheme | None = None) -> None:
+                 quant: QuantScheme | None = None, invariant_chunks: int = 0) -> None:
         super().__init__(coordinator)
         self.in_features, self.out_features = in_features, out_features
         self.in_local = self._split(in_features, f"in_features={in_features}")
+        if invariant_chunks and (invariant_chunks % self.tp_degree or in_features % invariant_chunks):
+            raise ValueError(f"{invariant_chunks} layout-invariant chunks split neither tp_degree={self.tp_degree} "
+                             f"nor in_features={in_features} evenly")
+        self.invariant_chunks = invariant_chunks
+        self._chunk_weights: list[torch.Tensor] | None = None  # made at the first forward (after loading)
         self._weights(out_features, self.in_local, dtype=dtype, device=device, quant=quant)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
@@ -212,7 +224,36 @@ class RowParallelLinear(LinearBase):
         self._place(target, rows[:, start:start + self.in_local], "row-parallel weight", rows=rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant_chunks:
+            return self._layout_invariant(x)
         return self.coordinator.all_reduce(self._matmul(x))
+
+    def _layout_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring: this rank's chunks' products, every rank's in chunk order,
+        one fixed float32 sum."""
+        chunks = self._chunk_weights
+        if chunks is None:  # contiguous copies: the kernels read a weight as one block
+            width = self.in_local * self.tp_degree // self.invariant_chunks
+            chunks = self._chunk_weights = [self.weight[:, j:j + width].contiguous()
+                                            for j in range(0, self.in_local, width)]
+        local = self.tp_degree == 1
+        if self.quant is None:  # the C++ kernel in one call (summed already at TP1), where it runs
+            done = dense_linear_chunks(x, chunks, sum=local)
+            if done is not None and local:
+                return done
+        else:
+            done = None
+        if done is None:
+            width = chunks[0].shape[1]
+            matmul = (dense_linear if self.quant is None
+                      else lambda part, w: quant_linear(part, w, self.weight_scale))
+            done = torch.stack([matmul(x[..., i * width:(i + 1) * width], w) for i, w in enumerate(chunks)])
+        if not local:
+            done = self.coordinator.all_gather(done, dim=0)  # rank order = chunk order
+        out = done[0].float()  # the products in chunk order, in float32 (widening is exact)
+        for partial in done[1:]:
+            out += partial
+        return out.to(x.dtype)
 
 
 class VocabParallelEmbedding(LinearBase):

@@ -2,17 +2,46 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from services.common.dtypes import DTYPES, UnknownDtype
 from services.common.dtypes import canonical_dtype as canonical_serving_dtype
+from services.common.numerics import NUMERICS
 from services.modeling.config import CALIBRATION_KEY, ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
 from services.modeling.quant import QuantScheme, scheme_for, scheme_record
 
 # The activation dtype of a quantized plan unless it names one.
 DEFAULT_QUANT_ACTIVATION_DTYPE = "bfloat16"
+
+
+
+def tp_problem(config: ModelConfig, tp: int) -> str | None:
+    """Why ``tp`` cannot split ``config`` (heads, MLP, vocabulary, KV heads), or None."""
+    if tp < 1:
+        return f"tp_degree must be >= 1, got {tp}"
+    for name, value in (("num_attention_heads", config.num_attention_heads),
+                        ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
+        if value % tp:
+            return f"tp_degree={tp} does not divide {name}={value}"
+    kv = config.num_key_value_heads
+    if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+        return (f"tp_degree={tp} does not divide num_key_value_heads={kv} "
+                f"(nor is it a multiple of it, which would replicate KV heads)")
+    return None
+
+
+def supported_tp_degrees(config: ModelConfig) -> list[int]:
+    """Every tensor-parallel degree the model's shape allows."""
+    return [tp for tp in range(1, config.num_attention_heads + 1) if tp_problem(config, tp) is None]
+
+
+def invariant_chunks(config: ModelConfig) -> int:
+    """The k-chunks of a row-parallel layer in the layout-invariant mode: the least common
+    multiple of the supported TP degrees, so that every degree's slice is a union of chunks."""
+    return math.lcm(*supported_tp_degrees(config))
 
 
 def layer_split(num_layers: int, pp_degree: int) -> list[range]:
@@ -54,6 +83,7 @@ class ParallelPlan:
     dtype: str = "float32"
     activation_dtype: str | None = field(default=None, kw_only=True)
     quantize_lm_head: bool = field(default=True, kw_only=True)
+    numerics: str = field(default="default", kw_only=True)  # services/common/numerics.py
 
     def __post_init__(self) -> None:
         try:
@@ -75,21 +105,11 @@ class ParallelPlan:
             raise ModelConfigError(f"these weights were calibrated for {calibrated} (shardline quantize): a {name} "
                                    f"plan would round them again onto another grid; calibrate the original "
                                    f"model for {name}, or serve this copy as {calibrated}")
-        if tp < 1:
-            raise ModelConfigError(f"tp_degree must be >= 1, got {tp}")
-        checks = {
-            "num_attention_heads": cfg.num_attention_heads,
-            "intermediate_size": cfg.intermediate_size,
-            "vocab_size": cfg.vocab_size,
-        }
-        for name, value in checks.items():
-            if value % tp:
-                raise ModelConfigError(f"tp_degree={tp} does not divide {name}={value}")
-        kv = cfg.num_key_value_heads
-        if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
-            raise ModelConfigError(
-                f"tp_degree={tp} does not divide num_key_value_heads={kv} "
-                f"(nor is it a multiple of it, which would replicate KV heads)")
+        problem = tp_problem(cfg, tp)
+        if problem is not None:
+            raise ModelConfigError(problem)
+        if self.numerics not in NUMERICS:
+            raise ModelConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         layer_split(cfg.num_hidden_layers, self.pp_degree)  # validates pp
 
     @property
@@ -111,6 +131,11 @@ class ParallelPlan:
         """The scheme record a checkpoint of this plan carries; None for a dense plan."""
         scheme = self.weight_quant
         return None if scheme is None else scheme_record(scheme, lm_head=self.quantize_lm_head)
+
+    @property
+    def invariant_chunks(self) -> int:
+        """k-chunks of each row-parallel layer; 0 in the default numerics (no chunking)."""
+        return invariant_chunks(self.config) if self.numerics == "layout-invariant" else 0
 
     @property
     def world_size(self) -> int:

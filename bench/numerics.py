@@ -1,0 +1,89 @@
+"""The price of layout-invariant numerics: the same engine with the mode on and off.
+
+    python -m bench.numerics [--rounds 3] [--tps 1,3]
+
+SmolLM2-135M bfloat16. For each TP degree, each round runs both modes (in alternating order),
+each as one replica group (``layout_rank``: rank 0 drives the engine, the others follow):
+TPOT at batch 1 (64 tokens) and output tok/s with 16 requests at once (64 tokens each), and the
+prefill of one 512-token prompt. The figures are medians over rounds of the per-round ratios
+invariant / default, so a burst of other work on the host lands on both. Writes
+``bench/results/numerics.{json,md}``.
+
+Where the cost is: each row-parallel layer (o_proj, down_proj) computes its fixed k-chunks'
+products one kernel call each and sums them in float32 (at TP1 there is no all-reduce to replace,
+so the chunks are pure cost); at TP > 1 the all-reduce becomes an all-gather of the chunks'
+float32 partials. At TP1 the fused C++ decoder-layer call is off in this mode (it sums whole rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from tokenizers import Tokenizer
+
+from bench.common import machine, smollm2_dir, write_results
+from bench.engine import layout_rank, make_prompts
+from services.worker.engine.kv_cache import CacheConfig
+from services.worker.launch import run_replica_group
+from services.worker.runtime import RankSpec
+
+MODES = ("default", "layout-invariant")
+
+
+def one(model_dir, tp: int, numerics: str, prompts, max_tokens: int) -> dict:
+    # no prefix caching: the warm-up run would leave the measured prompts' KV cached
+    spec = RankSpec(str(model_dir), tp_degree=tp, dtype="bfloat16", numerics=numerics,
+                    cache=CacheConfig(kv_cache_bytes=256 << 20), prefix_caching=False)
+    return run_replica_group(tp, layout_rank, spec, prompts, max_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.numerics", description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tps", default="1,3", help="TP degrees (SmolLM2 allows 1 and 3)")
+    args = parser.parse_args(argv)
+    model_dir = smollm2_dir()
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    batch = make_prompts(tokenizer, 16)
+    long_prompt = [tokenizer.encode("The river runs through the old town. ").ids * 64][0][:512]
+    rows = []
+    for tp in (int(t) for t in args.tps.split(",")):
+        per_round = []
+        for i in range(args.rounds):
+            got: dict[str, dict] = {}
+            for numerics in (MODES if i % 2 == 0 else MODES[::-1]):
+                bs1 = one(model_dir, tp, numerics, batch[:1], 64)
+                bs16 = one(model_dir, tp, numerics, batch, 64)
+                prefill = one(model_dir, tp, numerics, [long_prompt], 1)
+                got[numerics] = {"tpot_s": bs1["tpot_s"], "tok_s": bs16["tok_per_s"],
+                                 "prefill_s": prefill["elapsed_s"]}
+            per_round.append(got)
+            print(f"TP{tp} round {i}: {got}", flush=True)
+        ratio = {key: statistics.median(r["layout-invariant"][key] / r["default"][key] for r in per_round)
+                 for key in ("tpot_s", "tok_s", "prefill_s")}
+        median = {mode: {key: statistics.median(r[mode][key] for r in per_round)
+                         for key in ("tpot_s", "tok_s", "prefill_s")} for mode in MODES}
+        rows.append({"tp": tp, "rounds": per_round, "ratio": ratio, "median": median})
+    payload = {"machine": machine(), "model": "SmolLM2-135M", "dtype": "bfloat16", "rows": rows}
+    lines = ["# Layout-invariant numerics: the price", "",
+             f"SmolLM2-135M bfloat16, {args.rounds} rounds per TP degree, modes alternating; "
+             f"{payload['machine']['cpu_model']}, {payload['machine']['cpu_count']} cores (TP3 runs three ranks on "
+             f"them: oversubscribed, its figures say little).", "",
+             "| TP | TPOT bs1 default / invariant (ms) | ratio | tok/s at 16 default / invariant | ratio "
+             "| prefill 512 tokens default / invariant (ms) | ratio |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        d, v, r = row["median"]["default"], row["median"]["layout-invariant"], row["ratio"]
+        lines.append(f"| {row['tp']} | {d['tpot_s'] * 1e3:.1f} / {v['tpot_s'] * 1e3:.1f} | {r['tpot_s']:.3f} "
+                     f"| {d['tok_s']:.0f} / {v['tok_s']:.0f} | {r['tok_s']:.3f} "
+                     f"| {d['prefill_s'] * 1e3:.0f} / {v['prefill_s'] * 1e3:.0f} | {r['prefill_s']:.3f} |")
+    lines += ["", f"(`python -m bench.numerics --rounds {args.rounds} --tps {args.tps}`)", ""]
+    markdown = "\n".join(lines)
+    json_path, md_path = write_results("numerics", payload, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
