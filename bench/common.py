@@ -63,6 +63,14 @@ def write_results(name: str, payload: dict, markdown: str, *, out_dir: Path = RE
     return json_path, md_path
 
 
+def publish_results(name: str, payload: dict, markdown: str) -> int:
+    """Write ``bench/results/NAME.{json,md}``, print the markdown and where it went; 0 (an exit code)."""
+    json_path, md_path = write_results(name, payload, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
 def wait_http_health(proc, url: str, timeout_s: float, name: str, tail: Callable[[], str], *,
                      poll_s: float = 0.25) -> float:
     """Seconds from now until ``GET url`` answers 200 while ``proc`` (a started Popen) runs;

@@ -18,7 +18,7 @@ import time
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 
-from bench.common import machine, smollm2_dir, write_results
+from bench.common import machine, publish_results, smollm2_dir
 from bench.engine import make_prompts, run_engine, spec_for
 from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine_metrics import attach_engine_metrics
@@ -70,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         *(f"| {i} | {r['without_s']:.3f} | {r['with_s']:.3f} |" for i, r in enumerate(rounds)), "",
         f"Median of the per-round ratios, with / without: **{ratio:.3f}**. "
         f"(`python -m bench.metrics_overhead --rounds {args.rounds}`)", ""])
-    json_path, md_path = write_results("metrics-overhead", payload, markdown)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish_results("metrics-overhead", payload, markdown)
 
 
 if __name__ == "__main__":

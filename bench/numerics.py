@@ -22,7 +22,7 @@ import statistics
 
 from tokenizers import Tokenizer
 
-from bench.common import machine, smollm2_dir, write_results
+from bench.common import machine, publish_results, smollm2_dir
 from bench.engine import layout_rank, make_prompts
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.launch import run_replica_group
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {d['prefill_s'] * 1e3:.0f} / {v['prefill_s'] * 1e3:.0f} | {r['prefill_s']:.3f} |")
     lines += ["", f"(`python -m bench.numerics --rounds {args.rounds} --tps {args.tps}`)", ""]
     markdown = "\n".join(lines)
-    json_path, md_path = write_results("numerics", payload, markdown)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish_results("numerics", payload, markdown)
 
 
 if __name__ == "__main__":
