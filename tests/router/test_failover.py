@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import pytest
 
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.ranks import rank_pids
@@ -18,13 +19,14 @@ from tests.router.processes import start_service, stop, wait_serving
 
 
 @contextmanager
-def two_groups(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, str]]:
-    """rg-a (TP 2, whose rank a test kills) and rg-b (TP 1) behind a router: rg-a's worker
-    process, rg-b's address, the router's address."""
-    common = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.01"]
+def two_groups(tiny_model_dir: Path, tmp_path: Path, *, flags: tuple[str, ...] = (),
+               b_layout: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """rg-a (TP 2, whose rank a test kills) and rg-b (TP 1, or ``b_layout``) behind a router, both
+    with ``flags``: rg-a's worker process, rg-b's address, the router's address."""
+    common = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-gb", "0.01", *flags]
     a, a_address = start_service("worker", [*common, "--tp", "2", "--replica-group-id", "rg-a",
                                             "--collective-timeout", "1"], tmp_path / "a.log")
-    b, b_address = start_service("worker", [*common, "--replica-group-id", "rg-b"], tmp_path / "b.log")
+    b, b_address = start_service("worker", [*common, *b_layout, "--replica-group-id", "rg-b"], tmp_path / "b.log")
     procs = [a, b]
     try:
         wait_serving(a, a_address, tmp_path / "a.log")
@@ -69,21 +71,32 @@ def test_a_stream_continues_on_another_group_when_its_group_dies(tiny_model_dir,
         assert "continuing elsewhere" in (tmp_path / "router.log").read_text()
 
 
-def test_a_seeded_sampled_stream_continued_elsewhere_has_the_fault_free_tokens(tiny_model_dir, tmp_path):
+LAYOUT_INVARIANT_BF16 = ("--dtype", "bfloat16", "--numerics", "layout-invariant")
+
+
+@pytest.mark.parametrize(("flags", "b_layout"), [((), ()), (LAYOUT_INVARIANT_BF16, ("--pp", "2"))],
+                         ids=["float32-tp2-to-tp1", "bfloat16-layout-invariant-tp2-to-pp2"])
+def test_a_seeded_sampled_stream_continued_elsewhere_has_the_fault_free_tokens(tiny_model_dir, tmp_path, flags,
+                                                                             b_layout):
     """The continuation carries the sampling step (first_step = the tokens streamed before the
-    failure), so rg-b draws the rest of the seeded stream that rg-a would have drawn."""
+    failure), so rg-b draws the rest of the seeded stream that rg-a would have drawn. In bfloat16
+    that needs the same bits on both plans: the layout-invariant numerics, across TP2 and PP2."""
     max_tokens = 64
-    with two_groups(tiny_model_dir, tmp_path) as (a, b_address, router_address):
+    with two_groups(tiny_model_dir, tmp_path, flags=flags, b_layout=b_layout) as (a, b_address, router_address):
         prompt = list(range(50, 62))
         params = common_pb2.SamplingParameters(temperature=0.8, seed=31337, max_tokens=max_tokens, ignore_eos=True)
 
-        def on_b(ids: list[int], sampling: common_pb2.SamplingParameters) -> list[int]:
+        def on_b_with_logprobs(ids: list[int], sampling: common_pb2.SamplingParameters) -> list[tuple[int, float]]:
             with grpc.insecure_channel(b_address) as channel:
-                return [r.token.token_id for r in worker_pb2_grpc.WorkerServiceStub(channel).Generate(
-                    worker_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), sampling=sampling))
-                    if r.HasField("token")]
+                return [(r.token.token_id, r.token.logprob) for r in worker_pb2_grpc.WorkerServiceStub(
+                    channel).Generate(worker_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
+                                                                 sampling=sampling)) if r.HasField("token")]
 
-        reference = on_b(prompt, params)  # the fault-free run
+        def on_b(ids: list[int], sampling: common_pb2.SamplingParameters) -> list[int]:
+            return [token for token, _ in on_b_with_logprobs(ids, sampling)]
+
+        fault_free = on_b_with_logprobs(prompt, params)
+        reference = [token for token, _ in fault_free]
         with grpc.insecure_channel(router_address) as channel:
             stream = router_pb2_grpc.RouterServiceStub(channel).Generate(
                 router_pb2.RouterGenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt), sampling=params))
@@ -96,6 +109,8 @@ def test_a_seeded_sampled_stream_continued_elsewhere_has_the_fault_free_tokens(t
         assert 2 <= switch < max_tokens and {r.replica_group_id for r in tokens[switch:]} == {"rg-b"}
         assert [r.token.index for r in tokens] == list(range(max_tokens))
         assert [r.token.token_id for r in tokens] == reference
+        if "layout-invariant" in flags:  # the same bits on both plans: every logprob too, TP2's and PP2's
+            assert [r.token.logprob for r in tokens] == [logprob for _, logprob in fault_free]
         assert final.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert final.finished.usage.completion_tokens == max_tokens
         # what rg-b would have sent had the step index restarted at 0: another stream
