@@ -63,9 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def verdict_lines(result: GateResult, recorded: QualityGateResult | None) -> list[str]:
     v = result.verdict
     floor = "none" if v.min_top1_agreement is None else f"{v.min_top1_agreement:g}"
-    lines = [f"perplexity delta 95 % interval {v.delta_interval_pct[0]:+.3f} .. {v.delta_interval_pct[1]:+.3f} % "
-             f"(threshold {v.threshold_pct:g} %, top-1 floor {floor})",
-             "verdict: PASS" if v.passed else "verdict: FAIL", *(f"  - {reason}" for reason in v.reasons)]
+    judged = ("every logprob equal (two layout-invariant plans of the same weights)" if v.exact else
+              f"perplexity delta 95 % interval {v.delta_interval_pct[0]:+.3f} .. {v.delta_interval_pct[1]:+.3f} % "
+              f"(threshold {v.threshold_pct:g} %, top-1 floor {floor})")
+    lines = [judged, "verdict: PASS" if v.passed else "verdict: FAIL", *(f"  - {reason}" for reason in v.reasons)]
     if recorded is not None:
         lines.append(f"recorded as gate result {recorded.gate_id}")
     return lines
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**figures_json(result.comparison, reference, candidate, golden), "passed": v.passed,
                           "reasons": list(v.reasons), "delta_interval_pct": list(v.delta_interval_pct),
                           "threshold_pct": v.threshold_pct, "min_top1_agreement": v.min_top1_agreement,
+                          "exact": v.exact,
                           "gate_id": str(recorded.gate_id) if recorded else None}))
     else:
         print("\n".join([*figure_lines(result.comparison, reference, candidate, golden),

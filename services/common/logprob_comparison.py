@@ -132,6 +132,7 @@ class GateVerdict:
     delta_interval_pct: tuple[float, float]
     threshold_pct: float
     min_top1_agreement: float | None
+    exact: bool = False  # judged by equality of every logprob (two layout-invariant plans), not the figures
 
 
 def gate(comparison: Comparison, interval: tuple[float, float], *, threshold_pct: float,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -39,7 +39,7 @@ from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, G
 if TYPE_CHECKING:
     from services.worker.runtime import RankSpec
 
-PLAN_KEYS = ("tp", "pp", "dtype", "checkpoint", "model", "lm_head")
+PLAN_KEYS = ("tp", "pp", "dtype", "checkpoint", "model", "lm_head", "numerics")
 DEFAULT_THRESHOLD_PCT = 0.5
 DEFAULT_MIN_TOP1 = 0.97  # for plans of one dtype family
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0  # a chunk's prefill on a busy CPU is slow
@@ -77,7 +77,8 @@ def plan_spec(model_dir: str | None, text: str, *,
         raise InvalidArgument(f"plan {text!r}: lm_head is 'quantized' or 'dense', got {lm_head!r}")
     return RankSpec(None if checkpoint else plan.get("model", model_dir), tp_degree=tp, pp_degree=pp,
                     dtype=plan.get("dtype"), checkpoint=checkpoint, collective_timeout_s=collective_timeout_s,
-                    replica_group_id=f"golden-{text}", quantize_lm_head=lm_head == "quantized")
+                    replica_group_id=f"golden-{text}", quantize_lm_head=lm_head == "quantized",
+                    numerics=plan.get("numerics", "default"))
 
 
 def dtype_family(dtype: str) -> str:
@@ -97,6 +98,12 @@ class PlanScores:
     dtype: str
     results: list[ScoreResult]
     seconds: float
+    # a local plan's: where its weights come from and how it orders its sums ("" and "default":
+    # not known, a live group's). Two layout-invariant plans of the same weights and dtype must
+    # give the same bits: the gate then asks for equality (run_gate)
+    source: str = ""
+    numerics: str = "default"
+    lm_head: bool = True
 
 
 def golden_set_for(model_dir: str | None, spec: RankSpec | None, *, chunks: int = DEFAULT_CHUNKS,
@@ -137,7 +144,9 @@ def score_plan(spec: RankSpec, text: str, golden: GoldenSet) -> PlanScores:
     start = time.perf_counter()
     results = run_replica_group(spec.plan.world_size, score_chunks_rank, spec, [list(c) for c in golden.chunks],
                                 failure_grace_s=spec.collective_timeout_s + 3.0)
-    return PlanScores(text, spec.plan.config.name, spec.plan.dtype, results, time.perf_counter() - start)
+    return PlanScores(text, spec.plan.config.name, spec.plan.dtype, results, time.perf_counter() - start,
+                      source=str(spec.checkpoint or spec.model_dir or ""), numerics=spec.plan.numerics,
+                      lm_head=spec.plan.quantize_lm_head)
 
 
 def is_live(text: str) -> bool:
@@ -205,7 +214,27 @@ def run_gate(reference: PlanScores, candidate: PlanScores, golden: GoldenSet, *,
     if min_top1_agreement is None and dtype_family(reference.dtype) == dtype_family(candidate.dtype):
         min_top1_agreement = DEFAULT_MIN_TOP1
     verdict = gate(comparison, interval, threshold_pct=threshold_pct, min_top1_agreement=min_top1_agreement)
+    if layout_only(reference, candidate):  # the same bits are owed: one differing logprob fails
+        mismatch = first_difference(reference.results, candidate.results)
+        reasons = () if mismatch is None else (
+            f"layout-invariant plans of the same weights must be equal, but {mismatch}",)
+        verdict = replace(verdict, passed=not reasons, reasons=reasons, exact=True)
     return GateResult(reference, candidate, golden, comparison, verdict)
+
+
+def layout_only(a: PlanScores, b: PlanScores) -> bool:
+    """Two local plans in the layout-invariant numerics that differ in nothing but their layout."""
+    return (a.numerics == b.numerics == "layout-invariant" and bool(a.source) and a.source == b.source
+            and a.dtype == b.dtype and a.lm_head == b.lm_head)
+
+
+def first_difference(reference: list[ScoreResult], candidate: list[ScoreResult]) -> str | None:
+    """Where two plans' logprobs first differ in their bits (``chunk i position j: a vs b``), or None."""
+    for i, (r, c) in enumerate(zip(reference, candidate, strict=True)):
+        for j, (a, b) in enumerate(zip(r.logprobs, c.logprobs, strict=True)):
+            if a != b:
+                return f"chunk {i} position {j}: {a!r} vs {b!r}"
+    return None
 
 
 def record_gate(result: GateResult, registry_url: str | None, *, migrate_schema: bool = True) -> QualityGateResult:

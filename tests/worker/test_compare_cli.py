@@ -140,3 +140,34 @@ def test_gate_scores_a_serving_group_through_its_worker(tiny_model_dir: Path, tm
         assert unknown.returncode == 2 and "no such replica group" in unknown.stderr
     finally:
         stop(worker)
+
+
+def test_gate_asks_two_layout_invariant_plans_of_the_same_weights_for_equality(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    registry = f"sqlite:///{tmp_path / 'registry.db'}"
+    invariant = "dtype=bfloat16,numerics=layout-invariant"
+    exact = gate(tiny_model_dir, invariant, f"tp=2,{invariant}", registry, "--json")
+    assert exact.returncode == 0, exact.stdout + exact.stderr
+    verdict = json.loads(exact.stdout)
+    assert verdict["passed"] and verdict["exact"] and verdict["perplexity_delta_pct"] == 0.0
+    # the default numerics at TP2 is not owed the same bits: judged by the figures
+    figures_only = gate(tiny_model_dir, invariant, "tp=2,dtype=bfloat16", registry, "--json", "--no-record")
+    assert figures_only.returncode == 0 and not json.loads(figures_only.stdout)["exact"]
+
+
+def test_one_differing_logprob_fails_an_exact_gate_and_names_its_place() -> None:
+    from services.common.logprob_comparison import ScoreResult
+    from services.modeling.golden_set import GoldenSet
+    from services.worker.plan_scoring import PlanScores, run_gate
+
+    chunks = [[-1.0, -2.0, -0.5, -3.0], [-0.25, -1.5, -2.5, -0.75]]
+    tweaked = [list(chunks[0]), list(chunks[1])]
+    tweaked[1][2] = -2.5000002
+    scores = [[ScoreResult.from_logprobs(5, c, [0] * 4) for c in side] for side in (chunks, tweaked)]
+    sides = [PlanScores(plan, "tiny", "bfloat16", s, 0.1, source="/m", numerics="layout-invariant")
+             for plan, s in (("tp=1", scores[0]), ("tp=2", scores[1]))]
+    golden = GoldenSet(chunks=((1, 2, 3, 4, 5), (1, 2, 3, 4, 5)), chunk_tokens=5, text_fingerprint="x")
+    verdict = run_gate(*sides, golden).verdict
+    assert verdict.exact and not verdict.passed
+    assert verdict.reasons[0].endswith("chunk 1 position 2: -2.5 vs -2.5000002")
+    assert run_gate(sides[0], sides[0], golden).verdict.passed
