@@ -199,8 +199,6 @@ class Generation:
         self._finished = False  # a final event was produced (the worker needs no cancel)
         self._failure_counted = False
         self._continued_from = 0  # tokens generated before the current upstream stream
-        self._upstream_prompt: list[int] = []  # what the current upstream stream was sent
-        self._upstream_sampling: SamplingParams | None = None
         self._running_on = ""  # group counted in the running-requests gauge
         # the incumbent's logprob of each generated token, kept only for a request picked for mirroring
         shadow = core.shadow
@@ -315,7 +313,6 @@ class Generation:
         reservation = self.reservation
         assert reservation is not None
         self.replica_group_id = reservation.group.replica_group_id
-        self._upstream_prompt, self._upstream_sampling = prompt_ids, sampling  # sent again if refused as full
         self._upstream = self.core.open_upstream(reservation.group.address, self.request_id, prompt_ids, sampling,
                                                  self.prepared.trace_context)
         if self.core.metrics is not None:
@@ -446,24 +443,21 @@ class Generation:
                                            tuple([TokenAlternative(t, "", lp) for t, lp in event.top_logprobs]))
                         else:
                             yield TokenOut(index, token_id, text, event.logprob)
-                except WorkerFull as exc:  # refused before its first token: admit it again
-                    if self.cancelled.is_set():
-                        raise RequestCancelled(f"request {self.request_id} cancelled") from None
-                    self._refused(reservation, exc)
-                    await self._continue(self._upstream_prompt, self._upstream_sampling,
-                                         continued_from=continued_from)
                 except (WorkerFailed, WorkerRejected) as exc:
                     if self.cancelled.is_set():
                         raise RequestCancelled(f"request {self.request_id} cancelled") from None
-                    failovers += 1
                     remaining = p.sampling.max_tokens - len(generated)
-                    if stop_hit or remaining <= 0:  # the request is complete: nothing to continue
+                    if isinstance(exc, WorkerFull):  # refused before its first token: admitted again, no failover
+                        self._refused(reservation, exc)
+                    elif stop_hit or remaining <= 0:  # the request is complete: nothing to continue
                         self._fail_over(reservation, exc, failovers=0)  # marks the group, never raises
                         self._finished = True
                         yield Finished(FinishReason.STOP_SEQUENCE if stop_hit else FinishReason.LENGTH,
                                        len(p.prompt_ids), len(generated), text=detok.text if detok else "")
                         return
-                    self._fail_over(reservation, exc, failovers)
+                    else:
+                        failovers += 1
+                        self._fail_over(reservation, exc, failovers)
                     sampling = replace(p.sampling, max_tokens=remaining,
                                        first_step=p.sampling.first_step + len(generated))
                     await self._continue(p.prompt_ids + generated, sampling, continued_from=len(generated))

@@ -237,13 +237,11 @@ class RowParallelLinear(LinearBase):
             chunks = self._chunk_weights = [self.weight[:, j:j + width].contiguous()
                                             for j in range(0, self.in_local, width)]
         local = self.tp_degree == 1
-        if self.quant is None:  # the C++ kernel in one call (summed already at TP1), where it runs
-            done = dense_linear_chunks(x, chunks, sum=local)
-            if done is not None and local:
-                return done
-        else:
-            done = None
-        if done is None:
+        # the C++ kernel in one call, where it runs (at TP1 it sums the products too)
+        done = dense_linear_chunks(x, chunks, sum=local) if self.quant is None else None
+        if done is not None and local:
+            return done
+        if done is None:  # chunk by chunk
             width = chunks[0].shape[1]
             matmul = (dense_linear if self.quant is None
                       else lambda part, w: quant_linear(part, w, self.weight_scale))
