@@ -383,7 +383,9 @@ def test_a_burst_overflows_the_queue_into_the_dropped_counter(shadow_stack):
     dropped = total(samples, "shardline_shadow_dropped_total")
     outcomes = total(samples, "shardline_shadow_requests_total")
     assert dropped >= 1 and outcomes + dropped == start + 12  # every finished request: mirrored or dropped
-    assert total(samples, "shardline_shadow_queue_depth") == 0
+    # the last job's outcome is counted just before the mirror marks it done: poll for the empty queue
+    wait_until(lambda: total(scrape(f"{shadow_stack['http']}/metrics"), "shardline_shadow_queue_depth") == 0, 5)
+    assert total(scrape(f"{shadow_stack['http']}/metrics"), "shardline_shadow_queue_depth") == 0
 
 
 def test_up_passes_the_shadow_flags_and_a_dtype_per_group_on():
