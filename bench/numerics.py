@@ -10,9 +10,11 @@ invariant / default, so a burst of other work on the host lands on both. Writes
 ``bench/results/numerics.{json,md}``.
 
 Where the cost is: each row-parallel layer (o_proj, down_proj) computes its fixed k-chunks'
-products one kernel call each and sums them in float32 (at TP1 there is no all-reduce to replace,
-so the chunks are pure cost); at TP > 1 the all-reduce becomes an all-gather of the chunks'
-float32 partials. At TP1 the fused C++ decoder-layer call is off in this mode (it sums whole rows).
+products in one pass over its weight (a task takes each chunk of its channels in turn, rounds
+each chunk's sums to bfloat16 and adds them in float32 while they are in cache), so a chunk's
+sums are reduced and rounded once more than a whole row's; at TP1 that and the sum are the whole
+price (the fused C++ decoder-layer call runs in this mode too, for dense weights). At TP > 1 the
+all-reduce becomes an all-gather of the chunks' bfloat16 products and a fixed-order sum.
 """
 
 from __future__ import annotations

@@ -149,10 +149,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device) if self.is_last else None
         self.ops: LayerOps = ops_for(device)
         # whole layers on this rank (no all-reduce inside one): the C++ kernels may run them in one
-        # call (False: the Python loop, layer by layer; the tests compare the two). Not in the
-        # layout-invariant numerics, whose row-parallel layers sum fixed k-chunks (the fused call
-        # would sum whole rows, as TP1 alone does)
-        self.fused_layers = groups.tp_degree == 1 and not plan.invariant_chunks
+        # call (False: the Python loop, layer by layer; the tests compare the two). In the
+        # layout-invariant numerics the call sums the row-parallel layers' fixed k-chunks, for
+        # dense weights (quantized ones take the loop)
+        self.fused_layers = groups.tp_degree == 1 and not (plan.invariant_chunks and plan.weight_quant)
+        self.invariant_chunks = plan.invariant_chunks
         self._attns = [layer.self_attn for layer in self.layers.values()]
         self._stage_args: tuple | None = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -195,7 +196,7 @@ class LlamaModel(nn.Module):
             # the same kernels as the loop below, called from C++: no interpreter between them
             weights, k_caches, v_caches, eps, scale, heads, kv_heads, head_dim = stage
             h, residual = ops.decoder_layers(h.contiguous(), None, weights, k_caches, v_caches, rope, meta, eps,
-                                             scale, heads, kv_heads, head_dim)
+                                             scale, heads, kv_heads, head_dim, self.invariant_chunks)
         else:
             for layer in self.layers.values():
                 h, residual = layer.forward(h, residual, rope, meta, ops)  # no hooks: skip __call__

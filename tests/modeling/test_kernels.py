@@ -21,6 +21,7 @@ from services.modeling.kernels import (
     cpu_arch,
     cpu_kernels,
     dense_linear,
+    dense_linear_chunks,
     dense_linear_vectorized,
     greedy_logsumexp,
     ops_for,
@@ -298,6 +299,32 @@ def test_dense_linear_is_batch_invariant(gemm, threads, n, k):
         torch.set_num_threads(before)
 
 
+# the layout-invariant numerics' row-parallel product: 12 k-chunks (TP 1, 2, 3, 4 and 6 each hold
+# whole ones); K per chunk a multiple of 32 (AMX tiles where there are), then not (a zero-filled tail)
+@pytest.mark.parametrize("rows,n,k", [(1, 576, 1536), (7, 64, 768), (1, 40, 12 * 36), (19, 9, 12 * 20)])
+def test_fixed_chunks_sum_to_the_same_bits_at_every_tensor_parallel_degree(gemm, rows, n, k):
+    """A row-parallel layer's product in the layout-invariant numerics, as each TP degree computes
+    it: every rank's chunk products from its own k-slice of x and the weight (a contiguous copy,
+    as a rank loads it), gathered in rank order and summed in float32 in that order, equal TP1's
+    one call to the bit; and each chunk's product equals dense_linear of that chunk alone."""
+    x, w = _dense(rows, n, k, seed=k)
+    chunks, width = 12, k // 12
+    whole = dense_linear_chunks(x, w, chunks, sum=True)
+    parts = dense_linear_chunks(x, w, chunks, sum=False)
+    for j in range(chunks):
+        cut = slice(j * width, (j + 1) * width)
+        assert torch.equal(parts[j], dense_linear(x[:, cut], w[:, cut].contiguous())), j
+    for tp in (1, 2, 3, 4, 6):
+        local = k // tp
+        gathered = torch.cat([dense_linear_chunks(x[:, r * local:(r + 1) * local],
+                                                  w[:, r * local:(r + 1) * local].contiguous(), chunks // tp,
+                                                  sum=False) for r in range(tp)])
+        total = gathered[0].float()
+        for part in gathered[1:]:
+            total += part
+        assert torch.equal(total.bfloat16(), whole), tp
+
+
 def test_the_avx2_build_passes_the_matmul_tests():
     """What an AVX2-only machine runs (AMD EPYC before Zen 4, Intel before Cooper Lake): the matmul
     kernels built here with -march=x86-64-v3 and put through this file's dense_linear tests and the
@@ -319,7 +346,8 @@ def test_the_avx2_build_passes_the_matmul_tests():
     subprocess.run([sys.executable, "-c", script], cwd=root, env=env, check=True, timeout=600)
     tests = [f"{__file__}::{name}" for name in ("test_dense_linear_matches_the_float32_product",
                                                 "test_dense_linear_strided_x_and_leading_dims",
-                                                "test_dense_linear_is_batch_invariant")]
+                                                "test_dense_linear_is_batch_invariant",
+                                                "test_fixed_chunks_sum_to_the_same_bits_at_every_tensor_parallel_degree")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-p", "tests.modeling.matmul_build", *tests,
                           str(Path(__file__).with_name("test_quant.py"))], cwd=root, env=env, capture_output=True,

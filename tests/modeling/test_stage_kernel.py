@@ -30,16 +30,19 @@ def served(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple
     return out
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8"])
-def test_the_stage_kernel_serves_the_bits_of_the_python_loop(tiny_model_dir, dtype):
+# the layout-invariant numerics: the row-parallel layers' fixed k-chunks summed in the call too
+@pytest.mark.parametrize("dtype,numerics", [("bfloat16", "default"), ("float32", "default"), ("int8", "default"),
+                                            ("bfloat16", "layout-invariant"), ("float32", "layout-invariant")])
+def test_the_stage_kernel_serves_the_bits_of_the_python_loop(tiny_model_dir, dtype, numerics):
     # prompts split over prefill chunks, mixed with decodes; no prefix caching, so that the second
     # pass computes every prompt again, in the same steps as the first
     spec = RankSpec(str(tiny_model_dir), dtype=dtype, cache=CacheConfig(kv_cache_bytes=16 << 20),
-                    max_batched_tokens=48, prefix_caching=False)
+                    max_batched_tokens=48, prefix_caching=False, numerics=numerics)
     runner, layout = start_rank(spec, 0)
     engine = build_engine(spec, runner, layout)
     model = runner.rt.model.model
     assert model.fused_layers  # TP = 1
+    assert bool(model.invariant_chunks) == (numerics == "layout-invariant")
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (5, 70, 19, 33)]
     try:

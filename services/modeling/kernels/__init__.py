@@ -196,15 +196,16 @@ class _CppOps:
         return self.decode_attention(q, k_cache, v_cache, meta.per_token, scale)
 
     def decoder_layers(self, h, residual, weights, k_caches, v_caches, rope, meta, eps, scale, heads, kv_heads,
-                       head_dim):
+                       head_dim, chunks=0):
         """A stage's layers in one call (``cpu_layers.cpp``): the same kernels, in the order
         ``LlamaDecoderLayer.forward`` calls them, for a rank with whole layers (TP = 1).
-        ``weights``: ten per layer (see the C++ file); returns ``(h, residual)``."""
+        ``weights``: ten per layer (see the C++ file); ``chunks``: the row-parallel layers'
+        layout-invariant k-chunks (0: none); returns ``(h, residual)``."""
         rows = meta if meta.is_decode else meta.per_token
         h, residual = self._m.decoder_layers(h, residual if residual is not None else _NONE, weights, k_caches,
                                              v_caches, rope[0], rope[1], meta.slot_mapping, rows.block_tables,
                                              rows.context_lens_tensor(h.device), eps, scale, heads, kv_heads,
-                                             head_dim)
+                                             head_dim, chunks)
         return h, residual
 
 
@@ -264,17 +265,18 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def dense_linear_chunks(x: torch.Tensor, chunks: list[torch.Tensor], *, sum: bool) -> torch.Tensor | None:
+def dense_linear_chunks(x: torch.Tensor, w: torch.Tensor, chunks: int, *, sum: bool) -> torch.Tensor | None:
     """The C++ kernel's fixed-chunk products of a row-parallel layer (``dense_linear_chunks`` in
-    ``cpu_gemm.cpp``): summed to ``x``'s shape with ``sum``, else ``[C, ..., N]``; None where
-    :func:`dense_linear` would not run the kernel (the caller takes the chunks one by one)."""
-    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and chunks[0].dtype == torch.bfloat16
-            and dense_linear_vectorized()):
+    ``cpu_gemm.cpp``): ``w`` [N, K] in ``chunks`` equal k-ranges, read in place; summed to
+    ``x``'s shape with ``sum``, else ``[chunks, ..., N]``. None where :func:`dense_linear` would
+    not run the kernel (the caller takes the chunks one by one)."""
+    if not (x.dtype == torch.bfloat16 == w.dtype and x.device.type == "cpu" == w.device.type
+            and w.is_contiguous() and dense_linear_vectorized()):
         return None
     lead, k = x.shape[:-1], x.shape[-1]
-    out = cpu_kernels().dense_linear_chunks(x.reshape(-1, k), chunks, sum)
-    n = chunks[0].shape[0]
-    return out.view(*lead, n) if sum else out.view(len(chunks), *lead, n)
+    out = cpu_kernels().dense_linear_chunks(x.reshape(-1, k), w, chunks, sum)
+    n = w.shape[0]
+    return out.view(*lead, n) if sum else out.view(chunks, *lead, n)
 
 
 def dense_linear_vectorized() -> bool:

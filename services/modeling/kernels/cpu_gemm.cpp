@@ -30,6 +30,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <vector>
 
 #include "cpu_amx.h"
 #include "cpu_vec.h"
@@ -56,14 +57,24 @@ constexpr int64_t kRowBlockBytes = 256 << 10;
 
 constexpr int kRowChannels = 8;           // channels per tile when a block has a single row
 
+// One product's operands: y [M, N] (rows N apart) = x [M, K] times w [N, K]^T, x's rows ldx
+// elements apart and w's ldw (a whole matrix, or a k-range of a wider one)
+struct Operands {
+  const uint16_t* x;
+  int64_t ldx;
+  const uint16_t* w;
+  int64_t ldw;
+  c10::BFloat16* y;
+  int64_t M, K, N;
+};
+
 #ifdef SHARDLINE_GEMM_BF16
 // y rows [m, m + MB), channels [n, n + NB); NB below 4 only for the last channels of y (the tile
 // then reads only the weight rows that exist). `prefetch`: see dot_tile_bf16.
 template <int MB, int NB>
-inline void tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t K, int64_t N, int64_t m,
-                 int64_t n, int64_t prefetch) {
+inline void tile(const Operands& o, int64_t m, int64_t n, int64_t prefetch) {
   __m512 acc[MB][NB];
-  shardline::dot_tile_bf16<MB, NB>(x + m * K, K, w + n * K, K, K, prefetch, acc);
+  shardline::dot_tile_bf16<MB, NB>(o.x + m * o.ldx, o.ldx, o.w + n * o.ldw, o.ldw, o.K, prefetch, acc);
   const __m512 zero = _mm512_setzero_ps();
   constexpr __mmask8 valid = static_cast<__mmask8>((1u << std::min(NB, 4)) - 1);
   for (int i = 0; i < MB; ++i)
@@ -71,20 +82,19 @@ inline void tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t
       auto lane = [&](int c) { return j + c < NB ? acc[i][j + c] : zero; };
       // the four sums rounded to bfloat16 (to nearest even) in one instruction, stored as 8 bytes
       const __m128i bf = (__m128i)_mm_cvtneps_pbh(shardline::reduce4(lane(0), lane(1), lane(2), lane(3)));
-      _mm_mask_storeu_epi16(y + (m + i) * N + n + j, valid, bf);
+      _mm_mask_storeu_epi16(o.y + (m + i) * o.N + n + j, valid, bf);
     }
 }
 #else
 // AVX2 + FMA: each sum's 8 lanes folded by hsum8 and rounded to bfloat16 alone. `prefetch`: unused
 // (the AVX-512 kernel's hint for the next channels).
 template <int MB, int NB>
-inline void tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t K, int64_t N, int64_t m,
-                 int64_t n, int64_t /*prefetch*/) {
+inline void tile(const Operands& o, int64_t m, int64_t n, int64_t /*prefetch*/) {
   __m256 acc[MB][NB];
-  shardline::dot_tile_bf16_avx2<MB, NB>(x + m * K, K, w + n * K, K, K, acc);
+  shardline::dot_tile_bf16_avx2<MB, NB>(o.x + m * o.ldx, o.ldx, o.w + n * o.ldw, o.ldw, o.K, acc);
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
-      shardline::Elem<c10::BFloat16>::store(y + (m + i) * N + n + j, shardline::hsum8(acc[i][j]));
+      shardline::Elem<c10::BFloat16>::store(o.y + (m + i) * o.N + n + j, shardline::hsum8(acc[i][j]));
 }
 #endif  // SHARDLINE_GEMM_BF16
 
@@ -94,38 +104,115 @@ inline void tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t
 // tile finds them in cache. At 2 to 16 rows that was 1.4x to 1.7x faster than leaving it to the
 // hardware prefetcher.
 template <int NB>
-inline void channel_tile(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t K, int64_t N,
-                         int64_t m0, int64_t m1, int64_t n) {
+inline void channel_tile(const Operands& o, int64_t m0, int64_t m1, int64_t n) {
   const int64_t fetcher = m1 - m0 > 4 ? m0 + 4 : m0;
+  const int64_t ahead = NB * o.ldw;
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) tile<4, NB>(x, w, y, K, N, m, n, m == fetcher ? NB * K : 0);
-  const int64_t pf = m == fetcher ? NB * K : 0;
+  for (; m + 4 <= m1; m += 4) tile<4, NB>(o, m, n, m == fetcher ? ahead : 0);
+  const int64_t pf = m == fetcher ? ahead : 0;
   switch (m1 - m) {
-    case 3: tile<3, NB>(x, w, y, K, N, m, n, pf); break;
-    case 2: tile<2, NB>(x, w, y, K, N, m, n, pf); break;
-    case 1: tile<1, NB>(x, w, y, K, N, m, n, pf); break;
+    case 3: tile<3, NB>(o, m, n, pf); break;
+    case 2: tile<2, NB>(o, m, n, pf); break;
+    case 1: tile<1, NB>(o, m, n, pf); break;
     default: break;
   }
 }
 
 // channels [n0, n1) of every row (n0 a multiple of kGroup; n1 = N or a multiple of kGroup)
-void channels(const uint16_t* x, const uint16_t* w, c10::BFloat16* y, int64_t M, int64_t K, int64_t N,
-              int64_t n0, int64_t n1) {
-  const int64_t block = std::max<int64_t>(4, kRowBlockBytes / (2 * K) / 4 * 4);
-  for (int64_t m0 = 0; m0 < M; m0 += block) {
-    const int64_t m1 = std::min(M, m0 + block);
+void channels(const Operands& o, int64_t n0, int64_t n1) {
+  const int64_t block = std::max<int64_t>(4, kRowBlockBytes / (2 * o.K) / 4 * 4);
+  for (int64_t m0 = 0; m0 < o.M; m0 += block) {
+    const int64_t m1 = std::min(o.M, m0 + block);
     int64_t n = n0;
     if (m1 - m0 == 1) {  // one row: 8 channels per tile, more weight loads in flight
-      for (; n + kRowChannels <= n1; n += kRowChannels) tile<1, kRowChannels>(x, w, y, K, N, m0, n, 0);
+      for (; n + kRowChannels <= n1; n += kRowChannels) tile<1, kRowChannels>(o, m0, n, 0);
     }
-    for (; n + kGroup <= n1; n += kGroup) channel_tile<kGroup>(x, w, y, K, N, m0, m1, n);
+    for (; n + kGroup <= n1; n += kGroup) channel_tile<kGroup>(o, m0, m1, n);
     switch (n1 - n) {
-      case 3: channel_tile<3>(x, w, y, K, N, m0, m1, n); break;
-      case 2: channel_tile<2>(x, w, y, K, N, m0, m1, n); break;
-      case 1: channel_tile<1>(x, w, y, K, N, m0, m1, n); break;
+      case 3: channel_tile<3>(o, m0, m1, n); break;
+      case 2: channel_tile<2>(o, m0, m1, n); break;
+      case 1: channel_tile<1>(o, m0, m1, n); break;
       default: break;
     }
   }
+}
+
+// Whether the AMX tile kernel takes a product of K columns into N channels here
+bool on_amx(int64_t K, int64_t N) {
+#ifdef SHARDLINE_GEMM_BF16
+  return shardline::amx::ready() && shardline::amx::fits(K, N);
+#else
+  (void)K, (void)N;
+  return false;
+#endif
+}
+
+// In a parallel task: the AMX kernel's channels [16 * b0, 16 * b1) of o (xp: o's x packed)
+void amx_channels(const Operands& o, const uint16_t* xp, int64_t b0, int64_t b1) {
+#ifdef SHARDLINE_GEMM_BF16
+  shardline::amx::channels(o.w + b0 * 16 * o.ldw, o.ldw, xp, o.M, o.K, nullptr, o.y, o.N, b0 * 16, b1 - b0);
+#else
+  (void)o, (void)xp, (void)b0, (void)b1;
+#endif
+}
+
+void amx_end() {
+#ifdef SHARDLINE_GEMM_BF16
+  shardline::amx::end();
+#endif
+}
+
+// y[m, n] for n in [n0, n1) = the parts' [C, M, N] products at (m, n) added in float32 in order 0,
+// 1, ..., C - 1 (bfloat16 widens exactly), rounded to bfloat16 once
+void sum_parts(const c10::BFloat16* parts, int64_t C, int64_t M, int64_t N, c10::BFloat16* y, int64_t n0,
+               int64_t n1) {
+  using E = shardline::Elem<c10::BFloat16>;
+  std::vector<float> acc(static_cast<size_t>(n1 - n0));
+  float* a = acc.data();
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* row = parts + m * N + n0;
+    SHARDLINE_SIMD
+    for (int64_t n = 0; n < n1 - n0; ++n) a[n] = E::load(row + n);
+    for (int64_t c = 1; c < C; ++c) {
+      const c10::BFloat16* part = row + c * M * N;
+      SHARDLINE_SIMD
+      for (int64_t n = 0; n < n1 - n0; ++n) a[n] += E::load(part + n);
+    }
+    c10::BFloat16* out = y + m * N + n0;
+    SHARDLINE_SIMD
+    for (int64_t n = 0; n < n1 - n0; ++n) E::store(out + n, a[n]);
+  }
+}
+
+// The products of x's chunks of K / C columns with w's, into parts [C, M, N] (chunk j: x's and
+// w's columns [j*W, (j+1)*W)), each with the bits dense_linear gives it alone; with y, also their
+// sum (sum_parts), each task summing its own channels while they are in cache. One parallel
+// pass over the channels: a task takes each chunk of its weight rows in turn.
+void chunk_products(const at::Tensor& xc, const uint16_t* wp, int64_t C, c10::BFloat16* parts, int64_t N,
+                    c10::BFloat16* y) {
+  const int64_t M = xc.size(0), K = xc.size(1), width = K / C;
+  const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
+  auto chunk = [&](int64_t j) {
+    return Operands{xp + j * width, K, wp + j * width, K, parts + j * M * N, M, width, N};
+  };
+  if (on_amx(width, N)) {
+    std::vector<at::Tensor> packed;  // each chunk's activations, packed once for the tiles
+    for (int64_t j = 0; j < C; ++j)
+      packed.push_back(shardline::amx::pack(xc.narrow(1, j * width, width).contiguous()));
+    at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t j = 0; j < C; ++j)
+        amx_channels(chunk(j), static_cast<const uint16_t*>(packed[j].data_ptr()), b0, b1);
+      amx_end();
+      if (y != nullptr) sum_parts(parts, C, M, N, y, b0 * 16, b1 * 16);
+    });
+    return;
+  }
+  const int64_t groups = (N + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * kGroup, n1 = std::min(N, g1 * kGroup);
+    for (int64_t j = 0; j < C; ++j) channels(chunk(j), n0, n1);
+    if (y != nullptr) sum_parts(parts, C, M, N, y, n0, n1);
+  });
 }
 #endif  // SHARDLINE_GEMM
 
@@ -145,25 +232,21 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
-  const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
-  const uint16_t* wp = static_cast<const uint16_t*>(w.data_ptr());
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-#ifdef SHARDLINE_GEMM_BF16
-  if (shardline::amx::ready() && shardline::amx::fits(K, N)) {
+  const Operands o{static_cast<const uint16_t*>(xc.data_ptr()), K, static_cast<const uint16_t*>(w.data_ptr()), K,
+                   y.data_ptr<c10::BFloat16>(), M, K, N};
+  if (on_amx(K, N)) {
     const at::Tensor packed = shardline::amx::pack(xc);
-    const uint16_t* pp = static_cast<const uint16_t*>(packed.data_ptr());
     // tasks of whole 16-channel tiles, four or more each
     at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
-      shardline::amx::channels(wp + b0 * 16 * K, K, pp, M, K, nullptr, yp, N, b0 * 16, b1 - b0);
-      shardline::amx::end();
+      amx_channels(o, static_cast<const uint16_t*>(packed.data_ptr()), b0, b1);
+      amx_end();
     });
     return y;
   }
-#endif
   // over groups of kGroup channels, so that a task's range ends on a group (or at N)
   const int64_t groups = (N + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
-    channels(xp, wp, yp, M, K, N, g0 * kGroup, std::min(N, g1 * kGroup));
+    channels(o, g0 * kGroup, std::min(N, g1 * kGroup));
   });
   return y;
 #else
@@ -171,29 +254,34 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
 #endif
 }
 
-// A row-parallel layer's fixed k-chunks in the layout-invariant numerics: x's columns
-// [j*W, (j+1)*W) times chunks[j] ([N, W]) for each j, each through dense_linear (the same bits
-// whichever rank computes it). With ``sum`` the products are added in float32 in chunk order
-// and rounded to bfloat16 once; without, the products come back as [C, M, N], for a caller that
-// gathers every rank's and adds them in the same order (services/modeling/parallel/layers.py).
-at::Tensor dense_linear_chunks(at::Tensor x, const std::vector<at::Tensor>& chunks, bool sum) {
-  TORCH_CHECK(!chunks.empty() && x.dim() == 2, "dense_linear_chunks: x [M, K] and at least one chunk");
-  const int64_t width = chunks[0].size(1);
-  TORCH_CHECK(x.size(1) == width * static_cast<int64_t>(chunks.size()),
-              "dense_linear_chunks: x has ", x.size(1), " columns for ", chunks.size(), " chunks of ", width);
-  std::vector<at::Tensor> parts;
-  parts.reserve(chunks.size());
-  for (size_t j = 0; j < chunks.size(); ++j) {
-    parts.push_back(dense_linear(x.narrow(1, static_cast<int64_t>(j) * width, width), chunks[j]));
+// A row-parallel layer's fixed k-chunks in the layout-invariant numerics: w [N, K] is a rank's
+// slice, K = chunks * W, and chunk j is x's columns [j*W, (j+1)*W) times w's. Each chunk's product
+// is what dense_linear gives for the chunk alone (rounded to bfloat16), read in place from w: no
+// copy of the weight. With ``sum`` the products are added in float32 in chunk order and rounded
+// to bfloat16 once; without, they come back as [chunks, M, N], for a caller that gathers every
+// rank's and adds them in the same order (services/modeling/parallel/layers.py). So TP1's sum and
+// TP2's gathered sum are the same bits.
+at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool sum) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && chunks > 0 && x.size(1) % chunks == 0,
+              "dense_linear_chunks: x [M, K] and w [N, K] with K a multiple of ", chunks, ", got ", x.sizes(),
+              " and ", w.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), width = K / chunks;
+  at::Tensor parts = at::empty({chunks, M, N}, x.options());
+#ifdef SHARDLINE_GEMM
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && K > 0) {
+    at::Tensor y = sum ? at::empty({M, N}, x.options()) : at::Tensor();
+    if (M > 0 && N > 0)
+      chunk_products(x.contiguous(), static_cast<const uint16_t*>(w.data_ptr()), chunks,
+                     parts.data_ptr<c10::BFloat16>(), N, sum ? y.data_ptr<c10::BFloat16>() : nullptr);
+    return sum ? y : parts;
   }
-  if (!sum) {
-    at::Tensor out = at::empty({static_cast<int64_t>(parts.size()), x.size(0), chunks[0].size(0)}, x.options());
-    for (size_t j = 0; j < parts.size(); ++j) out.select(0, static_cast<int64_t>(j)).copy_(parts[j]);
-    return out;
-  }
-  at::Tensor total = parts[0].to(at::kFloat);
-  for (size_t j = 1; j < parts.size(); ++j) total.add_(parts[j]);  // bfloat16 widens exactly
-  return total.to(at::kBFloat16);
+#endif
+  for (int64_t j = 0; j < chunks; ++j)  // other dtypes, or no kernel here: torch's linear, chunk by chunk
+    parts.select(0, j).copy_(at::linear(x.narrow(1, j * width, width), w.narrow(1, j * width, width)));
+  if (!sum) return parts;
+  at::Tensor total = parts.select(0, 0).to(at::kFloat);
+  for (int64_t j = 1; j < chunks; ++j) total.add_(parts.select(0, j));  // bfloat16 widens exactly
+  return total.to(x.scalar_type());
 }
 
 // whether a kernel was compiled in, AVX512-BF16 or AVX2 (dense_linear is torch's linear otherwise)

@@ -20,11 +20,12 @@ void mask_tokens_(at::Tensor logits, at::Tensor masks);
 at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale);
 bool quant_linear_vectorized();
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);
-at::Tensor dense_linear_chunks(at::Tensor x, const std::vector<at::Tensor>& chunks, bool sum);
+at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool sum);
 bool dense_linear_vectorized();
 // cpu_layers.cpp
 std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const std::vector<at::Tensor>& weights,
                                        const std::vector<at::Tensor>& k_caches,
                                        const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,
                                        at::Tensor slots, at::Tensor tables, at::Tensor context_lens, double eps,
-                                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim);
+                                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                       int64_t chunks);

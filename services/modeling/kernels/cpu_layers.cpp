@@ -10,6 +10,10 @@
 // post-attention norm, gate_up, gate_up scale, down, down scale. A scale with no elements marks a
 // dense weight (bfloat16: dense_linear; float32: torch's linear); otherwise the weight is int8 or
 // float8 with per-channel scales (quant_linear).
+//
+// In the layout-invariant numerics (`chunks` > 0) the row-parallel products (o and down, dense
+// bfloat16 only) are summed over that many fixed k-chunks (dense_linear_chunks), as
+// RowParallelLinear does at TP1.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/linear.h>
@@ -39,13 +43,20 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const 
                                        const std::vector<at::Tensor>& k_caches,
                                        const std::vector<at::Tensor>& v_caches, at::Tensor cos, at::Tensor sin,
                                        at::Tensor slots, at::Tensor tables, at::Tensor context_lens, double eps,
-                                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                       int64_t chunks) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(weights.size() == layers * kLayerTensors && v_caches.size() == layers,
               "decoder_layers: ", kLayerTensors, " weights and one k and v cache per layer, got ", weights.size(),
               " weights, ", layers, " and ", v_caches.size(), " caches");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decoder_layers: h must be a contiguous [tokens, hidden]");
   const at::Tensor cosc = cos.contiguous(), sinc = sin.contiguous();
+  // a row-parallel layer's product: the fixed k-chunks' sum in the layout-invariant numerics
+  auto row_parallel = [chunks](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+    if (chunks == 0) return linear(x, w, scale);
+    TORCH_CHECK(scale.numel() == 0, "decoder_layers: the layout-invariant numerics take dense weights here");
+    return dense_linear_chunks(x, w, chunks, true);
+  };
   const int64_t n = h.size(0);
   bool first = !residual.defined() || residual.numel() == 0;
   for (size_t i = 0; i < layers; ++i) {
@@ -65,9 +76,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const 
     write_kv(k_caches[i], v_caches[i], qkv.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads),
              slots);
     const at::Tensor attn = decode_attention(q, k_caches[i], v_caches[i], tables, context_lens, scale, true);
-    x = linear(attn.reshape({n, heads * head_dim}), w[3], w[4]);
+    x = row_parallel(attn.reshape({n, heads * head_dim}), w[3], w[4]);
     add_rms_norm_(x, residual, w[5], eps);
-    h = linear(silu_and_mul(linear(x, w[6], w[7])), w[8], w[9]);
+    h = row_parallel(silu_and_mul(linear(x, w[6], w[7])), w[8], w[9]);
   }
   return {h, residual};
 }

@@ -231,27 +231,32 @@ class RowParallelLinear(LinearBase):
     def _layout_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring: this rank's chunks' products, every rank's in chunk order,
         one fixed float32 sum."""
-        chunks = self._chunk_weights
-        if chunks is None:  # contiguous copies: the kernels read a weight as one block
-            width = self.in_local * self.tp_degree // self.invariant_chunks
-            chunks = self._chunk_weights = [self.weight[:, j:j + width].contiguous()
-                                            for j in range(0, self.in_local, width)]
+        count = self.invariant_chunks // self.tp_degree  # this rank's chunks
         local = self.tp_degree == 1
         # the C++ kernel in one call, where it runs (at TP1 it sums the products too)
-        done = dense_linear_chunks(x, chunks, sum=local) if self.quant is None else None
+        done = dense_linear_chunks(x, self.weight, count, sum=local) if self.quant is None else None
         if done is not None and local:
             return done
         if done is None:  # chunk by chunk
-            width = chunks[0].shape[1]
-            matmul = (dense_linear if self.quant is None
-                      else lambda part, w: quant_linear(part, w, self.weight_scale))
-            done = torch.stack([matmul(x[..., i * width:(i + 1) * width], w) for i, w in enumerate(chunks)])
+            done = torch.stack([self._chunk_product(x, j, count) for j in range(count)])
         if not local:
             done = self.coordinator.all_gather(done, dim=0)  # rank order = chunk order
         out = done[0].float()  # the products in chunk order, in float32 (widening is exact)
         for partial in done[1:]:
             out += partial
         return out.to(x.dtype)
+
+    def _chunk_product(self, x: torch.Tensor, j: int, count: int) -> torch.Tensor:
+        """Chunk j's product alone: x's and the weight's k-range [j·W, (j+1)·W)."""
+        width = self.in_local // count
+        part = x[..., j * width:(j + 1) * width]
+        if self.quant is None:
+            return F.linear(part, self.weight[:, j * width:(j + 1) * width])
+        chunks = self._chunk_weights
+        if chunks is None:  # the quantized kernel reads a weight as one block: contiguous copies
+            chunks = self._chunk_weights = [self.weight[:, i:i + width].contiguous()
+                                            for i in range(0, self.in_local, width)]
+        return quant_linear(part, chunks[j], self.weight_scale)
 
 
 class VocabParallelEmbedding(LinearBase):
