@@ -385,7 +385,7 @@ class FleetController:
         model = spec.served_model_name or self.fleet
         self.registry.create_replica_group(model, plan.tp_degree, plan.pp_degree, plan.dtype, 0, name=name,
                                            replica_group_id=registry_group_id(name), fleet_name=self.fleet,
-                                           fleet_revision=revision, manifest_uri=plan.source)
+                                           fleet_revision=revision, manifest_uri=plan.source, numerics=plan.numerics)
         self._started_at[name] = now
         self.provisioner.start(GroupLaunch(name, self.fleet, revision, plan, spec.served_model_name))
         self.event("provisioning", rollout, group=name, revision=revision, plan=plan.describe(), why=why)

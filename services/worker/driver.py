@@ -10,6 +10,7 @@ already produced.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.runner import StageRunner, follower_loop
 from services.worker.engine_metrics import attach_engine_metrics
 from services.worker.launch import Followers, threads_per_rank
-from services.worker.runtime import RankSpec
+from services.worker.runtime import RankSpec, weights_fingerprint
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -86,6 +87,12 @@ class ReplicaDriver:
         self._node_ids: tuple[str, ...] = ()
         self._watchdog: node_health.NodeWatchdog | None = None
         self._reported = threading.Lock()  # held once the failure is reported (by the loop or the watchdog)
+
+    @functools.cached_property
+    def weights_fingerprint(self) -> str:
+        """Which weights the group serves (``runtime.weights_fingerprint``), computed once: a few
+        MB of reads the first time it is asked."""
+        return weights_fingerprint(self.spec)
 
     def start(self) -> LLMEngine:
         """Load rank 0 and build the engine on the engine-loop thread, which then runs it.
@@ -162,11 +169,12 @@ class ReplicaDriver:
         model_name = opts.model_name or plan.config.name
         adopted = self.registry.adopt_provisioning_group(group_uuid, model_name=model_name, tp_degree=plan.tp_degree,
                                                          pp_degree=plan.pp_degree, dtype=plan.dtype,
-                                                         kv_cache_cap_bytes=capacity, endpoint=opts.endpoint)
+                                                         kv_cache_cap_bytes=capacity, endpoint=opts.endpoint,
+                                                         numerics=plan.numerics)
         if adopted is None:  # started by hand: the group makes its own row
             self.registry.create_replica_group(model_name, plan.tp_degree, plan.pp_degree, plan.dtype, capacity,
                                                name=self.replica_group_id, endpoint=opts.endpoint,
-                                               replica_group_id=group_uuid)
+                                               replica_group_id=group_uuid, numerics=plan.numerics)
         for pp in range(plan.pp_degree):
             for tp in range(plan.tp_degree):  # each shard on its own rank's node
                 self.registry.register_shard(group_uuid, rank_gpu_id(self.replica_group_id, pp, tp),

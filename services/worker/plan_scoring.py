@@ -98,9 +98,9 @@ class PlanScores:
     dtype: str
     results: list[ScoreResult]
     seconds: float
-    # a local plan's: where its weights come from and how it orders its sums ("" and "default":
-    # not known, a live group's). Two layout-invariant plans of the same weights and dtype must
-    # give the same bits: the gate then asks for equality (run_gate)
+    # which weights (runtime.weights_fingerprint: "" where not known) and how the plan orders
+    # its sums, a local plan's or a live group's (its worker says). Two layout-invariant plans of
+    # the same weights and dtype must give the same bits: the gate then asks for equality (run_gate)
     source: str = ""
     numerics: str = "default"
     lm_head: bool = True
@@ -139,13 +139,14 @@ def check_comparable(specs: Sequence[RankSpec], golden: GoldenSet) -> None:
 def score_plan(spec: RankSpec, text: str, golden: GoldenSet) -> PlanScores:
     # deferred: running ranks locally needs torch (see plan_spec)
     from services.worker.launch import run_replica_group
+    from services.worker.runtime import weights_fingerprint
     from services.worker.scoring import score_chunks_rank
 
     start = time.perf_counter()
     results = run_replica_group(spec.plan.world_size, score_chunks_rank, spec, [list(c) for c in golden.chunks],
                                 failure_grace_s=spec.collective_timeout_s + 3.0)
     return PlanScores(text, spec.plan.config.name, spec.plan.dtype, results, time.perf_counter() - start,
-                      source=str(spec.checkpoint or spec.model_dir or ""), numerics=spec.plan.numerics,
+                      source=weights_fingerprint(spec), numerics=spec.plan.numerics,
                       lm_head=spec.plan.quantize_lm_head)
 
 
@@ -182,7 +183,7 @@ def score_live_group(text: str, golden: GoldenSet, *, registry_url: str | None =
     with open_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         try:
-            stats = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+            stats = stub.Stats(worker_pb2.StatsRequest(weights_identity=True), timeout=60)
             for chunk in golden.chunks:
                 r = stub.Score(worker_pb2.ScoreRequest(token_ids=common_pb2.TokenIds(ids=list(chunk)), top_logprobs=1),
                                timeout=timeout_s)
@@ -191,7 +192,8 @@ def score_live_group(text: str, golden: GoldenSet, *, registry_url: str | None =
         except grpc.RpcError as exc:
             raise Unavailable(f"worker {address}: {exc.code().name}: {exc.details()}") from None
     return PlanScores(text.strip(), stats.model_name, DTYPE_FROM_PB.get(stats.layout.dtype, ""),
-                      results, time.perf_counter() - start)
+                      results, time.perf_counter() - start, source=stats.model_fingerprint,
+                      numerics=stats.numerics or "default", lm_head=stats.quantize_lm_head)
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,8 @@ def run_gate(reference: PlanScores, candidate: PlanScores, golden: GoldenSet, *,
 
 
 def layout_only(a: PlanScores, b: PlanScores) -> bool:
-    """Two local plans in the layout-invariant numerics that differ in nothing but their layout."""
+    """Two plans (local or live) in the layout-invariant numerics that differ in nothing but
+    their layout: the same weights (a known fingerprint), dtype and lm_head."""
     return (a.numerics == b.numerics == "layout-invariant" and bool(a.source) and a.source == b.source
             and a.dtype == b.dtype and a.lm_head == b.lm_head)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from services.common.collective_events import EventSink, RingBufferSink
 from services.loader.layout import model_fingerprint
 from services.loader.staging import stage_model_files
+from services.loader.verify import read_manifest
 from services.modeling.config import ModelConfig, ModelConfigError
 from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.coordinator import DEFAULT_TIMEOUT_S, Coordinator
@@ -84,6 +87,25 @@ class RankSpec:
                                max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
                                max_model_len=min(self.max_model_len or max_position, max_position),
                                prefix_caching=self.prefix_caching)
+
+
+def weights_fingerprint(spec: RankSpec) -> str:
+    """Which weights a group of ``spec`` serves: the fingerprint of their source model
+    (``model_fingerprint``), as a pre-sharded checkpoint's manifest records it or computed from the
+    model directory, and a planted perturbation's spec with it (``SHARDLINE_WEIGHT_NOISE``: other
+    weights). Two plans with the same fingerprint and dtype hold the same values, whatever their
+    layout. Empty where the source cannot tell (no safetensors: a GGUF file)."""
+    if spec.checkpoint:
+        fingerprint = read_manifest(spec.checkpoint)[0].model_fingerprint
+    else:
+        try:
+            fingerprint = model_fingerprint(spec.model_dir)
+        except (OSError, ValueError, KeyError):
+            return ""
+    noise = os.environ.get(WEIGHT_NOISE_ENV)
+    if noise:
+        fingerprint = hashlib.sha256(f"{fingerprint}\0{WEIGHT_NOISE_ENV}={noise}".encode()).hexdigest()
+    return fingerprint
 
 
 def stage_tokenizer_dir(spec: RankSpec) -> str | None:

@@ -189,7 +189,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             replica_group_id=self.driver.replica_group_id,
             layout=common_pb2.ShardLayout(tp_degree=plan.tp_degree, pp_degree=plan.pp_degree,
                                           dtype=dtype_to_pb(plan.dtype)),
-            model_name=self.driver.options.model_name or plan.config.name, **engine.stats())
+            model_name=self.driver.options.model_name or plan.config.name, numerics=plan.numerics,
+            quantize_lm_head=plan.quantize_lm_head, **engine.stats())
+        if request.weights_identity:
+            response.model_fingerprint = self.driver.weights_fingerprint
         metrics = current_metrics()
         if metrics is not None and metrics.metrics_port:
             response.metrics_port = metrics.metrics_port

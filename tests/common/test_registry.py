@@ -45,7 +45,7 @@ SEED_COLUMNS = {
 }
 EXTENSION_COLUMNS = {
     "replica_groups": {"name", "endpoint", "status_reason", "updated_at", "fleet_name", "fleet_revision",
-                       "manifest_uri"},
+                       "manifest_uri", "numerics"},
     "gpu_shards": {"status"},
     "checkpoint_manifests": {"manifest_uri", "tp_degree", "pp_degree"},
 }
@@ -91,7 +91,7 @@ def _walk(registry: ShardRegistry, group_id: uuid.UUID, target: str) -> None:
 def test_migration_creates_seed_tables_constraints_and_index(db_url: str) -> None:
     assert migrate.current_revision(db_url) is None
     migrate.upgrade(db_url)
-    assert migrate.current_revision(db_url) == migrate.head_revision() == "0004"
+    assert migrate.current_revision(db_url) == migrate.head_revision() == "0005"
     engine = make_engine(db_url)
     try:
         inspector = sa.inspect(engine)
@@ -112,6 +112,7 @@ def test_migration_creates_seed_tables_constraints_and_index(db_url: str) -> Non
         checks = {c["name"]: c["sqltext"] for c in inspector.get_check_constraints("replica_groups")}
         assert "fp16" in checks["ck_replica_groups_dtype"] and "bf16" in checks["ck_replica_groups_dtype"]
         assert "draining" in checks["ck_replica_groups_status"]
+        assert "layout-invariant" in checks["ck_replica_groups_numerics"]
         fks = inspector.get_foreign_keys("gpu_shards")
         assert [(f["constrained_columns"], f["referred_table"]) for f in fks] == [
             (["replica_group_id"], "replica_groups")]
@@ -150,7 +151,7 @@ def test_cli_db_upgrade(db_url: str, capsys: pytest.CaptureFixture[str]) -> None
     assert cli_main(["db", "current", "--url", db_url]) == 1
     assert "revision none" in capsys.readouterr().out
     assert cli_main(["db", "upgrade", "--url", db_url]) == 0
-    assert "schema at revision 0004 (head)" in capsys.readouterr().out
+    assert "schema at revision 0005 (head)" in capsys.readouterr().out
     assert cli_main(["db", "current", "--url", db_url]) == 0
 
 

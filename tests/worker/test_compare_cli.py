@@ -155,6 +155,32 @@ def test_gate_asks_two_layout_invariant_plans_of_the_same_weights_for_equality(t
     assert figures_only.returncode == 0 and not json.loads(figures_only.stdout)["exact"]
 
 
+def test_a_serving_layout_invariant_group_is_gated_for_equality(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A TP2 group serving in the layout-invariant numerics says so (Stats: its numerics and its
+    weights' fingerprint) and records it in the registry; gated against TP1 of the same weights
+    run locally, it is asked for the same bits, and has them."""
+    log = tmp_path / "worker.log"
+    registry = f"sqlite:///{tmp_path / 'r.db'}"
+    invariant = "dtype=bfloat16,numerics=layout-invariant"
+    worker, address = start_service("worker", ["--model", str(tiny_model_dir), "--kv-cache-gb", "0.02", "--tp", "2",
+                                               "--dtype", "bfloat16", "--numerics", "layout-invariant",
+                                               "--replica-group-id", "rg-invariant", "--registry-url", registry], log)
+    try:
+        wait_serving(worker, address, log)
+        with ShardRegistry(registry) as reg:
+            assert [g.numerics for g in reg.list_groups()] == ["layout-invariant"]
+        result = gate(tiny_model_dir, invariant, f"worker={address}", registry, "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        verdict = json.loads(result.stdout)
+        assert verdict["passed"] and verdict["exact"] and verdict["max_abs_logprob_delta"] == 0.0
+        # the default numerics locally: other bits are allowed, so the figures judge
+        figures_only = json.loads(gate(tiny_model_dir, "dtype=bfloat16", f"worker={address}", registry, "--json",
+                                       "--no-record").stdout)
+        assert not figures_only["exact"]
+    finally:
+        stop(worker)
+
+
 def test_one_differing_logprob_fails_an_exact_gate_and_names_its_place() -> None:
     from services.common.logprob_comparison import ScoreResult
     from services.modeling.golden_set import GoldenSet

@@ -89,9 +89,10 @@ class FleetRecords:
 
     @retry_on_disconnect
     def adopt_provisioning_group(self, group_id: uuid.UUID, *, model_name: str, tp_degree: int, pp_degree: int,
-                                 dtype: str, kv_cache_cap_bytes: int, endpoint: str | None) -> ReplicaGroup | None:
+                                 dtype: str, kv_cache_cap_bytes: int, endpoint: str | None,
+                                 numerics: str = "default") -> ReplicaGroup | None:
         """A group a controller created in ``provisioning`` is taken over by its driver: the
-        model name, capacity and endpoint it found are recorded. None when there is no such row;
+        model name, capacity, endpoint and numerics it runs are recorded. None when there is no such row;
         Conflict when the row is not provisioning or describes another layout. ``dtype`` in project
         or registry naming."""
         dtype = to_registry_dtype(dtype)
@@ -105,6 +106,7 @@ class FleetRecords:
             if (row.tp_degree, row.pp_degree, row.dtype) != (tp_degree, pp_degree, dtype):
                 raise errors.Conflict(f"replica group {group_id} was declared TP{row.tp_degree} x PP{row.pp_degree} "
                                       f"{row.dtype}, its driver loaded TP{tp_degree} x PP{pp_degree} {dtype}")
+            row.numerics = numerics  # what the driver runs (a planner's row does not say)
             row.model_name = model_name
             row.kv_cache_cap_bytes = kv_cache_cap_bytes
             row.endpoint = endpoint

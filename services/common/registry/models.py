@@ -42,6 +42,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from services.common.numerics import NUMERICS
+
 from .dtypes import REGISTRY_DTYPES
 from .lifecycle import GROUP_STATUSES, SHARD_STATUSES
 
@@ -64,6 +66,7 @@ def in_list(column: str, values: tuple[str, ...] | list[str]) -> str:
 DTYPE_CHECK = in_list("dtype", list(REGISTRY_DTYPES))
 GROUP_STATUS_CHECK = in_list("status", GROUP_STATUSES)
 SHARD_STATUS_CHECK = in_list("status", SHARD_STATUSES)
+NUMERICS_CHECK = in_list("numerics", NUMERICS)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -114,10 +117,13 @@ class ReplicaGroupRow(Base):
     fleet_name: Mapped[str | None] = mapped_column(Text)
     fleet_revision: Mapped[int | None] = mapped_column(Integer)
     manifest_uri: Mapped[str | None] = mapped_column(Text)
+    # how the group orders its layout-dependent sums (services/common/numerics.py)
+    numerics: Mapped[str] = mapped_column(Text, server_default=text("'default'"))
 
     __table_args__ = (
         CheckConstraint(DTYPE_CHECK, name="dtype"),
         CheckConstraint(GROUP_STATUS_CHECK, name="status"),
+        CheckConstraint(NUMERICS_CHECK, name="numerics"),
         CheckConstraint("tp_degree > 0", name="tp_degree_positive"),
         CheckConstraint("pp_degree > 0", name="pp_degree_positive"),
         CheckConstraint("kv_cache_cap_bytes >= 0", name="kv_cache_cap_nonnegative"),

@@ -40,6 +40,7 @@ class ReplicaGroup(_FromRow):
     fleet_name: str | None = None
     fleet_revision: int | None = None
     manifest_uri: str | None = None
+    numerics: str = "default"
 
     @property
     def world_size(self) -> int:

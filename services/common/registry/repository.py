@@ -18,6 +18,8 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from services.common.numerics import NUMERICS
+
 from . import errors, migrate
 from .dtypes import to_registry_dtype
 from .engine import make_engine, registry_url, retry_on_disconnect
@@ -146,9 +148,13 @@ class ShardRegistry(FleetRecords, LeaseRecords):
                              kv_cache_cap_bytes: int, *, name: str | None = None,
                              endpoint: str | None = None,
                              replica_group_id: GroupId | None = None, fleet_name: str | None = None,
-                             fleet_revision: int | None = None, manifest_uri: str | None = None) -> ReplicaGroup:
+                             fleet_revision: int | None = None, manifest_uri: str | None = None,
+                             numerics: str = "default") -> ReplicaGroup:
         """A new group in status ``provisioning``. ``dtype`` in project or registry naming; the
-        fleet fields say what a fleet controller builds it from."""
+        fleet fields say what a fleet controller builds it from; ``numerics`` how it orders its
+        layout-dependent sums (services/common/numerics.py)."""
+        if numerics not in NUMERICS:
+            raise errors.InvalidValue(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         now = _now()
         row = ReplicaGroupRow(
             replica_group_id=uuid.uuid4() if replica_group_id is None else _as_uuid(replica_group_id),
@@ -158,7 +164,7 @@ class ShardRegistry(FleetRecords, LeaseRecords):
             dtype=to_registry_dtype(dtype),
             kv_cache_cap_bytes=_require_int("kv_cache_cap_bytes", kv_cache_cap_bytes, 0),
             status=PROVISIONING, created_at=now, updated_at=now, name=name, endpoint=endpoint,
-            fleet_name=fleet_name, fleet_revision=fleet_revision, manifest_uri=manifest_uri,
+            fleet_name=fleet_name, fleet_revision=fleet_revision, manifest_uri=manifest_uri, numerics=numerics,
         )
         try:
             with self._tx() as session:
