@@ -72,6 +72,18 @@ def test_scoring_is_bit_identical_at_every_tensor_parallel_degree_in_the_invaria
     assert (base - reference_logprobs(model_dir, ids, dtype="bfloat16")).abs().max().item() <= 5e-2
 
 
+def test_an_odd_shape_scores_the_same_bits_at_tp3_and_pp3_in_the_invariant_numerics(tmp_path_factory):
+    """Head dim 24, hidden 144 and intermediate 360 (each rank's k-chunks 48 and 120 wide: not
+    whole 32-element vector chunks), vocabulary 519, three layers: TP3 and PP3 equal TP1."""
+    model_dir = make_tiny(tmp_path_factory.mktemp("tiny-odd"), "--dtype", "bfloat16", "--layers", "3",
+                          "--hidden", "144", "--heads", "6", "--kv-heads", "3", "--intermediate", "360",
+                          "--vocab", "519")
+    ids = random_ids(64, 519, seed=9)
+    got = {(tp, pp): run_replica_group(tp * pp, score_rank, invariant_spec(model_dir, tp, pp), ids).logprobs
+           for tp, pp in [(1, 1), (3, 1), (1, 3)]}
+    assert got[(3, 1)] == got[(1, 1)] and got[(1, 3)] == got[(1, 1)]
+
+
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_quantized_plans_score_the_same_bits_at_tp1_and_tp2_in_the_invariant_numerics(tmp_path_factory, dtype):
     model_dir = make_tiny(tmp_path_factory.mktemp(f"tiny-{dtype}-tp"), "--dtype", "bfloat16")
