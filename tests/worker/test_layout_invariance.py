@@ -94,12 +94,13 @@ def test_quantized_plans_score_the_same_bits_at_tp1_and_tp2_in_the_invariant_num
 
 
 @pytest.mark.slow
-def test_smollm2_scores_the_same_bits_at_tp1_and_tp3_in_the_invariant_numerics(smollm2_dir):
+def test_smollm2_scores_the_same_bits_at_tp1_tp3_and_pp3_in_the_invariant_numerics(smollm2_dir):
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(f"{smollm2_dir}/tokenizer.json").encode(ENGLISH).ids
-    got = {tp: run_replica_group(tp, score_rank, invariant_spec(smollm2_dir, tp, 1), ids).logprobs for tp in (1, 3)}
-    assert got[1] == got[3]
+    got = {(tp, pp): run_replica_group(tp * pp, score_rank, invariant_spec(smollm2_dir, tp, pp), ids).logprobs
+           for tp, pp in [(1, 1), (3, 1), (1, 3)]}  # SmolLM2's 9 heads / 3 KV heads: no TP2
+    assert got[(3, 1)] == got[(1, 1)] and got[(1, 3)] == got[(1, 1)]
 
 
 def test_a_mixed_batch_generates_the_same_bits_at_every_layout_in_the_invariant_numerics(tmp_path_factory):
