@@ -1,20 +1,21 @@
 """The price of layout-invariant numerics: the same engine with the mode on and off.
 
-    python -m bench.numerics [--rounds 3] [--tps 1,3]
+    python -m bench.numerics [--rounds 3] [--tps 1,3] [--dtype bfloat16|int8|fp8]
 
-SmolLM2-135M bfloat16. For each TP degree, each round runs both modes (in alternating order),
-each as one replica group (``layout_rank``: rank 0 drives the engine, the others follow):
+SmolLM2-135M, bfloat16 (or int8/fp8 weights: results named ``numerics-<dtype>``). For each TP
+degree, each round runs both modes (in alternating order), each as one replica group (``layout_rank``: rank 0 drives the engine, the others follow):
 TPOT at batch 1 (64 tokens) and output tok/s with 16 requests at once (64 tokens each), and the
 prefill of one 512-token prompt. The figures are medians over rounds of the per-round ratios
 invariant / default, so a burst of other work on the host lands on both. Writes
-``bench/results/numerics.{json,md}``.
+``bench/results/numerics[-<dtype>].{json,md}``.
 
 Where the cost is: each row-parallel layer (o_proj, down_proj) computes its fixed k-chunks'
 products in one pass over its weight (a task takes each chunk of its channels in turn, rounds
 each chunk's sums to bfloat16 and adds them in float32 while they are in cache), so a chunk's
 sums are reduced and rounded once more than a whole row's; at TP1 that and the sum are the whole
-price (the fused C++ decoder-layer call runs in this mode too, for dense weights). At TP > 1 the
-all-reduce becomes an all-gather of the chunks' bfloat16 products and a fixed-order sum.
+price (the fused C++ decoder-layer call runs in this mode too; a quantized weight's chunks are one
+quantized-kernel call each there). At TP > 1 the all-reduce becomes an all-gather of the
+chunks' bfloat16 products and a fixed-order sum.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from services.worker.runtime import RankSpec
 MODES = ("default", "layout-invariant")
 
 
-def one(model_dir, tp: int, numerics: str, prompts, max_tokens: int) -> dict:
+def one(model_dir, tp: int, dtype: str, numerics: str, prompts, max_tokens: int) -> dict:
     # no prefix caching: the warm-up run would leave the measured prompts' KV cached
-    spec = RankSpec(str(model_dir), tp_degree=tp, dtype="bfloat16", numerics=numerics,
+    spec = RankSpec(str(model_dir), tp_degree=tp, dtype=dtype, numerics=numerics,
                     cache=CacheConfig(kv_cache_bytes=256 << 20), prefix_caching=False)
     return run_replica_group(tp, layout_rank, spec, prompts, max_tokens)
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.numerics", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tps", default="1,3", help="TP degrees (SmolLM2 allows 1 and 3)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "int8", "fp8"))
     args = parser.parse_args(argv)
     model_dir = smollm2_dir()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -55,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             got: dict[str, dict] = {}
             for numerics in (MODES if i % 2 == 0 else MODES[::-1]):
-                bs1 = one(model_dir, tp, numerics, batch[:1], 64)
-                bs16 = one(model_dir, tp, numerics, batch, 64)
-                prefill = one(model_dir, tp, numerics, [long_prompt], 1)
+                bs1 = one(model_dir, tp, args.dtype, numerics, batch[:1], 64)
+                bs16 = one(model_dir, tp, args.dtype, numerics, batch, 64)
+                prefill = one(model_dir, tp, args.dtype, numerics, [long_prompt], 1)
                 got[numerics] = {"tpot_s": bs1["tpot_s"], "tok_s": bs16["tok_per_s"],
                                  "prefill_s": prefill["elapsed_s"]}
             per_round.append(got)
@@ -67,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         median = {mode: {key: statistics.median(r[mode][key] for r in per_round)
                          for key in ("tpot_s", "tok_s", "prefill_s")} for mode in MODES}
         rows.append({"tp": tp, "rounds": per_round, "ratio": ratio, "median": median})
-    payload = {"machine": machine(), "model": "SmolLM2-135M", "dtype": "bfloat16", "rows": rows}
+    payload = {"machine": machine(), "model": "SmolLM2-135M", "dtype": args.dtype, "rows": rows}
     lines = ["# Layout-invariant numerics: the price", "",
-             f"SmolLM2-135M bfloat16, {args.rounds} rounds per TP degree, modes alternating; "
+             f"SmolLM2-135M {args.dtype}, {args.rounds} rounds per TP degree, modes alternating; "
              f"{payload['machine']['cpu_model']}, {payload['machine']['cpu_count']} cores (TP3 runs three ranks on "
              f"them: oversubscribed, its figures say little).", "",
              "| TP | TPOT bs1 default / invariant (ms) | ratio | tok/s at 16 default / invariant | ratio "
@@ -79,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {row['tp']} | {d['tpot_s'] * 1e3:.1f} / {v['tpot_s'] * 1e3:.1f} | {r['tpot_s']:.3f} "
                      f"| {d['tok_s']:.0f} / {v['tok_s']:.0f} | {r['tok_s']:.3f} "
                      f"| {d['prefill_s'] * 1e3:.0f} / {v['prefill_s'] * 1e3:.0f} | {r['prefill_s']:.3f} |")
-    lines += ["", f"(`python -m bench.numerics --rounds {args.rounds} --tps {args.tps}`)", ""]
+    dtype_flag = "" if args.dtype == "bfloat16" else f" --dtype {args.dtype}"
+    lines += ["", f"(`python -m bench.numerics --rounds {args.rounds} --tps {args.tps}{dtype_flag}`)", ""]
     markdown = "\n".join(lines)
-    return publish_results("numerics", payload, markdown)
+    return publish_results("numerics" if args.dtype == "bfloat16" else f"numerics-{args.dtype}", payload, markdown)
 
 
 if __name__ == "__main__":

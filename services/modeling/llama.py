@@ -150,9 +150,8 @@ class LlamaModel(nn.Module):
         self.ops: LayerOps = ops_for(device)
         # whole layers on this rank (no all-reduce inside one): the C++ kernels may run them in one
         # call (False: the Python loop, layer by layer; the tests compare the two). In the
-        # layout-invariant numerics the call sums the row-parallel layers' fixed k-chunks, for
-        # dense weights (quantized ones take the loop)
-        self.fused_layers = groups.tp_degree == 1 and not (plan.invariant_chunks and plan.weight_quant)
+        # layout-invariant numerics the call sums the row-parallel layers' fixed k-chunks
+        self.fused_layers = groups.tp_degree == 1
         self.invariant_chunks = plan.invariant_chunks
         self._attns = [layer.self_attn for layer in self.layers.values()]
         self._stage_args: tuple | None = None
@@ -170,9 +169,10 @@ class LlamaModel(nn.Module):
             layers = list(self.layers.values())
             weights = stage_weights(
                 (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.weight_scale,
-                 layer.self_attn.o_proj.weight, layer.self_attn.o_proj.weight_scale,
+                 layer.self_attn.o_proj.stage_weight(), layer.self_attn.o_proj.weight_scale,
                  layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
-                 layer.mlp.gate_up_proj.weight_scale, layer.mlp.down_proj.weight, layer.mlp.down_proj.weight_scale)
+                 layer.mlp.gate_up_proj.weight_scale, layer.mlp.down_proj.stage_weight(),
+                 layer.mlp.down_proj.weight_scale)
                 for layer in layers)
             a = self._attns[0]
             self._stage_args = (weights, [a.kv_cache[0] for a in self._attns], [a.kv_cache[1] for a in self._attns],

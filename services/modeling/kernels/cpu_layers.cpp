@@ -11,9 +11,10 @@
 // dense weight (bfloat16: dense_linear; float32: torch's linear); otherwise the weight is int8 or
 // float8 with per-channel scales (quant_linear).
 //
-// In the layout-invariant numerics (`chunks` > 0) the row-parallel products (o and down, dense
-// bfloat16 only) are summed over that many fixed k-chunks (dense_linear_chunks), as
-// RowParallelLinear does at TP1.
+// In the layout-invariant numerics (`chunks` > 0) the row-parallel products (o and down) are
+// summed over that many fixed k-chunks, as RowParallelLinear does at TP1: a dense weight through
+// dense_linear_chunks, a quantized one (then [chunks, N, W], each chunk's rows contiguous) chunk by
+// chunk through quant_linear, the products added in float32 in chunk order.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/linear.h>
@@ -54,8 +55,19 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const 
   // a row-parallel layer's product: the fixed k-chunks' sum in the layout-invariant numerics
   auto row_parallel = [chunks](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
     if (chunks == 0) return linear(x, w, scale);
-    TORCH_CHECK(scale.numel() == 0, "decoder_layers: the layout-invariant numerics take dense weights here");
-    return dense_linear_chunks(x, w, chunks, true);
+    if (scale.numel() == 0) return dense_linear_chunks(x, w, chunks, true);
+    TORCH_CHECK(w.dim() == 3 && w.size(0) == chunks, "decoder_layers: a quantized row-parallel weight in the "
+                "layout-invariant numerics comes as [", chunks, ", N, W], got ", w.sizes());
+    const int64_t width = w.size(2);
+    at::Tensor total;
+    for (int64_t j = 0; j < chunks; ++j) {
+      const at::Tensor part = quant_linear(x.narrow(1, j * width, width).contiguous(), w.select(0, j), scale);
+      if (j == 0)
+        total = part.to(at::kFloat, false, true);  // a copy: the sum is made in it
+      else
+        total.add_(part);  // bfloat16 widens exactly
+    }
+    return total.to(x.scalar_type());
   };
   const int64_t n = h.size(0);
   bool first = !residual.defined() || residual.numel() == 0;

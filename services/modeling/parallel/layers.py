@@ -211,7 +211,7 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"{invariant_chunks} layout-invariant chunks split neither tp_degree={self.tp_degree} "
                              f"nor in_features={in_features} evenly")
         self.invariant_chunks = invariant_chunks
-        self._chunk_weights: list[torch.Tensor] | None = None  # made at the first forward (after loading)
+        self._chunk_weights: torch.Tensor | None = None  # stage_weight's chunked copy, made after loading
         self._weights(out_features, self.in_local, dtype=dtype, device=device, quant=quant)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
@@ -252,11 +252,19 @@ class RowParallelLinear(LinearBase):
         part = x[..., j * width:(j + 1) * width]
         if self.quant is None:
             return F.linear(part, self.weight[:, j * width:(j + 1) * width])
-        chunks = self._chunk_weights
-        if chunks is None:  # the quantized kernel reads a weight as one block: contiguous copies
-            chunks = self._chunk_weights = [self.weight[:, i:i + width].contiguous()
-                                            for i in range(0, self.in_local, width)]
-        return quant_linear(part, chunks[j], self.weight_scale)
+        return quant_linear(part, self.stage_weight()[j], self.weight_scale)
+
+    def stage_weight(self) -> torch.Tensor:
+        """The weight as the fused decoder-layer call takes it: the weight itself, or in the
+        layout-invariant numerics a quantized one as [chunks, out, W], each chunk's rows contiguous
+        (the quantized kernel reads a weight as one block), made at the first call after loading."""
+        if not (self.invariant_chunks and self.quant is not None):
+            return self.weight
+        if self._chunk_weights is None:
+            count = self.invariant_chunks // self.tp_degree
+            self._chunk_weights = (self.weight.view(self.out_features, count, self.in_local // count)
+                                   .transpose(0, 1).contiguous())
+        return self._chunk_weights
 
 
 class VocabParallelEmbedding(LinearBase):
