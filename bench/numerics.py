@@ -3,11 +3,11 @@
     python -m bench.numerics [--rounds 3] [--tps 1,3] [--dtype bfloat16|int8|fp8]
 
 SmolLM2-135M, bfloat16 (or int8/fp8 weights: results named ``numerics-<dtype>``). For each TP
-degree, each round runs both modes (in alternating order), each as one replica group (``layout_rank``: rank 0 drives the engine, the others follow):
-TPOT at batch 1 (64 tokens) and output tok/s with 16 requests at once (64 tokens each), and the
-prefill of one 512-token prompt. The figures are medians over rounds of the per-round ratios
-invariant / default, so a burst of other work on the host lands on both. Writes
-``bench/results/numerics[-<dtype>].{json,md}``.
+degree, each round runs both modes (in alternating order), each as one replica group
+(``layout_rank``: rank 0 drives the engine, the others follow): TPOT at batch 1 (64 tokens) and
+output tok/s with 16 requests at once (64 tokens each), and the prefill of one 512-token prompt. The
+figures are medians over rounds of the per-round ratios invariant / default, so a burst of other
+work on the host lands on both. Writes ``bench/results/numerics[-<dtype>].{json,md}``.
 
 Where the cost is: each row-parallel layer (o_proj, down_proj) computes its fixed k-chunks'
 products in one pass over its weight (a task takes each chunk of its channels in turn, rounds
