@@ -18,7 +18,9 @@ CPU) into ``~/.cache/shardline-bench/xgrammar``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,15 +47,23 @@ TOOLS_ANSWER = [{"name": "get_weather", "parameters": {"city": "Paris", "unit": 
 FLAT_ANSWER = {"xs": [(i * 37) % 1000 for i in range(200)]}  # bench.guided's schema: 200 integers at least
 
 
-def xgrammar_module():
-    try:
-        import xgrammar  # deferred: installed on first use, below
-    except ImportError:
+def run_with_xgrammar(argv: list[str]) -> int | None:
+    """None where xgrammar imports here; else xgrammar installed into CACHE (once) and this
+    benchmark run again in a process with CACHE on its PYTHONPATH (its exit status)."""
+    if importlib.util.find_spec("xgrammar") is not None:
+        return None
+    if not (CACHE / "xgrammar").is_dir():
         CACHE.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(CACHE),
                         *XGRAMMAR], check=True)
-        sys.path.insert(0, str(CACHE))
-        import xgrammar  # deferred: as above
+    paths = [str(CACHE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return subprocess.run([sys.executable, "-m", "bench.grammar_engines", *argv],
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)}).returncode
+
+
+def xgrammar_module():
+    import xgrammar  # deferred: a peer's package, on the path only where run_with_xgrammar put it
+
     return xgrammar
 
 
@@ -132,7 +142,11 @@ def measure(engine, schema: dict, answer, ids_of, starts: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--starts", type=int, default=5, help="fresh compiles per schema and engine (default 5)")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    rerun = run_with_xgrammar(argv)
+    if rerun is not None:
+        return rerun
     model_dir = smollm2_dir()
     config = json.loads((model_dir / "config.json").read_text())
     vocab, eos = config["vocab_size"], config["eos_token_id"]

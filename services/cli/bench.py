@@ -1,34 +1,37 @@
-"""``shardline bench NAME [args...]``: run the benchmark module ``bench/NAME.py`` (its ``main(argv)``).
+"""``shardline bench NAME [args...]``: run the benchmark ``bench/NAME.py`` as ``python -m bench.NAME``.
 
 Benchmarks live in the repository's ``bench/`` folder (not in the installed package), one module
-per target, each writing ``bench/results/NAME.json`` and ``.md``; this command only dispatches,
-so adding ``bench/foo.py`` with a ``main(argv)`` makes ``shardline bench foo`` work.
+per target, each writing ``bench/results/NAME.json`` and ``.md``; this command finds them in the
+working directory and runs the chosen one as a process of its own, so the CLI never imports the
+layer above it. A module with a ``__main__`` block (or a package with ``__main__.py``) is a
+target: adding ``bench/foo.py`` with one makes ``shardline bench foo`` work.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
+import subprocess
 import sys
 from pathlib import Path
 
+MAIN_BLOCK = 'if __name__ == "__main__":'
 
-def _bench_package():
-    try:
-        return importlib.import_module("bench")
-    except ImportError:
-        # the console script does not put the working directory on sys.path
-        sys.path.insert(0, str(Path.cwd()))
-        return importlib.import_module("bench")
+
+def bench_dir() -> Path:
+    return Path.cwd() / "bench"
 
 
 def targets() -> list[str]:
-    try:
-        package = _bench_package()
-    except ImportError:
-        return []
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+    """The runnable benchmarks of the working directory's ``bench/`` (helpers start with ``_``)."""
+    found = []
+    for path in sorted(bench_dir().glob("*")):
+        if path.name.startswith(("_", ".")):
+            continue
+        if path.suffix == ".py" and MAIN_BLOCK in path.read_text(errors="replace"):
+            found.append(path.stem)
+        elif path.is_dir() and (path / "__main__.py").is_file():
+            found.append(path.name)
+    return found
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,9 +48,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardline bench: unknown benchmark {args.target!r}; expected one of {', '.join(available)} "
               f"(run from the repository root)", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"bench.{args.target}")
-    main = getattr(module, "main", None)
-    if main is None:
-        print(f"shardline bench: bench/{args.target}.py has no main(argv)", file=sys.stderr)
-        return 2
-    return int(main(args.bench_args) or 0)
+    return subprocess.run([sys.executable, "-m", f"bench.{args.target}", *args.bench_args],
+                          cwd=bench_dir().parent).returncode

@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def service_module(name: str) -> ModuleType:
     if name not in SERVICES:
         raise ValueError(f"unknown service {name!r}; expected one of {', '.join(SERVICES)}")
-    # by name: a run imports only the service it runs (the worker pulls in torch)
+    # deferred: by name, so that a run imports only the service it runs (the worker pulls in torch)
     return importlib.import_module(f"services.{name}.server")
 
 

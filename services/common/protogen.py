@@ -5,7 +5,9 @@
 
 grpcio-tools' bundled ``protoc`` writes ``*_pb2.py``, ``*_pb2.pyi`` (type stubs) and
 ``*_pb2_grpc.py`` for every ``.proto`` under ``protos/``, plus an ``__init__.py`` per package
-directory so ``shardline.v1`` imports as a regular package. Generation always happens in a
+directory. protoc writes the imports between generated files as ``from shardline.v1 import
+common_pb2``; they are rewritten to this package's full name
+(``services.common.proto.shardline.v1``), so nothing needs ``shardline`` on ``sys.path``. Generation always happens in a
 temporary directory first; only files whose bytes differ are then replaced (atomically, one by
 one), so running it while another process imports the modules is safe and re-running it is a
 no-op. The output depends on the grpcio-tools version, so ``--check`` also catches code
@@ -28,6 +30,7 @@ OUT_ROOT = REPO_ROOT / "services" / "common" / "proto"
 # Top-level package protoc creates under OUT_ROOT (from protos/shardline/v1/*.proto). Everything
 # below it is generated; OUT_ROOT/__init__.py is tracked and is not.
 GENERATED_PACKAGE = "shardline"
+QUALIFIED_PACKAGE = f"services.common.proto.{GENERATED_PACKAGE}"  # its name as this repository imports it
 
 _INIT_TEXT = b'"""Generated from protos/ by `python -m services.common.protogen`. Do not edit."""\n'
 
@@ -87,8 +90,16 @@ def generate_into(out_root: Path, proto_root: Path = PROTO_ROOT) -> None:
     if code != 0:
         raise ProtocError(f"protoc exited with {code} for {len(files)} files under {proto_root}")
     package_root = out_root / GENERATED_PACKAGE
+    for path in package_root.rglob("*.py*"):
+        path.write_bytes(qualify_imports(path.read_bytes()))
     for directory in [package_root, *(p for p in package_root.rglob("*") if p.is_dir())]:
         (directory / "__init__.py").write_bytes(_INIT_TEXT)
+
+
+def qualify_imports(source: bytes) -> bytes:
+    """``from shardline.v1 import x`` -> ``from services.common.proto.shardline.v1 import x``
+    (protoc names the generated package from the .proto paths alone)."""
+    return source.replace(f"from {GENERATED_PACKAGE}.".encode(), f"from {QUALIFIED_PACKAGE}.".encode())
 
 
 def render(proto_root: Path = PROTO_ROOT) -> dict[str, bytes]:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument, ResourceExhausted, ShardlineError, Unavailable
-from services.router.replicas import ReplicaGroupView, ReplicaSet
-from services.router.routing import PromptPrefix, Reservation, Router, fits_group, kv_estimate
+from services.router.replicas import ReplicaGroupView, ReplicaSet, Reservation
+from services.router.routing import PromptPrefix, Router, fits_group, kv_estimate
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_WAIT_S = 30.0

@@ -26,12 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from services.common.health import HealthStore
-
-if TYPE_CHECKING:
-    from services.router.routing import Reservation
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +311,28 @@ class ReplicaGroupView:
         if self.registry_status == "degraded":
             return GroupStatus.DEGRADED, "degraded in the registry"
         return GroupStatus.HEALTHY, ""
+
+
+@dataclass(eq=False)
+class Reservation:
+    """An admitted request's claim on one group's KV cache."""
+
+    reservation_id: int
+    request_id: str
+    group: ReplicaGroupView
+    prompt_tokens: int
+    max_tokens: int
+    kv_bytes: int
+    generated: int = 0  # tokens streamed so far (written by the request's thread)
+    materialized_bytes: int = 0  # part of kv_bytes inside the group's last kv_bytes_used
+    released: bool = False
+
+    def in_cache_bytes(self) -> int:
+        """What the worker holds for this request now, as far as the router can tell."""
+        if self.generated == 0:
+            return 0  # maybe still queued in the worker: count the whole estimate
+        tokens = self.prompt_tokens + self.generated
+        return min(self.kv_bytes, tokens * self.group.kv_bytes_per_token)
 
 
 STATUS_ORDER = ("healthy", "degraded", "draining", "unhealthy")

@@ -44,34 +44,12 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.prefix_blocks import BlockNames, reusable_blocks
-from services.router.replicas import PrefixIndex, ReplicaGroupView, ReplicaSet
+from services.router.replicas import PrefixIndex, ReplicaGroupView, ReplicaSet, Reservation
 
 
 def kv_estimate(prompt_tokens: int, max_tokens: int, kv_bytes_per_token: int) -> int:
     """KV bytes a request may need on a group: every prompt and completion token cached."""
     return (prompt_tokens + max_tokens) * kv_bytes_per_token
-
-
-@dataclass(eq=False)
-class Reservation:
-    """An admitted request's claim on one group's KV cache."""
-
-    reservation_id: int
-    request_id: str
-    group: ReplicaGroupView
-    prompt_tokens: int
-    max_tokens: int
-    kv_bytes: int
-    generated: int = 0  # tokens streamed so far (written by the request's thread)
-    materialized_bytes: int = 0  # part of kv_bytes inside the group's last kv_bytes_used
-    released: bool = False
-
-    def in_cache_bytes(self) -> int:
-        """What the worker holds for this request now, as far as the router can tell."""
-        if self.generated == 0:
-            return 0  # maybe still queued in the worker: count the whole estimate
-        tokens = self.prompt_tokens + self.generated
-        return min(self.kv_bytes, tokens * self.group.kv_bytes_per_token)
 
 
 def fits_group(view: ReplicaGroupView, prompt_tokens: int, max_tokens: int) -> bool:

@@ -48,8 +48,8 @@ from services.common.sampling import MAX_LOGPROBS, FinishReason, SamplingParams,
 from services.router.admission import AdmissionQueue, RequestCancelled, context_error
 from services.router.catalog import ModelCatalog, ServedModel
 from services.router.metrics import RouterMetrics
-from services.router.replicas import ReplicaGroupView, ReplicaSet
-from services.router.routing import PromptPrefix, Reservation, Router
+from services.router.replicas import ReplicaGroupView, ReplicaSet, Reservation
+from services.router.routing import PromptPrefix, Router
 from services.router.shadow import ShadowJob, ShadowMirror
 from services.router.types import Finished, GenerationRequest, Scored, Timings, TokenAlternative, TokenOut
 from services.router.worker_client import (

@@ -200,3 +200,14 @@ def test_enum_values_are_prefixed_and_zero_is_unspecified() -> None:
             assert all(v.name.startswith(prefix) for v in enum.value), (enum.name, prefix)
             zero = next(v for v in enum.value if v.number == 0)
             assert zero.name == f"{prefix}UNSPECIFIED"
+
+
+def test_the_generated_modules_import_each_other_by_full_name_and_leave_sys_path_alone() -> None:
+    script = ("import sys\nbefore = list(sys.path)\nfrom services.common.proto import worker_pb2_grpc\n"
+              "assert sys.path == before, 'sys.path changed'\n"
+              "assert not [m for m in sys.modules if m.split('.')[0] == 'shardline'], 'a top-level shardline'\n"
+              "print(worker_pb2_grpc.__name__)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "services.common.proto.shardline.v1.worker_pb2_grpc"

@@ -6,10 +6,9 @@ never edit them by hand. Import them from here::
 
     from services.common.proto import worker_pb2, worker_pb2_grpc
 
-protoc writes imports between generated files as ``from shardline.v1 import common_pb2``, so
-this package puts its own directory on ``sys.path`` to make ``shardline.v1`` importable. That
-is also why the repository must never have a top-level package named ``shardline``: it would
-shadow this one (checked below, with a clear error).
+The generated files import each other by this package's full name
+(``services.common.proto.shardline.v1``: protogen rewrites protoc's ``from shardline.v1``), so
+nothing here touches ``sys.path``.
 
 Only gRPC-facing code (``server.py`` files, clients, the CLI) imports this; domain modules
 never do, so a wire-format change stays at the edges.
@@ -18,16 +17,12 @@ never do, so a wire-format change stays at the edges.
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 from types import ModuleType
 
 _HERE = Path(__file__).resolve().parent
 _GENERATED = _HERE / "shardline" / "v1"
 PROTO_MODULES = ("common", "worker", "router", "planner", "loader", "telemetry")
-
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
 
 
 def _load(name: str) -> ModuleType:
@@ -36,14 +31,8 @@ def _load(name: str) -> ModuleType:
             f"generated protobuf module {name} is missing from {_GENERATED}: "
             "run `python -m services.common.protogen` (or `make proto`)"
         )
-    module = importlib.import_module(f"shardline.v1.{name}")
-    origin = Path(module.__file__ or "").resolve()
-    if _HERE not in origin.parents:
-        raise ImportError(
-            f"`shardline.v1.{name}` resolved to {origin}, not to the generated code under {_HERE}: "
-            "a top-level `shardline` package on sys.path shadows it"
-        )
-    return module
+    # deferred: by name, so that a missing module gets the message above, not a bare ImportError
+    return importlib.import_module(f"{__name__}.shardline.v1.{name}")
 
 
 common_pb2 = _load("common_pb2")
