@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving import machine_line
+from services.common.group_status import GroupStatus
 from services.common.prefix_blocks import block_hashes, reusable_blocks
 from services.planner.cost_model import Candidate, CostModel
 from services.planner.specs import load_model_spec
 from services.planner.topology import load_topology
-from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet, Reservation, WorkerStats
+from services.router.replicas import ReplicaGroupView, ReplicaSet, Reservation, WorkerStats
 from services.router.routing import PromptPrefix, Router
 
 RESULTS = Path(__file__).resolve().parent / "results"

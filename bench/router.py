@@ -37,11 +37,12 @@ from typing import Any
 import grpc
 
 from services.cli.up import resolve_model  # makes tiny / smollm2 if missing
+from services.common.group_status import GroupStatus
 from services.common.healthcheck import wait_serving as wait
 from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.router.admission import AdmissionQueue
-from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet
+from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.routing import Router
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -220,7 +220,7 @@ class FleetController:
 
     def _mark_dead(self, name: str, reason: str) -> None:
         try:
-            self.registry.set_status(registry_group_id(name), "dead", reason=reason)
+            self.registry.set_status(registry_group_id(name), "dead", reason=reason, by="fleet")
         except Fenced:  # deposed: another controller decides now, so stop nothing either
             raise
         except Exception as exc:  # noqa: BLE001 - already dead (its driver said so first)
@@ -323,7 +323,7 @@ class FleetController:
                 self.event("gating", rollout, group=name, reference=reference)
                 continue
             try:
-                self.registry.set_status(g.replica_group_id, "healthy", reason="in rotation")
+                self.registry.set_status(g.replica_group_id, "healthy", reason="in rotation", by="fleet")
             except Exception as exc:  # noqa: BLE001 - it failed meanwhile: the next tick heals it
                 log.info("group %s not put in rotation: %s", name, exc)
                 continue

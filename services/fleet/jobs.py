@@ -97,7 +97,7 @@ def drain_group(registry: ShardRegistry, name: str, endpoint: str, *, deadline_s
     """Drain and stop one group; the requests it still held at the deadline (handed off)."""
     gid = registry_group_id(name)
     try:
-        registry.set_status(gid, "draining", reason=reason)
+        registry.set_status(gid, "draining", reason=reason, by="fleet")
     except Fenced:  # the controller that decided this was deposed: its successor decides again
         raise
     except Exception as exc:  # noqa: BLE001 - already failing or gone: it is stopped below all the same
@@ -115,7 +115,7 @@ def drain_group(registry: ShardRegistry, name: str, endpoint: str, *, deadline_s
     except Exception as exc:  # noqa: BLE001 - a worker that cannot answer is stopped all the same
         log.warning("group %s: Drain failed (%s); stopping it", name, exc)
     try:
-        registry.set_status(gid, "dead", reason=reason)
+        registry.set_status(gid, "dead", reason=reason, by="fleet")
     except Exception as exc:  # noqa: BLE001
         log.warning("group %s: not marked dead (%s)", name, exc)
     stop(name)

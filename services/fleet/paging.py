@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import grpc
 
+from services.common.group_status import GroupStatus
 from services.telemetry.client import raise_alert
-from services.telemetry.rules import Alert, AlertKind, GroupStatus
+from services.telemetry.rules import Alert, AlertKind
 
 log = logging.getLogger(__name__)
 

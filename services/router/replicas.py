@@ -25,9 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Protocol
 
+from services.common.group_status import GroupStatus
 from services.common.health import HealthStore
 
 log = logging.getLogger(__name__)
@@ -35,21 +35,6 @@ log = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL_S = 0.25
 # A view older than this (the worker stopped answering Stats) is unhealthy.
 DEFAULT_STALE_AFTER_S = 3.0
-
-
-class GroupStatus(Enum):
-    """The proto's ReplicaGroupStatus, by the same names."""
-
-    PROVISIONING = "provisioning"
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    DRAINING = "draining"
-    DEAD = "dead"
-    UNHEALTHY = "unhealthy"
-
-    @property
-    def routable(self) -> bool:
-        return self in (GroupStatus.HEALTHY, GroupStatus.DEGRADED)
 
 
 class StatsLate(Exception):

@@ -19,6 +19,7 @@ import grpc
 
 from services.common.config import ServerConfig, resolve
 from services.common.errors import InvalidArgument
+from services.common.group_status import GroupStatus
 from services.common.grpc_aio_server import serve_until_signal
 from services.common.grpc_server import ServiceBinding
 from services.common.logging import configure_logging
@@ -29,7 +30,7 @@ from services.router.auth import ApiKeyCheck
 from services.router.catalog import ModelDirError
 from services.router.edge import DEFAULT_MAX_BODY_BYTES
 from services.router.process import SHADOW_CONFIG_FIELDS, RouterProcess, build_process
-from services.router.replicas import DEFAULT_POLL_INTERVAL_S, GroupStatus, ReplicaGroupView
+from services.router.replicas import DEFAULT_POLL_INTERVAL_S, ReplicaGroupView
 from services.router.service import DEFAULT_MAX_CONTINUATIONS, RouterCore
 from services.router.shadow import DEFAULT_IDLE_WAIT_S, JUDGES
 from services.router.shadow import DEFAULT_MIN_TOKENS as DEFAULT_SHADOW_MIN_TOKENS

@@ -68,9 +68,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.errors import InvalidArgument
+from services.common.group_status import GroupStatus
 from services.router.replicas import ReplicaGroupView, ReplicaSet
 from services.router.shadow_window import ShadowWindow, WindowFigures
-from services.telemetry.rules import Alert, AlertKind, GroupStatus
+from services.telemetry.rules import Alert, AlertKind
 
 log = logging.getLogger(__name__)
 

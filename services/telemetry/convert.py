@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.common.collective_events import CollectiveEvent
+from services.common.group_status import GroupStatus
 from services.common.proto import common_pb2, telemetry_pb2
-from services.telemetry.rules import Alert, AlertKind, GroupStatus
+from services.telemetry.rules import Alert, AlertKind
 from services.telemetry.windows import WindowSummary
 
 ALERT_KINDS = {

@@ -25,10 +25,11 @@ import time
 import redis
 from sqlalchemy.exc import OperationalError
 
+from services.common.group_status import GroupStatus
 from services.common.health import HealthStore, rank_field
 from services.common.health.base import DEGRADED, HEALTHY, UNHEALTHY
 from services.common.registry import IllegalTransition, NotFound, RegistryError, ShardRegistry, registry_group_id
-from services.telemetry.rules import Alert, AlertKind, GroupStatus, gpu_coords
+from services.telemetry.rules import Alert, AlertKind, gpu_coords
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class GroupStatusEffects:
             current = self.registry.get_group(gid).status
             if current == target:
                 return
-            self.registry.set_status(gid, target, reason=alert.message[:500])
+            self.registry.set_status(gid, target, reason=alert.message[:500], by="telemetry")
         except IllegalTransition as exc:
             log.info("registry: %s stays %s (%s)", alert.replica_group_id, exc.from_status, exc)
         except NotFound:

@@ -52,6 +52,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from services.common.group_status import GroupStatus
 from services.telemetry.sketch import LogHistogram
 
 STAGE_LINK_OPS = frozenset({"send", "recv"})
@@ -72,15 +73,6 @@ class AlertKind(enum.Enum):
 
 # what TelemetryService.RaiseAlert accepts: the kinds no telemetry rule decides
 RAISED_KINDS = frozenset({AlertKind.SHADOW_DIVERGENCE, AlertKind.QUALITY_DRIFT, AlertKind.PROVISIONING_FAILED})
-
-
-class GroupStatus(enum.Enum):
-    """Where an alert moves the group (``ReplicaGroupStatus`` in common.proto)."""
-
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    DRAINING = "draining"
-    UNHEALTHY = "unhealthy"
 
 
 @dataclass(frozen=True)

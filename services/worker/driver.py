@@ -180,7 +180,7 @@ class ReplicaDriver:
                 self.registry.register_shard(group_uuid, rank_gpu_id(self.replica_group_id, pp, tp),
                                              self._node_ids[pp * plan.tp_degree + tp], tp, pp, weight_bytes)
         if not opts.await_rotation:
-            self.registry.set_status(group_uuid, "healthy")
+            self.registry.set_status(group_uuid, "healthy", by="driver")
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -250,7 +250,8 @@ class ReplicaDriver:
                 log.warning("could not tell which node failed: %s", report_exc)
         if self.registry is not None:
             try:
-                self.registry.set_status(registry_group_id(self.replica_group_id), "dead", reason=reason[:500])
+                self.registry.set_status(registry_group_id(self.replica_group_id), "dead", reason=reason[:500],
+                                         by="driver")
             except Exception as report_exc:
                 log.warning("could not record the failure in the registry: %s", report_exc)
 
@@ -268,8 +269,8 @@ class ReplicaDriver:
             try:
                 group = registry_group_id(self.replica_group_id)
                 if self.registry.get_group(group).status in IN_ROTATION:
-                    self.registry.set_status(group, "draining")
-                self.registry.set_status(group, "dead", reason="stopped")
+                    self.registry.set_status(group, "draining", by="driver")
+                self.registry.set_status(group, "dead", reason="stopped", by="driver")
             except Exception as exc:
                 log.warning("could not record the stop: %s", exc)
         if self.health is not None:

@@ -58,10 +58,10 @@ def test_a_controller_declared_group_is_adopted_by_its_driver_once(registry: Sha
     assert (adopted.model_name, adopted.kv_cache_cap_bytes, adopted.endpoint) == ("smollm2", 10, "127.0.0.1:1")
     assert (adopted.fleet_name, adopted.fleet_revision, adopted.manifest_uri) == ("smol", 3, "/models/smol")
     assert [g.name for g in registry.fleet_groups("smol")] == ["smol-abc123"]
-    registry.set_status(gid, "healthy")
+    registry.set_status(gid, "healthy", by="operator")
     with pytest.raises(Conflict, match="a group is started once"):
         registry.adopt_provisioning_group(gid, model_name="m", tp_degree=1, pp_degree=2, dtype="bf16",
                                           kv_cache_cap_bytes=10, endpoint="127.0.0.1:1")
-    registry.set_status(gid, "dead", reason="test")
+    registry.set_status(gid, "dead", reason="test", by="operator")
     assert registry.fleet_groups("smol") == []
     assert [g.status for g in registry.fleet_groups("smol", include_dead=True)] == ["dead"]

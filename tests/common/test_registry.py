@@ -82,7 +82,7 @@ def _group(registry: ShardRegistry, model: str = "llama-3-70b", *, tp: int = 2, 
 
 def _walk(registry: ShardRegistry, group_id: uuid.UUID, target: str) -> None:
     for status in PATH_TO[target]:
-        registry.set_status(group_id, status)
+        registry.set_status(group_id, status, by="operator")
 
 
 # ---- schema ------------------------------------------------------------------------------------
@@ -181,13 +181,13 @@ def test_create_group_starts_provisioning(registry: ShardRegistry) -> None:
 
 def test_lifecycle_happy_path(registry: ShardRegistry) -> None:
     gid = _group(registry).replica_group_id
-    assert registry.set_status(gid, "healthy").status == "healthy"
-    degraded = registry.set_status(gid, "degraded", reason="gpu-3 all_reduce p99 4.1x baseline")
+    assert registry.set_status(gid, "healthy", by="operator").status == "healthy"
+    degraded = registry.set_status(gid, "degraded", reason="gpu-3 all_reduce p99 4.1x baseline", by="operator")
     assert (degraded.status, degraded.status_reason) == ("degraded", "gpu-3 all_reduce p99 4.1x baseline")
-    recovered = registry.set_status(gid, "healthy")
+    recovered = registry.set_status(gid, "healthy", by="operator")
     assert (recovered.status, recovered.status_reason) == ("healthy", None)
-    assert registry.set_status(gid, "draining", reason="scale down").status == "draining"
-    dead = registry.set_status(gid, "dead", reason="drained")
+    assert registry.set_status(gid, "draining", reason="scale down", by="operator").status == "draining"
+    dead = registry.set_status(gid, "dead", reason="drained", by="operator")
     assert (dead.status, dead.status_reason) == ("dead", "drained")
     assert dead.updated_at >= degraded.updated_at >= dead.created_at
 
@@ -197,7 +197,7 @@ def test_every_legal_transition_is_accepted(registry: ShardRegistry) -> None:
         for target in targets:
             gid = _group(registry).replica_group_id
             _walk(registry, gid, source)
-            assert registry.set_status(gid, target).status == target
+            assert registry.set_status(gid, target, by="operator").status == target
 
 
 def test_every_illegal_transition_raises_naming_from_to_and_allowed(registry: ShardRegistry) -> None:
@@ -208,7 +208,7 @@ def test_every_illegal_transition_raises_naming_from_to_and_allowed(registry: Sh
         _walk(registry, gid, source)
         allowed = ", ".join(ALLOWED_TRANSITIONS[source]) or "none (terminal state)"
         with pytest.raises(IllegalTransition) as info:
-            registry.set_status(gid, target)
+            registry.set_status(gid, target, by="operator")
         assert str(info.value) == (f"illegal replica group transition {source} -> {target} for {gid}: "
                                    f"from {source} the allowed targets are {allowed}")
         assert (info.value.from_status, info.value.to_status) == (source, target)
@@ -217,24 +217,24 @@ def test_every_illegal_transition_raises_naming_from_to_and_allowed(registry: Sh
 
 def test_dead_to_healthy_message(registry: ShardRegistry) -> None:
     gid = _group(registry).replica_group_id
-    registry.set_status(gid, "dead")
+    registry.set_status(gid, "dead", by="operator")
     with pytest.raises(IllegalTransition, match=r"dead -> healthy .*allowed targets are none \(terminal state\)$"):
-        registry.set_status(gid, "healthy")
+        registry.set_status(gid, "healthy", by="operator")
     gid2 = _group(registry).replica_group_id
-    registry.set_status(gid2, "healthy")
-    registry.set_status(gid2, "draining")
+    registry.set_status(gid2, "healthy", by="operator")
+    registry.set_status(gid2, "draining", by="operator")
     with pytest.raises(IllegalTransition, match=r"draining -> healthy .*allowed targets are dead$"):
-        registry.set_status(gid2, "healthy")
+        registry.set_status(gid2, "healthy", by="operator")
 
 
 def test_unknown_group_status_and_bad_ids(registry: ShardRegistry) -> None:
     gid = _group(registry).replica_group_id
     with pytest.raises(InvalidValue, match=r"unknown replica group status 'alive': expected one of "
                                            r"provisioning, healthy, degraded, draining, dead"):
-        registry.set_status(gid, "alive")
+        registry.set_status(gid, "alive", by="operator")
     missing = uuid.uuid4()
     with pytest.raises(GroupNotFound) as info:
-        registry.set_status(missing, "healthy")
+        registry.set_status(missing, "healthy", by="operator")
     assert str(info.value) == f"replica group {missing} not found in the shard registry"
     with pytest.raises(GroupNotFound):
         registry.get_group(missing)
@@ -259,10 +259,10 @@ def test_list_groups_filters_by_model_and_status(registry: ShardRegistry) -> Non
     b = _group(registry, "llama-3-70b", name="b").replica_group_id
     c = _group(registry, "smollm2-135m", tp=1, pp=1, name="c").replica_group_id
     d = _group(registry, "smollm2-135m", tp=1, pp=1, name="d").replica_group_id
-    registry.set_status(a, "healthy")
-    registry.set_status(c, "healthy")
-    registry.set_status(d, "healthy")
-    registry.set_status(d, "degraded")
+    registry.set_status(a, "healthy", by="operator")
+    registry.set_status(c, "healthy", by="operator")
+    registry.set_status(d, "healthy", by="operator")
+    registry.set_status(d, "degraded", by="operator")
 
     def names(groups) -> list[str]:
         return [g.name for g in groups]
@@ -282,13 +282,13 @@ def test_list_groups_filters_by_model_and_status(registry: ShardRegistry) -> Non
 def test_racing_status_changes_one_wins(registry: ShardRegistry) -> None:
     """Compare-and-set: of writers racing healthy -> dead, exactly one succeeds."""
     gid = _group(registry).replica_group_id
-    registry.set_status(gid, "healthy")
+    registry.set_status(gid, "healthy", by="operator")
     outcomes: list[str] = []
     lock = threading.Lock()
 
     def kill() -> None:
         try:
-            registry.set_status(gid, "dead", reason=threading.current_thread().name)
+            registry.set_status(gid, "dead", reason=threading.current_thread().name, by="operator")
             result = "ok"
         except IllegalTransition as exc:
             result = f"{exc.from_status}->{exc.to_status}"
@@ -352,7 +352,7 @@ def test_gpu_of_dead_group_is_taken_over(registry: ShardRegistry) -> None:
     old = _group(registry, tp=1, pp=1).replica_group_id
     registry.register_shard(old, "gpu-0", "node0", 0, 0, GIB)
     registry.heartbeat("gpu-0", 5000, status="healthy")
-    registry.set_status(old, "dead", reason="all_reduce timed out")
+    registry.set_status(old, "dead", reason="all_reduce timed out", by="operator")
     with pytest.raises(GroupIsDead, match=rf"replica group {old} is dead: cannot register gpu gpu-1"):
         registry.register_shard(old, "gpu-1", "node0", 0, 0, GIB)
     new = _group(registry, tp=1, pp=1).replica_group_id
@@ -395,7 +395,7 @@ def test_stale_shards(registry: ShardRegistry) -> None:
     assert registry.stale_shards(60) == []
     with pytest.raises(InvalidValue):
         registry.stale_shards(-1)
-    registry.set_status(gid, "dead")
+    registry.set_status(gid, "dead", by="operator")
     assert registry.stale_shards(0) == []
     assert {s.gpu_id for s in registry.stale_shards(0, include_dead=True)} == {"gpu-0", "gpu-1"}
 

@@ -111,8 +111,8 @@ class Sim:
 
     def drain(self, registry: ShardRegistry, name: str, endpoint: str, *, reason: str, stop, **_: object) -> int:
         if registry.get_group(registry_group_id(name)).status != "draining":  # a resumed drain: it is already
-            registry.set_status(registry_group_id(name), "draining", reason=reason)
-        registry.set_status(registry_group_id(name), "dead", reason=reason)
+            registry.set_status(registry_group_id(name), "draining", reason=reason, by="fleet")
+        registry.set_status(registry_group_id(name), "dead", reason=reason, by="fleet")
         stop(name)
         return 0
 
@@ -303,7 +303,7 @@ def test_a_controller_restarted_mid_rollout_finishes_it_once(sim: Sim, moment: s
     sim.until(reached)
     if moment == "old group draining":  # a drain's first step done, then its controller died with the job
         victim = next(g.name for g in sim.groups() if g.pp_degree == 1 and g.status == "healthy")
-        sim.registry.set_status(registry_group_id(victim), "draining", reason="replaced by revision 2")
+        sim.registry.set_status(registry_group_id(victim), "draining", reason="replaced by revision 2", by="fleet")
     sim.restart()
     sim.until(lambda: sim.rollout_status() == "succeeded")
     sim.tick(5)
@@ -328,7 +328,7 @@ def test_a_restarted_controller_keeps_the_autoscalers_count_and_finishes_a_drain
     assert s.in_rotation() == 3 and s.controller.state.desired == 3
     # a group left draining by a controller that stopped mid-drain is drained and stopped
     victim = s.groups()[0].name
-    s.registry.set_status(registry_group_id(victim), "draining", reason="scaled in to 2")
+    s.registry.set_status(registry_group_id(victim), "draining", reason="scaled in to 2", by="fleet")
     s.restart()
     s.until(lambda: victim not in {g.name for g in s.groups()})
     assert s.registry.get_group(registry_group_id(victim)).status == "dead" and victim in s.provisioner.stopped

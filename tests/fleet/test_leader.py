@@ -246,7 +246,7 @@ def test_a_leader_stopped_mid_rollout_is_replaced_by_the_standby_which_finishes_
             os.kill(a.pid, signal.SIGCONT)  # a wakes up believing it leads: it finds its term over
             _until("a steps down", lambda: "term 1 is over" in (tmp_path / "a.log").read_text(), 10, tmp_path)
             with registry.fenced(lease_name, 1) as old_term, pytest.raises(Fenced):  # what a write of a's meets
-                old_term.set_status(registry_group_id(candidate), "draining", reason="a, deposed")
+                old_term.set_status(registry_group_id(candidate), "draining", reason="a, deposed", by="fleet")
             time.sleep(2 * INTERVAL_S)
             assert registry.read_lease(lease_name).term == 2
             assert [g.name for g in registry.fleet_groups("lead")] == [candidate] and serving() == [candidate]

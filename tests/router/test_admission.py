@@ -8,8 +8,9 @@ import time
 import pytest
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.group_status import GroupStatus
 from services.router.admission import AdmissionQueue, QueueConfig, RequestCancelled, context_error
-from services.router.replicas import GroupStatus, ReplicaGroupView
+from services.router.replicas import ReplicaGroupView
 from services.router.routing import Router
 from tests.router.test_routing import BPT, replica_set, view
 

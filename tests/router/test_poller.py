@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from services.common.errors import Unavailable
-from services.router.replicas import GroupPoller, GroupStatus, ReplicaSet, StatsLate, WorkerStats
+from services.common.group_status import GroupStatus
+from services.router.replicas import GroupPoller, ReplicaSet, StatsLate, WorkerStats
 
 STATS = WorkerStats("rg-a", "m", 1, 1, "bfloat16", 0, 1000, 10, 100)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.group_status import GroupStatus
 from services.common.health import MemoryHealthStore, rank_fields
-from services.router.replicas import GroupStatus, ReplicaGroupView, WorkerStats, worst_status
+from services.router.replicas import ReplicaGroupView, WorkerStats, worst_status
 
 STATS = WorkerStats("rg-a", "tiny", 2, 1, "float32", kv_bytes_used=0, kv_bytes_capacity=1 << 20,
                     kv_bytes_per_token=2048, max_model_len=512)

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from services.common.group_status import GroupStatus
 from services.common.prefix_blocks import block_hashes
-from services.router.replicas import GroupStatus, ReplicaGroupView, ReplicaSet, WorkerStats
+from services.router.replicas import ReplicaGroupView, ReplicaSet, WorkerStats
 from services.router.routing import PromptPrefix, Router, fits_group, kv_estimate, pick
 
 BPT = 2048  # KV bytes per token of the tiny model at TP2 (per rank)

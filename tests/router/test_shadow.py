@@ -18,9 +18,10 @@ import httpx
 import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.group_status import GroupStatus
 from services.common.logprob_comparison import compare
 from services.common.proto import telemetry_pb2
-from services.router.replicas import GroupStatus, ReplicaSet
+from services.router.replicas import ReplicaSet
 from services.router.shadow import ShadowConfig, ShadowJob, ShadowMirror, generated_positions
 from services.router.shadow_window import ShadowWindow
 from services.telemetry.rules import Alert, AlertKind

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from services.common.group_status import GroupStatus
 from services.common.health.redis_store import RedisHealthStore
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
-from services.telemetry.rules import Alert, AlertKind, GroupStatus
+from services.telemetry.rules import Alert, AlertKind
 from tests.restartable import redis_server
 
 pytestmark = pytest.mark.slow

@@ -9,10 +9,11 @@ import uuid
 import grpc
 import pytest
 
+from services.common.group_status import GroupStatus
 from services.common.proto import telemetry_pb2
 from services.common.registry import ShardRegistry, registry_group_id
 from services.telemetry.client import raise_alert
-from services.telemetry.rules import Alert, AlertKind, GroupStatus
+from services.telemetry.rules import Alert, AlertKind
 from tests.telemetry.procs import alerts_reader, start_service, telemetry_stub, wait_until
 from tests.telemetry.test_rules import register_group
 

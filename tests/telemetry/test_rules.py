@@ -9,11 +9,12 @@ import uuid
 import pytest
 
 from services.common.collective_events import CollectiveEvent
+from services.common.group_status import GroupStatus
 from services.common.health import make_health_store
 from services.common.registry import ShardRegistry, registry_group_id
 from services.telemetry.effects import GroupStatusEffects
 from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
-from services.telemetry.rules import AlertKind, GroupStatus, RuleConfig
+from services.telemetry.rules import AlertKind, RuleConfig
 from services.telemetry.windows import WindowConfig
 
 ORIGIN = 1_700_000_000_000
@@ -237,7 +238,7 @@ def registry(tmp_path):
 def register_group(registry: ShardRegistry, name: str) -> uuid.UUID:
     gid = registry_group_id(name)
     registry.create_replica_group("tiny", 2, 2, "float32", 1 << 20, name=name, replica_group_id=gid)
-    registry.set_status(gid, "healthy")
+    registry.set_status(gid, "healthy", by="operator")
     return gid
 
 

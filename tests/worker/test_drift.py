@@ -105,7 +105,7 @@ def test_drift_monitor_alerts_the_noisy_group_only(tiny_model_dir: Path, groups:
         # a group in rotation whose worker is gone: logged each round, never stops the monitor
         gone = registry.create_replica_group("tiny", 1, 1, "float32", 1 << 20, name="rg-gone",
                                              endpoint=f"127.0.0.1:{free_port()}")
-        registry.set_status(gone.replica_group_id, "healthy")
+        registry.set_status(gone.replica_group_id, "healthy", by="operator")
     telemetry = start_service("telemetry", groups.logs / "telemetry.log", "--registry-url", groups.registry,
                               metrics=False)
     alerts, _, channel = alerts_reader(telemetry.address, "")

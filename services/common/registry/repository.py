@@ -25,7 +25,7 @@ from .dtypes import to_registry_dtype
 from .engine import make_engine, registry_url, retry_on_disconnect
 from .fleet_store import FleetRecords
 from .leases import LeaseRecords, check_fence
-from .lifecycle import ALLOWED_TRANSITIONS, DEAD, GROUP_STATUSES, PROVISIONING, SHARD_STATUSES
+from .lifecycle import DEAD, GROUP_STATUSES, MOVERS, PROVISIONING, SHARD_STATUSES
 from .models import CheckpointManifestRow, GpuShardRow, QualityGateRow, ReplicaGroupRow
 from .records import CheckpointManifest, GpuShard, QualityGateResult, ReplicaGroup
 
@@ -193,9 +193,11 @@ class ShardRegistry(FleetRecords, LeaseRecords):
             return [ReplicaGroup.from_row(row) for row in session.scalars(query)]
 
     @retry_on_disconnect
-    def set_status(self, group_id: GroupId, new_status: str,
-                   reason: str | None = None) -> ReplicaGroup:
-        """Move a group along its lifecycle; raises IllegalTransition for any other move.
+    def set_status(self, group_id: GroupId, new_status: str, reason: str | None = None, *,
+                   by: str) -> ReplicaGroup:
+        """Move a group along its lifecycle as writer ``by`` (``driver``, ``telemetry``, ``fleet``
+        or ``operator``: services/common/group_status.py's MOVERS); raises IllegalTransition for
+        a move that writer may not make.
 
         Compare-and-set on the current status, so two writers racing (say telemetry marking
         ``degraded`` while an operator drains) cannot both pass a check made on a stale read.
@@ -206,10 +208,12 @@ class ShardRegistry(FleetRecords, LeaseRecords):
                 f"unknown replica group status {new_status!r}: expected one of "
                 f"{', '.join(GROUP_STATUSES)}"
             )
+        if by not in MOVERS:
+            raise errors.InvalidValue(f"unknown status writer {by!r}: expected one of {', '.join(MOVERS)}")
         for _ in range(_CAS_ATTEMPTS):
             with self._tx() as session:
                 current = self._group_row(session, gid).status
-                allowed = ALLOWED_TRANSITIONS[current]
+                allowed = MOVERS[by].get(current, ())
                 if new_status not in allowed:
                     raise errors.IllegalTransition(gid, current, new_status, allowed)
                 result = session.execute(
