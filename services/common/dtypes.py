@@ -79,11 +79,13 @@ def accepted_dtypes(among: Iterable[str] = DTYPES) -> str:
     return f"one of {sorted(accepted)} (aliases {aliases})"
 
 
-def canonical_dtype(name: str, among: Iterable[str] = DTYPES) -> str:
-    """``bf16`` -> ``bfloat16``; raises :class:`UnknownDtype` naming what is accepted."""
+def canonical_dtype(name: str, among: Iterable[str] = DTYPES, *, error: type[Exception] = UnknownDtype) -> str:
+    """``bf16`` -> ``bfloat16``: the one rule for a dtype name, in every layer. A name not
+    ``among`` the accepted raises ``error`` (each layer its own kind: a bad request, a bad model
+    config, a bad spec) with a message naming what is accepted."""
     key = lookup_dtype(name, among)
     if key is None:
-        raise UnknownDtype(f"unknown dtype {name!r}: expected {accepted_dtypes(among)}")
+        raise error(f"unknown dtype {name!r}: expected {accepted_dtypes(among)}")
     return key
 
 

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.dtypes import DENSE_DTYPES, DTYPES, UnknownDtype
-from services.common.dtypes import canonical_dtype as canonical_serving_dtype
+from services.common.dtypes import DENSE_DTYPES, DTYPES, canonical_dtype
 from services.loader.errors import ManifestError, ObjectNotFound, ShardLayoutError
-from services.modeling.config import ModelConfigError, canonical_dtype
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -96,10 +94,11 @@ class PlanInfo:
         if self.tp_degree < 1 or self.pp_degree < 1:
             raise ManifestError(f"plan needs tp_degree, pp_degree >= 1, got tp={self.tp_degree} pp={self.pp_degree}")
         try:
-            object.__setattr__(self, "dtype", canonical_serving_dtype(self.dtype))
-            object.__setattr__(self, "activation_dtype", canonical_dtype(self.activation_dtype or self.dtype)
-                               if self.activation_dtype or self.dtype in DENSE_DTYPES else None)
-        except (ModelConfigError, UnknownDtype) as exc:
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype, error=ManifestError))
+            activation = self.activation_dtype or (self.dtype if self.dtype in DENSE_DTYPES else None)
+            object.__setattr__(self, "activation_dtype", None if activation is None
+                               else canonical_dtype(activation, DENSE_DTYPES, error=ManifestError))
+        except ManifestError as exc:
             raise ManifestError(f"plan.dtype: {exc}") from None
         if (self.dtype in DENSE_DTYPES) != (self.quantization is None) or \
                 (self.quantization is not None and self.activation_dtype is None):

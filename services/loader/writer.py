@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from services.common.dtypes import canonical_dtype as canonical_serving_dtype
+from services.common.dtypes import canonical_dtype
 from services.loader.layout import RankLayout, model_fingerprint, rank_model, unique_parameters
 from services.loader.manifest import (
     MANIFEST_NAME,
@@ -67,7 +67,7 @@ class ShardJob:
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir / 'config.json'} not found: expected a Hugging Face model directory")
         if self.dtype is not None:
-            object.__setattr__(self, "dtype", canonical_serving_dtype(self.dtype))
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if not str(self.out):
             raise ValueError("out must be a directory or s3://bucket/prefix, got an empty string")
 

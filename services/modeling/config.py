@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from services.common.dtypes import DENSE_DTYPES, accepted_dtypes, lookup_dtype
+from services.common.dtypes import DENSE_DTYPES, canonical_dtype
 
 # The dense dtypes a model can run in, as torch spells them (names from services.common.dtypes).
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DENSE_DTYPES}
@@ -23,16 +23,8 @@ class ModelConfigError(ValueError):
     """The checkpoint's config cannot be served as asked (bad shape, unsupported field, bad split)."""
 
 
-def canonical_dtype(name: str) -> str:
-    """Map a dense dtype name or alias (fp16, bf16, fp32, torch.float16) to its canonical name."""
-    key = lookup_dtype(name, DENSE_DTYPES)
-    if key is None:
-        raise ModelConfigError(f"unsupported dtype {name!r}: the dtype must be {accepted_dtypes(DENSE_DTYPES)}")
-    return key
-
-
 def torch_dtype(name: str) -> torch.dtype:
-    return TORCH_DTYPES[canonical_dtype(name)]
+    return TORCH_DTYPES[canonical_dtype(name, DENSE_DTYPES, error=ModelConfigError)]
 
 
 @dataclass(frozen=True)
@@ -99,7 +91,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            torch_dtype=canonical_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            torch_dtype=canonical_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32", DENSE_DTYPES,
+                                        error=ModelConfigError),
             name=name,
             raw=dict(cfg),
         )

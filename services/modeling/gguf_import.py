@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.common.dtypes import DTYPES
-from services.modeling.config import TORCH_DTYPES, canonical_dtype
+from services.common.dtypes import DENSE_DTYPES, DTYPES, canonical_dtype
+from services.modeling.config import TORCH_DTYPES, ModelConfigError
 from services.modeling.hf_tokenizer import SpecialTokens, gpt2_bpe_tokenizer, write_json, write_tokenizer_files
 from services.modeling.tiny import WrittenModel
 
@@ -270,7 +270,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float32") -> W
     import gguf
     from gguf.quants import dequantize
 
-    dtype = canonical_dtype(dtype)
+    dtype = canonical_dtype(dtype, DENSE_DTYPES, error=ModelConfigError)
     torch_dtype = TORCH_DTYPES[dtype]
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")

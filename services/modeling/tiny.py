@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.modeling.config import TORCH_DTYPES, canonical_dtype
+from services.common.dtypes import DENSE_DTYPES, canonical_dtype
+from services.modeling.config import TORCH_DTYPES, ModelConfigError
 from services.modeling.hf_tokenizer import (
     MIN_BYTE_LEVEL_VOCAB,
     TINY_CHAT_TEMPLATE,
@@ -94,7 +95,7 @@ class TinyModelSpec:
                 f"rope_original_max_position must be in [1, max_position={self.max_position}), got {original}"
             )
         # Normalise aliases so the written config always uses canonical names.
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, DENSE_DTYPES, error=ModelConfigError))
 
     @property
     def head_dim(self) -> int:

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.dtypes import canonical_dtype
 from services.common.errors import InvalidArgument
 from services.planner.comm import (
     Link,
@@ -78,7 +79,7 @@ from services.planner.comm import (
     send_recv_s,
     tp_links,
 )
-from services.planner.specs import DType, ModelSpec, canonical_dtype, ceil_div, get_dtype
+from services.planner.specs import DType, ModelSpec, SpecError, ceil_div, get_dtype
 from services.planner.topology import GIB, Topology
 
 # A sampled token on its way back to the driver: a pickled StepResult entry (seq id, token id,
@@ -107,7 +108,7 @@ class Candidate:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, error=SpecError))
 
     @property
     def gpus(self) -> int:

@@ -26,9 +26,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from services.common.dtypes import canonical_dtype
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.planner.cost_model import Candidate, CostEstimate, CostModel, LayoutError, Workload, check_layout
-from services.planner.specs import DTYPES, ModelSpec, canonical_dtype
+from services.planner.specs import DTYPES, ModelSpec, SpecError
 from services.planner.topology import GIB, Topology
 
 Objective = Literal["cost", "latency", "balanced"]
@@ -75,7 +76,7 @@ class PlanRequest:
     def __post_init__(self) -> None:
         if not self.dtypes:
             raise PlannerError("dtypes is empty; expected at least one dtype")
-        object.__setattr__(self, "dtypes", tuple(canonical_dtype(d) for d in self.dtypes))
+        object.__setattr__(self, "dtypes", tuple(canonical_dtype(d, error=SpecError) for d in self.dtypes))
         if self.objective not in OBJECTIVES:
             raise PlannerError(f"unknown objective {self.objective!r}; expected one of {', '.join(OBJECTIVES)}")
         if not isinstance(self.max_nodes, int) or self.max_nodes < 1:

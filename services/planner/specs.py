@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from services.common.dtypes import DTYPE_ALIASES, DTYPES, DType, lookup_dtype
+from services.common.dtypes import DTYPE_ALIASES, DTYPES, DType, canonical_dtype
 from services.common.errors import InvalidArgument, NotFound
 
 
@@ -41,17 +41,8 @@ class UnknownModelError(NotFound, SpecError):
 # dtypes
 
 
-def canonical_dtype(name: str) -> str:
-    """Map a dtype name or alias (``fp16``, ``BF16``) to its canonical name (``float16``)."""
-    key = lookup_dtype(name)
-    if key is None:
-        known = ", ".join([*DTYPES, *DTYPE_ALIASES])
-        raise SpecError(f"unknown dtype {name!r}; expected one of: {known}")
-    return key
-
-
 def get_dtype(name: str) -> DType:
-    return DTYPES[canonical_dtype(name)]
+    return DTYPES[canonical_dtype(name, error=SpecError)]
 
 
 def parse_dtypes(value: str) -> tuple[str, ...]:
@@ -61,7 +52,7 @@ def parse_dtypes(value: str) -> tuple[str, ...]:
     names: list[str] = []
     for part in value.split(","):
         if part.strip():
-            name = canonical_dtype(part)
+            name = canonical_dtype(part, error=SpecError)
             if name not in names:
                 names.append(name)
     if not names:
@@ -276,7 +267,6 @@ __all__ = [
     "PRESETS",
     "SpecError",
     "UnknownModelError",
-    "canonical_dtype",
     "ceil_div",
     "get_dtype",
     "load_model_spec",

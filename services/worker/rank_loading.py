@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.common.dtypes import canonical_dtype as canonical_serving_dtype
+from services.common.dtypes import canonical_dtype
 from services.loader.errors import ObjectNotFound, ShardLayoutError
 from services.loader.layout import RankLayout, unique_parameters
 from services.loader.manifest import Manifest
@@ -70,7 +70,7 @@ def plan_for_checkpoint(checkpoint_uri: str | Path, *, tp_degree: int, pp_degree
     config = ModelConfig.from_dict(manifest.model_config, name=manifest.model_name)
     got = manifest.plan
     dtype = dtype or got.dtype
-    same_scheme = got.quantization is not None and canonical_serving_dtype(dtype) == got.dtype
+    same_scheme = got.quantization is not None and canonical_dtype(dtype) == got.dtype
     return ParallelPlan(config, tp_degree, pp_degree, dtype,
                         activation_dtype=activation_dtype or (got.activation_dtype if same_scheme else None),
                         quantize_lm_head=bool(got.quantization["lm_head"]) if same_scheme else True,

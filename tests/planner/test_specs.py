@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.specs import DTYPES, PRESETS, ModelSpec, SpecError, canonical_dtype, load_model_spec, parse_dtypes
+from services.common.dtypes import canonical_dtype
+from services.planner.specs import DTYPES, PRESETS, ModelSpec, SpecError, load_model_spec, parse_dtypes
 
 
 def test_llama3_70b_parameters_are_computed_from_the_shape() -> None:
@@ -64,8 +65,8 @@ def test_dtype_aliases_and_errors() -> None:
     assert canonical_dtype("fp32") == "float32"
     assert parse_dtypes("any") == tuple(DTYPES)
     assert parse_dtypes("fp16,int8,float16") == ("float16", "int8")
-    with pytest.raises(SpecError, match=r"unknown dtype 'fp4'; expected one of: float16"):
-        canonical_dtype("fp4")
+    with pytest.raises(SpecError, match=r"unknown dtype 'fp4': expected one of \['bfloat16', 'float16'"):
+        parse_dtypes("fp4")
 
 
 def _hf_config(m: ModelSpec) -> dict:

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.dtypes import DTYPES, UnknownDtype
-from services.common.dtypes import canonical_dtype as canonical_serving_dtype
+from services.common.dtypes import DENSE_DTYPES, DTYPES, canonical_dtype
 from services.common.numerics import NUMERICS
-from services.modeling.config import CALIBRATION_KEY, ModelConfig, ModelConfigError, canonical_dtype, torch_dtype
+from services.modeling.config import CALIBRATION_KEY, ModelConfig, ModelConfigError, torch_dtype
 from services.modeling.quant import QuantScheme, scheme_for, scheme_record
 
 # The activation dtype of a quantized plan unless it names one.
@@ -86,18 +85,13 @@ class ParallelPlan:
     numerics: str = field(default="default", kw_only=True)  # services/common/numerics.py
 
     def __post_init__(self) -> None:
-        try:
-            name = canonical_serving_dtype(self.dtype)
-        except UnknownDtype as exc:
-            raise ModelConfigError(str(exc)) from None
+        name = canonical_dtype(self.dtype, error=ModelConfigError)
         object.__setattr__(self, "dtype", name)
-        if DTYPES[name].quantized:
-            activation = canonical_dtype(self.activation_dtype or DEFAULT_QUANT_ACTIVATION_DTYPE)
-        else:
-            activation = canonical_dtype(self.activation_dtype or name)
-            if activation != name:
-                raise ModelConfigError(f"a dense plan computes in its own dtype: dtype={name}, "
-                                       f"activation_dtype={activation}")
+        activation_name = self.activation_dtype or (DEFAULT_QUANT_ACTIVATION_DTYPE if DTYPES[name].quantized else name)
+        activation = canonical_dtype(activation_name, DENSE_DTYPES, error=ModelConfigError)
+        if not DTYPES[name].quantized and activation != name:
+            raise ModelConfigError(f"a dense plan computes in its own dtype: dtype={name}, "
+                                   f"activation_dtype={activation}")
         object.__setattr__(self, "activation_dtype", activation)
         cfg, tp = self.config, self.tp_degree
         calibrated = (cfg.raw.get(CALIBRATION_KEY) or {}).get("scheme")

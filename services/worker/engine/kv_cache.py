@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.modeling.config import canonical_dtype, torch_dtype
+from services.common.dtypes import DENSE_DTYPES, canonical_dtype
+from services.modeling.config import ModelConfigError, torch_dtype
 from services.modeling.parallel.plan import ParallelPlan
 
 GiB = 1024**3
@@ -52,7 +53,7 @@ class CacheConfig:
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be an integer >= 1 or None, got {self.num_blocks!r}")
         if self.dtype is not None:
-            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype, DENSE_DTYPES, error=ModelConfigError))
 
     def resolved_dtype(self, plan: ParallelPlan) -> str:
         return self.dtype or plan.activation_dtype
