@@ -17,7 +17,7 @@ Who moves a group (``MOVERS``; the registry refuses any other move by that write
 | telemetry | healthy <-> degraded; healthy, degraded -> draining | a collective alert, or its recovery |
 | fleet controller | provisioning -> healthy | its checks passed: in rotation |
 | | provisioning, healthy, degraded -> dead; -> draining -> dead | a failed start, a heal, a retirement |
-| operator (a person, ``shardline`` commands) | any move of the lifecycle | |
+| operator (a person repairing the registry by hand; the tests) | any move of the lifecycle | |
 """
 
 from __future__ import annotations

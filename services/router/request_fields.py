@@ -13,7 +13,7 @@ A field is one of:
 
 Fields that no list here names are ignored, as OpenAI's own servers ignore them. The table is
 the one place these rules live: the parser checks bodies against it, the OpenAPI document
-describes each field from it, and the README lists it.
+describes each field from it, and docs/openai.md lists it.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
 
 
 def markdown_table() -> str:
-    """The table as README lists it (tests/router/test_request_fields.py keeps the two equal):
+    """The table as docs/openai.md lists it (tests/router/test_request_fields.py keeps the two equal):
     ``python -c 'from services.router.request_fields import markdown_table; print(markdown_table())'``."""
     lines = ["| field | endpoint | status |", "|---|---|---|"]
     for f in FIELDS:

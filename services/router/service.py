@@ -24,7 +24,7 @@ before ``[DONE]``.
 
 Per relayed token the loop does only what the client needs: one await on the request's upstream
 stream (``worker_client.py`` reads the worker's Relay stream once per engine step for all the
-requests on it), the detokenizer (``detok.py``: one dict lookup for most tokens), one TokenOut.
+requests on it), the detokenizer (``services/common/detokenizer.py``: one dict lookup for most tokens), one TokenOut.
 No locks, no metrics and no logging per token: metrics are counted per request. A request picked
 for shadow traffic (``shadow.py``) also keeps each token's logprob (one list append); when it has
 finished normally, ``close()`` offers it to the mirror, after the client's stream has ended.

@@ -1,6 +1,6 @@
 """Leadership leases: one fleet controller acts at a time, and a deposed one cannot write.
 
-- ``leases``: a lease by name (``fleet-controller``): its holder, its term (one more with every
+- ``leases``: a lease by name (``fleet-controller/<fleet>``): its holder, its term (one more with every
   new holder), how many times the holder renewed it, the holder's TTL, and when it last renewed
   (for people: observers time expiry on their own clocks).
 
