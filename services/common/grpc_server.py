@@ -1,7 +1,7 @@
 """One way to run a shardline gRPC service: bind, health, reflection, error mapping, shutdown.
 
 Every service's ``server.py`` builds its servicer and hands it to :func:`run_until_signal`, so
-all five behave alike:
+all six (router, worker, planner, loader, telemetry, fleet) behave alike:
 
 - the standard ``grpc.health.v1.Health`` service answers SERVING for the overall server ("")
   and for each shardline service by its full name, and NOT_SERVING once shutdown starts, so a
