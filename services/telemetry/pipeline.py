@@ -143,8 +143,10 @@ class TelemetryPipeline:
 
     def _judge_timeout(self, event: EventLike) -> Alert | None:
         members = self.store.series_of(event.replica_group_id)
-        gpus = {s.gpu_id for s in members}
         silent = [gpu for gpu in sorted(_not_heard_from(event, members)) if gpu != event.gpu_id]
+        # the group's ranks: those heard from, and a communicator member never heard from at all (a
+        # rank stopped before its first report is still the group's, and unhealthy with it)
+        gpus = {s.gpu_id for s in members} | set(silent)
         alert = self.rules.on_timeout(event, group_gpu_ids=gpus, silent_gpu_ids=silent)
         nodes = self._silent_nodes(event.replica_group_id, set(silent))
         if alert is not None and nodes:  # a host that was lost or hung: all of its ranks went quiet

@@ -143,7 +143,7 @@ def test_tiny_llama3_rope_tied_bfloat16_via_cli(tmp_path: Path, capsys: pytest.C
         ({"hidden": 250, "heads": 8}, "hidden (250) must be divisible by heads (8)"),
         ({"heads": 8, "kv_heads": 3}, "heads (8) must be divisible by kv_heads (3)"),
         ({"vocab": 259}, "vocab must be >= 260"),
-        ({"dtype": "int4"}, "dtype must be one of"),
+        ({"dtype": "int4"}, "unknown dtype 'int4': expected one of"),
         ({"rope_scaling": "yarn"}, "rope_scaling must be one of"),
         ({"rope_scaling": "llama3", "rope_original_max_position": 2048}, "must be in [1, max_position=2048)"),
     ],
