@@ -254,6 +254,13 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
 #endif
 }
 
+// parts [C, ...] summed in float32 in chunk order (bfloat16 widens exactly), in parts' dtype
+at::Tensor sum_chunk_products(const at::Tensor& parts) {
+  at::Tensor total = parts.select(0, 0).to(at::kFloat, false, true);  // a copy: the sum is made in it
+  for (int64_t j = 1; j < parts.size(0); ++j) total.add_(parts.select(0, j));
+  return total.to(parts.scalar_type());
+}
+
 // A row-parallel layer's fixed k-chunks in the layout-invariant numerics: w [N, K] is a rank's
 // slice, K = chunks * W, and chunk j is x's columns [j*W, (j+1)*W) times w's. Each chunk's product
 // is what dense_linear gives for the chunk alone (rounded to bfloat16), read in place from w: no
@@ -278,10 +285,7 @@ at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool 
 #endif
   for (int64_t j = 0; j < chunks; ++j)  // other dtypes, or no kernel here: torch's linear, chunk by chunk
     parts.select(0, j).copy_(at::linear(x.narrow(1, j * width, width), w.narrow(1, j * width, width)));
-  if (!sum) return parts;
-  at::Tensor total = parts.select(0, 0).to(at::kFloat);
-  for (int64_t j = 1; j < chunks; ++j) total.add_(parts.select(0, j));  // bfloat16 widens exactly
-  return total.to(x.scalar_type());
+  return sum ? sum_chunk_products(parts) : parts;
 }
 
 // whether a kernel was compiled in, AVX512-BF16 or AVX2 (dense_linear is torch's linear otherwise)

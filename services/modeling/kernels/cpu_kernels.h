@@ -21,6 +21,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale);
 bool quant_linear_vectorized();
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);
 at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool sum);
+at::Tensor sum_chunk_products(const at::Tensor& parts);
 bool dense_linear_vectorized();
 // cpu_layers.cpp
 std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const std::vector<at::Tensor>& weights,

@@ -18,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/stack.h>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -59,15 +60,10 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const 
     TORCH_CHECK(w.dim() == 3 && w.size(0) == chunks, "decoder_layers: a quantized row-parallel weight in the "
                 "layout-invariant numerics comes as [", chunks, ", N, W], got ", w.sizes());
     const int64_t width = w.size(2);
-    at::Tensor total;
-    for (int64_t j = 0; j < chunks; ++j) {
-      const at::Tensor part = quant_linear(x.narrow(1, j * width, width).contiguous(), w.select(0, j), scale);
-      if (j == 0)
-        total = part.to(at::kFloat, false, true);  // a copy: the sum is made in it
-      else
-        total.add_(part);  // bfloat16 widens exactly
-    }
-    return total.to(x.scalar_type());
+    std::vector<at::Tensor> parts;
+    for (int64_t j = 0; j < chunks; ++j)
+      parts.push_back(quant_linear(x.narrow(1, j * width, width).contiguous(), w.select(0, j), scale));
+    return sum_chunk_products(at::stack(parts));
   };
   const int64_t n = h.size(0);
   bool first = !residual.defined() || residual.numel() == 0;
