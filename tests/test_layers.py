@@ -51,19 +51,29 @@ def _dotted(node: ast.expr) -> str:
     return ""
 
 
-def _literal_prefix(node: ast.expr) -> str:
-    """The module a dynamic import names, as far as its leading literal text tells."""
+def _literal_prefix(node: ast.expr, module: str) -> str:
+    """The module a dynamic import names, as far as its leading text tells (``__name__``, the
+    importing module's own name, counts as text): the whole name, or up to the last dot before
+    the first part that is not text."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
-    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
-        return str(node.values[0].value).rstrip(".")
-    return ""
+    if not isinstance(node, ast.JoinedStr):
+        return ""
+    text = ""
+    for part in node.values:
+        if isinstance(part, ast.Constant):
+            text += str(part.value)
+        elif isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name) and part.value.id == "__name__":
+            text += module
+        else:
+            return text.rpartition(".")[0]
+    return text
 
 
-def imports(tree: ast.Module, package: str) -> list[tuple[ast.AST, str, bool]]:
-    """(node, imported module, at module level) for every import of ``tree``, a module of
-    ``package`` (for relative imports): statements, and dynamic imports by a literal name (never
-    at module level: a call defers its import)."""
+def imports(tree: ast.Module, module: str, package: str) -> list[tuple[ast.AST, str, bool]]:
+    """(node, imported module, at module level) for every import of ``tree``, the module named
+    ``module`` in ``package`` (for relative imports): statements, and dynamic imports by a literal
+    name (never at module level: a call defers its import)."""
     top = {id(node) for node in tree.body}
     for node in tree.body:  # a module-level ``if TYPE_CHECKING:`` or ``try:`` block is still the top
         if isinstance(node, ast.If | ast.Try):
@@ -79,7 +89,7 @@ def imports(tree: ast.Module, package: str) -> list[tuple[ast.AST, str, bool]]:
         elif isinstance(node, ast.Import):
             found += [(node, alias.name, id(node) in top) for alias in node.names]
         elif isinstance(node, ast.Call) and _dotted(node.func) in DYNAMIC and node.args:
-            name = _literal_prefix(node.args[0])
+            name = _literal_prefix(node.args[0], module)
             if name:
                 found.append((node, name, False))
     return found
@@ -109,7 +119,7 @@ def file_violations(root: Path, path: Path) -> list[str]:
     lines = text.splitlines()
     tree = ast.parse(text)
     found = []
-    for node, target, at_top in imports(tree, package):
+    for node, target, at_top in imports(tree, module, package):
         theirs = _package(target)
         if mine is not None and theirs is not None and LAYERS[theirs] > LAYERS[mine]:
             found.append(f"{rel}:{node.lineno} imports {target} from a layer above")
@@ -136,7 +146,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        targets = (resolve(t) for _, t, at_top in imports(ast.parse(path.read_text()), package) if at_top)
+        targets = (resolve(t) for _, t, at_top in imports(ast.parse(path.read_text()), module, package) if at_top)
         graph[module] = {t for t in targets if t is not None and t != module}
     return graph
 
@@ -216,6 +226,8 @@ def test_the_checks_catch_a_dynamic_upward_import_a_type_checking_cycle_and_a_pa
     assert "import cycle: services.router.picks <-> services.router.views" in found
     assert "services/router/path.py:3 edits sys.path" in found
     assert len(found) == 3, found
+    named = ast.parse('f"{__name__}.{name}"', mode="eval").body  # a package's own submodules, by name
+    assert _literal_prefix(named, "services.cli") == "services.cli"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in [only] if only is not None else command_modules():
+        # deferred: by name, so that `shardline X` imports only the command it runs
         module = importlib.import_module(f"{__name__}.{name}")
         register = getattr(module, "register", None)
         if register is not None:
