@@ -28,8 +28,6 @@ from services.common.registry import (
     ShardRegistry,
     make_engine,
     migrate,
-    to_project_dtype,
-    to_registry_dtype,
 )
 from services.common.registry.models import Base
 from tests.stack import fresh_database
@@ -468,24 +466,6 @@ def test_manifests(registry: ShardRegistry) -> None:
 
 
 # ---- no database -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("name", "short", "project"), [
-    ("float16", "fp16", "float16"), ("fp16", "fp16", "float16"),
-    ("bfloat16", "bf16", "bfloat16"), ("BF16", "bf16", "bfloat16"),
-    ("float32", "fp32", "float32"), ("fp32", "fp32", "float32"),
-    ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"),
-])
-def test_dtype_names(name: str, short: str, project: str) -> None:
-    assert to_registry_dtype(name) == short
-    assert to_project_dtype(name) == project
-
-
-def test_dtype_unknown() -> None:
-    with pytest.raises(InvalidValue) as info:
-        to_registry_dtype("float64")
-    assert str(info.value) == ("unknown dtype 'float64': expected one of ['bfloat16', 'float16', 'float32', "
-                               "'fp8', 'int8'] or the short names ['bf16', 'fp16', 'fp32', 'fp8', 'int8']")
 
 
 def test_in_memory_sqlite_registry() -> None:
