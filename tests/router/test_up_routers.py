@@ -2,9 +2,9 @@
 
 The group's KV budget is small (``--kv-cache-gb 0.01``: a few streams of 300 tokens at once), so
 both routers keep their queues full and the budget binds. A client spreads 16 greedy streams over
-the two routers (as a load balancer would: a router that refuses the connection passes the
-request to the other). Fault-free, every stream ends with its reference text. Then one router is
-SIGKILLed while its streams decode: the streams on it break (a killed process sends no error
+the two routers (as a load balancer would: a request whose connection a router refuses, or resets
+before any answer, passes to the other). Fault-free, every stream ends with its reference text.
+Then one router is SIGKILLed while its streams decode: the streams on it break (a killed process sends no error
 event), every stream on the other router and every request sent after the kill completes with
 the reference text, the worker's own stats show it never admitted past its KV budget and holds
 no claim of the dead router's streams afterwards, and `up` starts the router again.
@@ -36,14 +36,17 @@ MAX_TOKENS = 300
 
 def complete(bases: list[str], first: int, prompt: str, progress: list[int], i: int) -> dict:
     """One greedy streamed completion through ``bases[first]``, or the next router if that one
-    refuses the connection: its text, the router that took it, and how it ended."""
+    refuses or resets the connection before answering: its text, the router that took it, and how
+    it ended."""
     result = {"text": "", "router": None, "finish": None, "error": None}
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True}
     for k in range(len(bases)):
         router = result["router"] = (first + k) % len(bases)
+        answered = False
         try:
             with httpx.stream("POST", f"{bases[router]}/completions", json=body, timeout=60) as response:
+                answered = True
                 assert response.status_code == 200, response.read()
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -59,8 +62,13 @@ def complete(bases: list[str], first: int, prompt: str, progress: list[int], i: 
             return result
         except httpx.ConnectError:
             continue  # nobody listens there: the next router
-        except httpx.HTTPError as exc:  # the router died mid-stream
-            result["error"] = f"{type(exc).__name__}: {exc}"
+        except httpx.HTTPError as exc:
+            if not answered:
+                # A router killed a moment ago can still accept a connection into its listen
+                # backlog, which the kernel then resets: no response began, so the balancer
+                # passes the request on, as it does for a refused connection.
+                continue
+            result["error"] = f"{type(exc).__name__}: {exc}"  # the router died mid-stream
             return result
     raise AssertionError(f"no router took stream {i}")
 
