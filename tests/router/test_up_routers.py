@@ -4,9 +4,9 @@ The group's KV budget is small (``--kv-cache-gb 0.01``: a few streams of 300 tok
 both routers keep their queues full and the budget binds. A client spreads 16 greedy streams over
 the two routers (as a load balancer would: a request whose connection a router refuses, or resets
 before any answer, passes to the other). Fault-free, every stream ends with its reference text.
-Then one router is SIGKILLed while its streams decode: the streams on it break (a killed process sends no error
-event), every stream on the other router and every request sent after the kill completes with
-the reference text, the worker's own stats show it never admitted past its KV budget and holds
+Then one router is SIGKILLed while its streams decode: the streams on it break (a killed process
+sends no error event), every stream on the other router and every request sent after the kill
+completes with the reference text, the worker's own stats show it never admitted past its KV budget and holds
 no claim of the dead router's streams afterwards, and `up` starts the router again.
 """
 
