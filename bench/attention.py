@@ -1,14 +1,19 @@
 """The paged attention kernel (``cpu_attention.cpp``) per layer, against PyTorch's SDPA.
 
-``python -m bench.attention [--reps N]`` → ``bench/results/attention.{json,md}``.
+``python -m bench.attention [--reps N] [--name NAME]`` → ``bench/results/NAME.{json,md}`` (default
+``attention``; one file per machine class, e.g. ``attention-amd-avx512``).
 
 One layer's attention at the shapes serving meets, bfloat16, blocks of 16 in shuffled order:
 decode steps (one query row per sequence) and prefills (every prompt token a row over its own
 prefix, as ``prefill_attention`` runs them), for SmolLM2-135M's heads (9 query / 3 KV, d 64) and
 the 1B-class shape's (32 / 8, d 64). Three ways, on the same inputs:
 
-- ``kernel``: the C++ kernel as it runs here (its scores on AMX tiles where the machine has them);
-- ``vector``: the same kernel with ``SHARDLINE_AMX=0`` (the AVX-512 scores), in a child process;
+- ``kernel``: the C++ kernel as it runs here (on AMX tiles where the machine has them, else on
+  AVX512-BF16 vectors, a prefill's rows together: ``cpu_attention_rows.h``);
+- ``vector``: the same kernel with ``SHARDLINE_AMX=0`` (the AVX512-BF16 rows kernel), in a child
+  process;
+- ``per row``: ``SHARDLINE_AMX=0 SHARDLINE_ATTENTION_ROWS=0``, the float32 kernel taking one row at
+  a time (what bfloat16 ran on before the rows kernels, and still runs on without AVX512-BF16);
 - ``sdpa``: the reference, blocks gathered then ``scaled_dot_product_attention`` (per sequence,
   causal, for a prefill: PyTorch's flash kernel on CPU).
 
@@ -74,9 +79,17 @@ def measure(reps: int, methods: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def child(reps: int, env: dict[str, str]) -> dict[str, dict[str, float]]:
+    """measure()'s kernel times in a child process with ``env`` added (flags read once at start)."""
+    run = subprocess.run([sys.executable, "-m", "bench.attention", "--child", "--reps", str(reps)],
+                         env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--name", default="attention", help="results: bench/results/NAME.{json,md}")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the vector run, as JSON
     args = parser.parse_args(argv)
     assert cpu_kernels() is not None, "the CPU kernels did not build"
@@ -84,30 +97,34 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.reps, ["kernel"])))
         return 0
     here = measure(args.reps, ["kernel", "sdpa"])
-    child = subprocess.run([sys.executable, "-m", "bench.attention", "--child", "--reps", str(args.reps)],
-                           env={**os.environ, "SHARDLINE_AMX": "0"}, capture_output=True, text=True, check=True)
-    vector = json.loads(child.stdout.strip().splitlines()[-1])
+    vector = child(args.reps, {"SHARDLINE_AMX": "0"})
+    per_row = child(args.reps, {"SHARDLINE_AMX": "0", "SHARDLINE_ATTENTION_ROWS": "0"})
     rows = []
     for name, times in here.items():
         shape, case = name.split(" / ")
         heads, _, d = SHAPES[shape]
         gflop = flops(heads, d, *CASES[case]) / 1e9
         row = {"shape": shape, "case": case, "kernel_ms": times["kernel"], "vector_ms": vector[name]["kernel"],
-               "sdpa_ms": times["sdpa"], "kernel_gflops": gflop / times["kernel"] * 1e3}
+               "per_row_ms": per_row[name]["kernel"], "sdpa_ms": times["sdpa"],
+               "kernel_gflops": gflop / times["kernel"] * 1e3}
         row["kernel_vs_vector"] = row["kernel_ms"] / row["vector_ms"]
+        row["kernel_vs_per_row"] = row["kernel_ms"] / row["per_row_ms"]
         row["kernel_vs_sdpa"] = row["kernel_ms"] / row["sdpa_ms"]
         rows.append(row)
     info = machine()
     lines = ["# Paged attention per layer (bfloat16, blocks of 16)", "",
              f"`python -m bench.attention --reps {args.reps}`; {info['cpu_model']} ({' '.join(info['cpu_flags'])}), "
              f"{torch.get_num_threads()} threads. "
-             "`kernel`: as it runs here; `vector`: `SHARDLINE_AMX=0`; `sdpa`: gather + "
-             "`scaled_dot_product_attention`. ms per layer, medians.", "",
-             "| shape | case | kernel ms | vector ms | SDPA ms | kernel / vector | kernel / SDPA | kernel GFLOP/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['case']} | {r['kernel_ms']:.3f} | {r['vector_ms']:.3f} | {r['sdpa_ms']:.3f} | "
-              f"{r['kernel_vs_vector']:.2f} | {r['kernel_vs_sdpa']:.2f} | {r['kernel_gflops']:.0f} |" for r in rows]
-    write_results("attention", {"machine": info, "reps": args.reps, "rows": rows}, "\n".join(lines) + "\n")
+             "`kernel`: as it runs here; `vector`: `SHARDLINE_AMX=0`; `per row`: also "
+             "`SHARDLINE_ATTENTION_ROWS=0`; `sdpa`: gather + `scaled_dot_product_attention`. "
+             "ms per layer, medians.", "",
+             "| shape | case | kernel ms | vector ms | per row ms | SDPA ms | kernel / vector | kernel / per row "
+             "| kernel / SDPA | kernel GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['case']} | {r['kernel_ms']:.3f} | {r['vector_ms']:.3f} | {r['per_row_ms']:.3f} | "
+              f"{r['sdpa_ms']:.3f} | {r['kernel_vs_vector']:.2f} | {r['kernel_vs_per_row']:.2f} | "
+              f"{r['kernel_vs_sdpa']:.2f} | {r['kernel_gflops']:.0f} |" for r in rows]
+    write_results(args.name, {"machine": info, "reps": args.reps, "rows": rows}, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 MATMUL_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
                                                                "cpu_amx.cpp")]
 SOURCES = MATMUL_SOURCES + [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp",
+                                                                        "cpu_attention_rows.cpp",
                                                                         "cpu_amx_attention.cpp", "cpu_sampling.cpp",
                                                                         "cpu_layers.cpp")]
 

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_attention_rows.h"
+
 namespace shardline::amx {
 
 // compiled with AMX-BF16, the kernel granted this process the tile state, SHARDLINE_AMX not 0
@@ -42,28 +44,14 @@ void channels(const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t M, int
 // every tile)
 void load_tiles(int64_t key, const uint8_t (&rows)[8], const uint16_t (&colsb)[8]);
 
-// ValuePairs: the values packed for the tiles, kept between calls on one sequence and KV head
-// whose offsets (off) agree: `whole` leading 32-token chunks are reusable. The caller sets
-// whole to 0 (or fewer) when the offsets change.
-struct ValuePairs {
-  std::vector<uint32_t> data;
-  int64_t whole = 0;
-};
-
-// Paged attention on tiles (cpu_amx_attention.cpp), for N = R * G <= 16 query rows: R tokens of
-// one sequence (one block table), each with the G query heads of one KV head. Row (r, g) reads
-// q + r * q_row_stride + g * q_head_stride and writes out + r * out_row_stride + g * d; it sees
-// the first ctx[r] tokens, token t's key and value rows at k + off[t] and v + off[t] (the 16
-// tokens of a tile, t a multiple of 16, are rows of one cache block, ldk elements apart).
-// Scores: q . k exact products summed in float32 in 32-wide chunks of d, then scaled; softmax in
-// float32, exp(s - max) rounded to bfloat16 and p . v summed in float32 in 32-token chunks (past
-// ctx[r], p is 0), then divided by the row's sum of exp. So a row's output has the same bits whatever R is and whichever rows
-// share its tiles: a prefill's tokens and a decode step's agree. Called inside a parallel task;
-// end() after the task's last call.
+// Paged attention on tiles (cpu_amx_attention.cpp): the contract in cpu_attention_rows.h, the 16
+// tokens of a tile (t a multiple of 16) rows of one cache block, ldk elements apart. Its order of
+// summation: q . k in 32-wide chunks of d, p . v in 32-token chunks, each chunk one tile
+// instruction. Called inside a parallel task; end() after the task's last call.
 bool attention_fits(int64_t d, int64_t block_size, int64_t G);
 void attend_rows(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t G,
                  const int64_t* ctx, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* off, int64_t ldk,
-                 int64_t d, float scale, c10::BFloat16* out, int64_t out_row_stride, ValuePairs& pairs);
+                 int64_t d, float scale, c10::BFloat16* out, int64_t out_row_stride, rows::ValuePairs& pairs);
 
 // the task's tiles released (the thread's tile state off again)
 void end();

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_attention_rows.h"
 #include "cpu_vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -30,43 +31,10 @@
 namespace shardline::amx {
 namespace {
 
-// r[i] lane j <- r[j] lane i: pairs of rows, then of pairs, then 128-bit lanes twice
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  auto lo = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  auto hi = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  for (int i = 0; i < 16; i += 4) {  // r[4m + c], lane L: column 4L + c of rows 4m .. 4m + 3
-    r[i] = lo(t[i], t[i + 2]);
-    r[i + 1] = hi(t[i], t[i + 2]);
-    r[i + 2] = lo(t[i + 1], t[i + 3]);
-    r[i + 3] = hi(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
-    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
-    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);
-    r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xdd);
-  }
-}
-
-inline void prefetch_rows(const uint16_t* base, const int64_t* off, int64_t from, int64_t to, int64_t lines) {
-  for (int64_t t = from; t < to; ++t)
-    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(base + off[t]) + 64 * l, _MM_HINT_T0);
-}
+using rows::pack_values;
+using rows::prefetch_rows;
+using rows::softmax_phase;
+using rows::transpose16;
 
 // phase 1: scores[n * stride + t] for t < ctx rounded up to 16, NC chunks of 32 in d
 template <int NC>
@@ -112,60 +80,6 @@ void scores_phase(const uint16_t* q, int64_t q_row_stride, int64_t q_head_stride
     for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(acc[i]);
     transpose16(r);  // r[n]: row n's 16 scores
     for (int64_t n = 0; n < N; ++n) _mm512_storeu_ps(scores + n * stride + t0, _mm512_mul_ps(r[n], s));
-  }
-}
-
-// each row's exp(s - max) over its own context, rounded to bfloat16 (the tile's probabilities,
-// not yet divided by their sum), zero from there to `width`; inv[n]: 1 / row n's sum, which
-// values_phase applies to its output (one pass over the scores fewer than normalising them)
-void softmax_phase(const float* scores, int64_t stride, int64_t N, int64_t G, const int64_t* ctx, uint16_t* probs,
-                   int64_t width, float* inv) {
-  for (int64_t n = 0; n < N; ++n) {
-    const float* sc = scores + n * stride;
-    const int64_t len = ctx[n / G], full = len / 16 * 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1);
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < full; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + t));
-    if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sc + full));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
-    uint16_t* p = probs + n * width;
-    for (int64_t t = 0; t < full; t += 16) {
-      const __m512 x = shardline::fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), m));
-      sum = _mm512_add_ps(sum, x);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(x));
-    }
-    if (tail) {
-      const __m512 x = _mm512_maskz_mov_ps(tail, shardline::fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + full), m)));
-      sum = _mm512_add_ps(sum, x);
-      _mm256_mask_storeu_epi16(p + full, tail, (__m256i)_mm512_cvtneps_pbh(x));
-    }
-    inv[n] = 1.f / _mm512_reduce_add_ps(sum);
-    std::fill(p + len, p + width, uint16_t(0));
-  }
-}
-
-// the values of chunks [from, to) as tile rows, for the dn of d from d0: chunk c's 16 of d j is
-// 16 rows (token pairs r) of 16 (v[32c + 2r][d0 + 16j + i], v[32c + 2r + 1][d0 + 16j + i]) at
-// out + ((c - from) * dn / 16 + j) * 256; tokens from ctx on are zeros
-void pack_values(const uint16_t* v, const int64_t* off, int64_t ctx, int64_t d0, int64_t dn, int64_t from, int64_t to,
-                 uint32_t* out) {
-  alignas(64) static const uint16_t zeros[128] = {};
-  const int64_t groups = dn / 16, lines = dn * 2 / 64;
-  for (int64_t c = from; c < to; ++c) {
-    const int64_t t0 = 32 * c;
-    if (t0 + 64 < ctx) prefetch_rows(v + d0, off, t0 + 64, std::min(ctx, t0 + 96), lines);
-    uint32_t* chunk = out + (c - from) * groups * 256;
-    for (int r = 0; r < 16; ++r) {
-      const int64_t ta = t0 + 2 * r, tb = ta + 1;
-      const uint16_t* va = ta < ctx ? v + off[ta] + d0 : zeros;
-      const uint16_t* vb = tb < ctx ? v + off[tb] + d0 : zeros;
-      for (int64_t j = 0; j < groups; ++j) {
-        const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 16 * j)));
-        const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + 16 * j)));
-        _mm512_storeu_si512(chunk + j * 256 + r * 16, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-      }
-    }
   }
 }
 
@@ -220,33 +134,19 @@ bool attention_fits(int64_t d, int64_t block_size, int64_t G) {
 
 void attend_rows(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t G,
                  const int64_t* ctx, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* off, int64_t ldk,
-                 int64_t d, float scale, c10::BFloat16* out, int64_t out_row_stride, ValuePairs& pairs) {
-  const int64_t N = R * G, max_ctx = *std::max_element(ctx, ctx + R);
-  const int64_t stride = (max_ctx + 15) / 16 * 16, width = (max_ctx + 31) / 32 * 32, chunks = width / 32;
-  thread_local std::vector<float> scores;
-  thread_local std::vector<uint16_t> probs;
-  if (static_cast<int64_t>(scores.size()) < N * stride) scores.resize(N * stride);
-  if (static_cast<int64_t>(probs.size()) < N * width) probs.resize(N * width);
+                 int64_t d, float scale, c10::BFloat16* out, int64_t out_row_stride, rows::ValuePairs& pairs) {
+  const int64_t N = R * G;
+  const rows::Buffers b = rows::buffers(N, ctx, R);
   float inv[16];
   const auto* qb = reinterpret_cast<const uint16_t*>(q);
   const auto* kb = reinterpret_cast<const uint16_t*>(k);
-  if (d == 128) scores_phase<4>(qb, q_row_stride, q_head_stride, G, N, kb, off, ldk, max_ctx, scale, scores.data(), stride);
-  else scores_phase<2>(qb, q_row_stride, q_head_stride, G, N, kb, off, ldk, max_ctx, scale, scores.data(), stride);
-  softmax_phase(scores.data(), stride, N, G, ctx, probs.data(), width, inv);
-  // a prefill's rows (R > 1), or a call after one: values packed once for all of d and kept for the
-  // next call on this sequence (its next rows); a chunk holds zeros past the context it was packed
-  // for, so only whole ones (all 32 tokens in it) are reused. A decode row: packed chunk by chunk.
+  if (d == 128) scores_phase<4>(qb, q_row_stride, q_head_stride, G, N, kb, off, ldk, b.max_ctx, scale, b.scores, b.stride);
+  else scores_phase<2>(qb, q_row_stride, q_head_stride, G, N, kb, off, ldk, b.max_ctx, scale, b.scores, b.stride);
+  softmax_phase(b.scores, b.stride, N, G, ctx, b.probs, b.width, inv);
   const auto* vb = reinterpret_cast<const uint16_t*>(v);
-  const uint32_t* kept = nullptr;
-  if (R > 1 || pairs.whole > 0) {
-    const int64_t per_chunk = d / 16 * 256, from = std::min(pairs.whole, chunks);
-    if (static_cast<int64_t>(pairs.data.size()) < chunks * per_chunk) pairs.data.resize(chunks * per_chunk);
-    pack_values(vb, off, max_ctx, 0, d, from, chunks, pairs.data.data() + from * per_chunk);
-    pairs.whole = std::max(pairs.whole, max_ctx / 32);
-    kept = pairs.data.data();
-  }
+  const uint32_t* kept = rows::kept_values(pairs, vb, off, b, d, R);
   for (int64_t d0 = 0; d0 < d; d0 += 64)
-    values_phase(probs.data(), width, inv, N, G, kept, vb, off, max_ctx, chunks, d0, d, out, out_row_stride);
+    values_phase(b.probs, b.width, inv, N, G, kept, vb, off, b.max_ctx, b.chunks, d0, d, out, out_row_stride);
 }
 
 }  // namespace shardline::amx
@@ -256,7 +156,7 @@ void attend_rows(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_st
 namespace shardline::amx {
 bool attention_fits(int64_t, int64_t, int64_t) { return false; }
 void attend_rows(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, const int64_t*, const c10::BFloat16*,
-                 const c10::BFloat16*, const int64_t*, int64_t, int64_t, float, c10::BFloat16*, int64_t, ValuePairs&) {}
+                 const c10::BFloat16*, const int64_t*, int64_t, int64_t, float, c10::BFloat16*, int64_t, rows::ValuePairs&) {}
 }  // namespace shardline::amx
 
 #endif

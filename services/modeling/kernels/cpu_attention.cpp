@@ -8,9 +8,10 @@
 // arithmetic in float32, the output rounded once to the query's dtype, like SDPA's CPU kernels.
 // Two implementations of that: explicit AVX-512 for head_dim 64 and 128 (what the kernels are
 // built for here), and portable loops for the rest; tests check both against gather + SDPA.
-// With AMX-BF16 (bfloat16, block size a multiple of 16) rows go to amx::attend_rows instead
-// (cpu_amx.h), several rows of one sequence per call, for decode and prefill rows alike, so a
-// token's attention has the same bits in both.
+// bfloat16 rows go to a rows kernel instead (cpu_attention_rows.h): AMX tiles (amx::attend_rows,
+// block size a multiple of 16) or AVX512-BF16 vectors (rows::attend_vector), several rows of one
+// sequence per call, for decode and prefill rows alike, so a token's attention has the same bits
+// in both.
 
 // the few ATen headers it uses, not ATen/ATen.h or torch/extension.h: a third of the compile time
 #include <ATen/Dispatch.h>
@@ -26,6 +27,7 @@
 #endif
 
 #include "cpu_amx.h"
+#include "cpu_attention_rows.h"
 #include "cpu_vec.h"
 
 using shardline::Elem;
@@ -274,9 +276,12 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 #else
   const bool avx512 = false;
 #endif
-  // on AMX tiles where the machine has them (cpu_amx_attention.cpp): every row, decode or prefill, the same way
-  const bool amx = avx512 && q.scalar_type() == at::kBFloat16 && shardline::amx::ready() &&
-                   shardline::amx::attention_fits(d, block_size, G);
+  // bfloat16 rows go to a rows kernel (cpu_attention_rows.h), every row, decode or prefill, the
+  // same way: on AMX tiles where the machine has them, else on AVX512-BF16 vectors
+  const bool bf16 = avx512 && q.scalar_type() == at::kBFloat16;
+  const bool amx = bf16 && shardline::amx::ready() && shardline::amx::attention_fits(d, block_size, G);
+  const bool vector_rows = bf16 && !amx && shardline::rows::vector_fits(d, G);
+  const bool grouped = amx || vector_rows;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
@@ -290,11 +295,11 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
       const int64_t blocks = (std::min(lp[a], lp[c]) + block_size - 1) / block_size;
       return std::equal(tp + a * nb, tp + a * nb + blocks, tp + c * nb);
     };
-    // Tasks are (group of rows, KV head). A group is one row, or on AMX tiles up to 16 / G rows
-    // that read the same blocks (a prefill's tokens; decode rows sharing a cached prefix): they
-    // share every tile of keys and values they read.
+    // Tasks are (group of rows, KV head). A group is one row, or for a rows kernel up to 16 / G
+    // rows that read the same blocks (a prefill's tokens; decode rows sharing a cached prefix):
+    // they share every key and value they read.
     std::vector<int64_t> first{0};  // group i: rows [first[i], first[i + 1])
-    const int64_t per_group = amx ? std::max<int64_t>(1, 16 / G) : 1;
+    const int64_t per_group = grouped ? std::max<int64_t>(1, 16 / G) : 1;
     for (int64_t b = 1; b < B; ++b) {
       const int64_t start = first.back();
       bool joins = b - start < per_group;
@@ -311,8 +316,8 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
       float *qf = buf.data(), *acc = qf + G * d, *row = acc + G * d, *scores = row + d;
       auto portable = d == 64 ? attend_group<scalar_t, 64> : d == 128 ? attend_group<scalar_t, 128>
                                                                       : attend_group<scalar_t, 0>;
-      // AMX: each KV head's values packed for the tiles, valid while the offsets they came from are
-      std::vector<shardline::amx::ValuePairs> pairs(amx ? KV : 0);
+      // rows kernels: each KV head's values packed as pairs, valid while the offsets they came from are
+      std::vector<shardline::rows::ValuePairs> pairs(grouped ? KV : 0);
       // off[0, ctx) for row b: each token's row, once per run of rows sharing a table
       auto offsets = [&](int64_t b, int64_t ctx) {
         if (off_row == b) return;
@@ -340,13 +345,19 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
         }
         const scalar_t* qh = qp + b * qs0 + h * G * qs1;
         scalar_t* oh = op + (b * H + h * G) * d;
-        if (amx) {
-          using BF16 = const c10::BFloat16*;  // amx is true for bfloat16 only
+        if (grouped) {
+          using BF16 = const c10::BFloat16*;  // grouped is true for bfloat16 only
           offsets(std::find(lp + b, lp + b + rows, longest) - lp, longest);
-          shardline::amx::attend_rows(reinterpret_cast<BF16>(qh), qs0, qs1, rows, G, lp + b,
-                                      reinterpret_cast<BF16>(kc + h * d), reinterpret_cast<BF16>(vc + h * d), off.data(),
-                                      row_stride, d, static_cast<float>(scale), reinterpret_cast<c10::BFloat16*>(oh),
-                                      H * d, pairs[h]);
+          const auto qb = reinterpret_cast<BF16>(qh);
+          const auto kb = reinterpret_cast<BF16>(kc + h * d), vb = reinterpret_cast<BF16>(vc + h * d);
+          auto* ob = reinterpret_cast<c10::BFloat16*>(oh);
+          const float sc = static_cast<float>(scale);
+          if (amx)
+            shardline::amx::attend_rows(qb, qs0, qs1, rows, G, lp + b, kb, vb, off.data(), row_stride, d, sc, ob,
+                                        H * d, pairs[h]);
+          else
+            shardline::rows::attend_vector(qb, qs0, qs1, rows, G, lp + b, kb, vb, off.data(), d, sc, ob, H * d,
+                                           pairs[h]);
           continue;
         }
         if (!avx512) {
