@@ -12,7 +12,7 @@ from typing import Any
 OURS = "shardline"
 # our name -> the key in a `vllm bench serve --save-result` file
 METRICS = {"output_tok_s": "output_throughput", "median_tpot_ms": "median_tpot_ms", "p99_tpot_ms": "p99_tpot_ms",
-           "median_ttft_ms": "median_ttft_ms", "p99_itl_ms": "p99_itl_ms"}
+           "median_ttft_ms": "median_ttft_ms", "p99_ttft_ms": "p99_ttft_ms", "p99_itl_ms": "p99_itl_ms"}
 RESULT_NAME = re.compile(r"^(?P<server>.+)_c(?P<c>\d+)_r(?P<round>\d+)\.json$")
 
 
