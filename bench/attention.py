@@ -33,7 +33,7 @@ import torch
 
 from bench.common import machine, median_time, write_results
 from services.modeling.attention import AttentionMetadata
-from services.modeling.kernels import TorchOps, cpu_kernels, ops_for
+from services.modeling.kernels import TorchOps, cpu_arch, cpu_kernels, ops_for
 
 BLOCK = 16
 SHAPES = {"smollm2-135m": (9, 3, 64), "1b-class": (32, 8, 64)}  # query heads, KV heads, head_dim
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     lines = ["# Paged attention per layer (bfloat16, blocks of 16)", "",
              f"`python -m bench.attention --reps {args.reps}`; {info['cpu_model']} ({' '.join(info['cpu_flags'])}), "
-             f"{torch.get_num_threads()} threads. "
+             f"{torch.get_num_threads()} threads, kernels built for `-march={cpu_arch()}`, torch's own kernels at "
+             f"`{torch.backends.cpu.get_cpu_capability()}`. "
              "`kernel`: as it runs here; `vector`: `SHARDLINE_AMX=0`; `per row`: also "
              "`SHARDLINE_ATTENTION_ROWS=0`; `sdpa`: gather + `scaled_dot_product_attention`. "
              "ms per layer, medians.", "",
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['shape']} | {r['case']} | {r['kernel_ms']:.3f} | {r['vector_ms']:.3f} | {r['per_row_ms']:.3f} | "
               f"{r['sdpa_ms']:.3f} | {r['kernel_vs_vector']:.2f} | {r['kernel_vs_per_row']:.2f} | "
               f"{r['kernel_vs_sdpa']:.2f} | {r['kernel_gflops']:.0f} |" for r in rows]
-    write_results(args.name, {"machine": info, "reps": args.reps, "rows": rows}, "\n".join(lines) + "\n")
+    write_results(args.name, {"machine": info, "march": cpu_arch(), "reps": args.reps, "rows": rows}, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -325,10 +325,10 @@ def test_fixed_chunks_sum_to_the_same_bits_at_every_tensor_parallel_degree(gemm,
         assert torch.equal(total.bfloat16(), whole), tp
 
 
-def test_the_avx2_build_passes_the_matmul_tests():
-    """What an AVX2-only machine runs (AMD EPYC before Zen 4, Intel before Cooper Lake): the matmul
-    kernels built here with -march=x86-64-v3 and put through this file's dense_linear tests and the
-    quantized matmul's (test_quant.py) in a subprocess."""
+def test_the_avx2_build_passes_the_matmul_and_attention_tests():
+    """What an AVX2-only machine runs (AMD EPYC before Zen 4, Intel before Cooper Lake): the kernels
+    written per instruction set built here with -march=x86-64-v3 and put through this file's
+    dense_linear and attention tests and the quantized matmul's (test_quant.py) in a subprocess."""
     with open("/proc/cpuinfo") as f:
         flags = f.read()
     if cpu_arch() != "native" or " avx2" not in flags or " fma" not in flags:
@@ -337,19 +337,24 @@ def test_the_avx2_build_passes_the_matmul_tests():
         # the native build here is the AVX2 build, and the whole suite runs on it: a second copy
         # for x86-64-v3 would test the same paths again (107 s of compiling on a 2-core AMD EPYC)
         pytest.skip("this machine has no AVX-512: its native build is the AVX2 build under test")
-    # the matmul kernels alone (tests/modeling/matmul_build.py): a third of the whole module's compile
+    # the kernels written per instruction set alone (tests/modeling/vector_build.py): half the compile
     env = {**os.environ, "SHARDLINE_CPU_ARCH": "x86-64-v3"}
-    script = ("from services.modeling.kernels import matmul_kernels\n"
-              "m = matmul_kernels('x86-64-v3')\n"
+    script = ("from services.modeling.kernels import vector_kernels\n"
+              "m = vector_kernels('x86-64-v3')\n"
               "assert m.dense_linear_vectorized() and not m.amx_ready() and not m.quant_linear_vectorized()")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", script], cwd=root, env=env, check=True, timeout=600)
     tests = [f"{__file__}::{name}" for name in ("test_dense_linear_matches_the_float32_product",
                                                 "test_dense_linear_strided_x_and_leading_dims",
                                                 "test_dense_linear_is_batch_invariant",
-                                                "test_fixed_chunks_sum_to_the_same_bits_at_every_tensor_parallel_degree")]
+                                                "test_fixed_chunks_sum_to_the_same_bits_at_every_tensor_parallel_degree",
+                                                "test_decode_attention_reads_blocks_in_place",
+                                                "test_decode_attention_with_blocks_a_tile_cannot_take",
+                                                "test_prefill_attention_takes_each_token_as_a_decode_row",
+                                                "test_a_prefill_row_has_the_bits_of_its_token_decoded_alone",
+                                                "test_decode_rows_sharing_cached_blocks_keep_their_own_bits")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-p", "tests.modeling.matmul_build", *tests,
+                          "-p", "tests.modeling.vector_build", *tests,
                           str(Path(__file__).with_name("test_quant.py"))], cwd=root, env=env, capture_output=True,
                          text=True, timeout=600)
     # skipped there: test_quant's check that the AVX-512 path is built where the CPU has it

@@ -49,13 +49,13 @@ from services.modeling.attention import AttentionMetadata, gather_decode_attenti
 
 log = logging.getLogger(__name__)
 
-# The dense and quantized matmuls alone (a third of the compile): what the suite builds a second
-# time for another -march to check the AVX2 paths on an AVX-512 machine (matmul_kernels).
-MATMUL_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bindings.cpp", "cpu_quant.cpp", "cpu_gemm.cpp",
-                                                               "cpu_amx.cpp")]
-SOURCES = MATMUL_SOURCES + [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp",
-                                                                        "cpu_attention_rows.cpp",
-                                                                        "cpu_amx_attention.cpp", "cpu_sampling.cpp",
+# The kernels written per instruction set, the dense and quantized matmuls and attention (half the
+# compile): what the suite builds a second time for another -march to check the AVX2 paths on an
+# AVX-512 machine (vector_kernels).
+VECTOR_SOURCES = [Path(__file__).with_name(name) for name in (
+    "cpu_bindings.cpp", "cpu_quant.cpp", "cpu_gemm.cpp", "cpu_amx.cpp", "cpu_attention.cpp", "cpu_attention_rows.cpp",
+    "cpu_amx_attention.cpp")]
+SOURCES = VECTOR_SOURCES + [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_sampling.cpp",
                                                                         "cpu_layers.cpp")]
 
 
@@ -134,10 +134,11 @@ def cpu_kernels():
         return None
 
 
-def matmul_kernels(arch: str):
-    """A module of the matmul kernels alone (``dense_linear``, ``quant_linear``, their
-    ``*_vectorized`` and ``amx_ready``) built for ``-march=arch``; raises on a build failure."""
-    return _build(MATMUL_SOURCES, arch, variant="matmul", defines=("-DSHARDLINE_MATMUL_ONLY",))
+def vector_kernels(arch: str):
+    """A module of the kernels written per instruction set alone (``dense_linear``,
+    ``quant_linear``, their ``*_vectorized``, ``amx_ready`` and ``decode_attention``) built for
+    ``-march=arch``; raises on a build failure."""
+    return _build(VECTOR_SOURCES, arch, variant="vector", defines=("-DSHARDLINE_VECTOR_ONLY",))
 
 
 def _build(sources: list[Path], arch: str, *, variant: str = "", defines: tuple[str, ...] = ()):

@@ -9,7 +9,7 @@
 // Two implementations of that: explicit AVX-512 for head_dim 64 and 128 (what the kernels are
 // built for here), and portable loops for the rest; tests check both against gather + SDPA.
 // bfloat16 rows go to a rows kernel instead (cpu_attention_rows.h): AMX tiles (amx::attend_rows,
-// block size a multiple of 16) or AVX512-BF16 vectors (rows::attend_vector), several rows of one
+// block size a multiple of 16) or vectors (rows::attend_vector), several rows of one
 // sequence per call, for decode and prefill rows alike, so a token's attention has the same bits
 // in both.
 
@@ -277,9 +277,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
   const bool avx512 = false;
 #endif
   // bfloat16 rows go to a rows kernel (cpu_attention_rows.h), every row, decode or prefill, the
-  // same way: on AMX tiles where the machine has them, else on AVX512-BF16 vectors
-  const bool bf16 = avx512 && q.scalar_type() == at::kBFloat16;
-  const bool amx = bf16 && shardline::amx::ready() && shardline::amx::attention_fits(d, block_size, G);
+  // same way: on AMX tiles where the machine has them, else on vectors (AVX512-BF16, AVX2 + FMA)
+  const bool bf16 = vectorized && q.scalar_type() == at::kBFloat16;
+  const bool amx = bf16 && avx512 && shardline::amx::ready() && shardline::amx::attention_fits(d, block_size, G);
   const bool vector_rows = bf16 && !amx && shardline::rows::vector_fits(d, G);
   const bool grouped = amx || vector_rows;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {

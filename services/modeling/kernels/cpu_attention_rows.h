@@ -1,16 +1,17 @@
 // Paged attention for a few query rows of one sequence at a time, in bfloat16 with float32 sums:
 // the pieces the AMX tile kernel (cpu_amx_attention.cpp) and the AVX512-BF16 vector kernel
-// (cpu_attention_rows.cpp) share, and the vector kernel's entry point.
+// (cpu_attention_rows.cpp) share, and the vector kernels' entry point.
 //
-// Both compute the same thing for N = R * G <= 16 query rows: R tokens of one sequence (one block
+// Each computes the same thing for N = R * G <= 16 query rows: R tokens of one sequence (one block
 // table), each with the G query heads of one KV head. Row (r, g) reads q + r * q_row_stride +
 // g * q_head_stride and writes out + r * out_row_stride + g * d; it sees the first ctx[r] tokens,
-// token t's key and value rows at k + off[t] and v + off[t]. Scores: q . k as exact bfloat16
-// products summed in float32, then scaled; softmax in float32, exp(s - max) rounded to bfloat16
-// and p . v summed in float32 in token order (past ctx[r], p is 0: adding it changes no bit),
-// then divided by the row's sum of exp. Each kernel sums an element in one fixed order whatever R
-// is and whichever rows share its work, so a row's output has the same bits in a prefill and in a
-// decode step. The two kernels' orders differ: the machine picks one, never the batch.
+// token t's key and value rows at k + off[t] and v + off[t]. Scores: q . k as exact products
+// summed in float32, then scaled; softmax in float32, exp(s - max) (rounded to bfloat16 where
+// p . v multiplies bfloat16 pairs: AMX, AVX512-BF16), p . v summed in float32 in token order
+// (past ctx[r], p is 0: adding it changes no bit), then divided by the row's sum of exp. Each
+// kernel sums an element in one fixed order whatever R is and whichever rows share its work, so a
+// row's output has the same bits in a prefill and in a decode step. The kernels' orders differ:
+// the machine picks one, never the batch.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -30,11 +31,11 @@ struct ValuePairs {
   int64_t whole = 0;
 };
 
-// whether attend_vector is built here (AVX512-BF16), takes rows of this shape and is not turned
-// off (SHARDLINE_ATTENTION_ROWS=0)
+// whether attend_vector is built here (AVX512-BF16, or AVX2 + FMA), takes rows of this shape and
+// is not turned off (SHARDLINE_ATTENTION_ROWS=0)
 bool vector_fits(int64_t d, int64_t G);
 
-// the vector kernel (cpu_attention_rows.cpp): the contract above, no block-size condition
+// the vector kernels (cpu_attention_rows.cpp): the contract above, no block-size condition
 void attend_vector(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t G,
                    const int64_t* ctx, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* off, int64_t d,
                    float scale, c10::BFloat16* out, int64_t out_row_stride, ValuePairs& pairs);

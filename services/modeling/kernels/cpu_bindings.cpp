@@ -20,15 +20,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear_chunks", &dense_linear_chunks, nogil());
   m.def("dense_linear_vectorized", &dense_linear_vectorized);
   m.def("amx_ready", &shardline::amx::ready);
-#ifndef SHARDLINE_MATMUL_ONLY  // the matmuls alone: a build of cpu_{quant,gemm,amx}.cpp (kernels/__init__.py)
+  m.def("decode_attention", &decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("vectorized") = true, nogil());
+  // the kernels written per instruction set alone: a build of VECTOR_SOURCES (kernels/__init__.py)
+#ifndef SHARDLINE_VECTOR_ONLY
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv", &write_kv);
-  m.def("decode_attention", &decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("vectorized") = true, nogil());
   m.def("greedy_logsumexp", &greedy_logsumexp, nogil());
   m.def("mask_tokens_", &mask_tokens_, nogil());
   m.def("decoder_layers", &decoder_layers, nogil());
