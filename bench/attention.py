@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['shape']} | {r['case']} | {r['kernel_ms']:.3f} | {r['vector_ms']:.3f} | {r['per_row_ms']:.3f} | "
               f"{r['sdpa_ms']:.3f} | {r['kernel_vs_vector']:.2f} | {r['kernel_vs_per_row']:.2f} | "
               f"{r['kernel_vs_sdpa']:.2f} | {r['kernel_gflops']:.0f} |" for r in rows]
-    write_results(args.name, {"machine": info, "march": cpu_arch(), "reps": args.reps, "rows": rows}, "\n".join(lines) + "\n")
+    write_results(args.name, {"machine": info, "march": cpu_arch(), "reps": args.reps, "rows": rows},
+                  "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
