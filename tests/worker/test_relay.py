@@ -146,7 +146,11 @@ def test_a_cancel_frees_the_blocks_and_silences_the_request(worker):
     relay.cancel(77)  # not live: ignored
     relay.until_done(2)
     assert relay.outcomes[2].final.HasField("finished") and len(relay.outcomes[2].tokens) == 40
-    assert relay.outcomes[1].final is None and len(relay.outcomes[1].tokens) < 40
+    # cancelled, not finished: no final message and short of its 400 tokens. How many it made first
+    # depends on how many steps of this tiny model ran before the cancel arrived (41 once, on a busy
+    # machine, so no bound tied to request 2's 40); that nothing of it comes after is checked below,
+    # when relay_id 1 is used again.
+    assert relay.outcomes[1].final is None and len(relay.outcomes[1].tokens) < 400
     stats = wait_blocks_free(worker)
     assert stats.blocks_used == 0 and stats.running == 0
     relay.greedy(1, [5, 6, 7], 5)  # a relay_id may be used again once its request ended
