@@ -10,7 +10,7 @@ when its result is there already):
   ``vllm bench serve`` client and llama.cpp's GGUF converter.
 - ``llama-cpp-python-*/vendor/llama.cpp``: the llama.cpp sources vendored in the
   ``llama-cpp-python`` sdist; ``llama.cpp-build/bin/llama-server`` built from them with cmake
-  (native, Release, the server target only); ``models/smollm2-{bf16,f32}.gguf`` converted from
+  (native, Release, the server target only); ``models/<model>-{bf16,f32}.gguf`` converted from
   the same HF directory the other two serve, with the ``convert_hf_to_gguf.py`` of those sources.
 
 :class:`Server` is one server process at a time: started in its own session, ready when its
@@ -106,8 +106,9 @@ class Cache:
     def logs(self) -> Path:
         return self.root / "logs"
 
-    def gguf(self, outtype: str) -> Path:
-        return self.root / "models" / f"smollm2-{outtype}.gguf"
+    def gguf(self, model_dir: Path, outtype: str) -> Path:
+        """The GGUF converted from the HF directory ``model_dir``, named after it."""
+        return self.root / "models" / f"{model_dir.name}-{outtype}.gguf"
 
     def _step(self, name: str, done: bool, fn) -> None:
         t0 = time.monotonic()
@@ -125,7 +126,8 @@ class Cache:
         self._step("llama.cpp source", (self.llama_src / "CMakeLists.txt").exists(), self._fetch_llama_src)
         self._step("llama-server build", self.llama_server.exists(), self._build_llama_server)
         for outtype in ("bf16", "f32"):
-            self._step(f"gguf {outtype}", self.gguf(outtype).exists(), lambda t=outtype: self._convert(model_dir, t))
+            self._step(f"gguf {outtype}", self.gguf(model_dir, outtype).exists(),
+                       lambda t=outtype: self._convert(model_dir, t))
 
     def _setup_vllm(self) -> None:
         log = self.logs / "setup-vllm.log"
@@ -180,7 +182,7 @@ class Cache:
 
     def _convert(self, model_dir: Path, outtype: str) -> None:
         """With the vLLM venv's torch/transformers/numpy and the sources' own gguf-py."""
-        out = self.gguf(outtype)
+        out = self.gguf(model_dir, outtype)
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_suffix(".partial")
         run_logged([self.vllm_python, self.llama_src / "convert_hf_to_gguf.py", model_dir, "--outtype", outtype,
@@ -283,7 +285,8 @@ def vllm_server(cache: Cache, model_dir: Path, dtype: str, port: int) -> Server:
     return Server("vllm", argv, port, cache.logs / "vllm-server.log", env=env)
 
 
-def llama_server(cache: Cache, outtype: str, port: int) -> Server:
-    argv = [str(cache.llama_server), "-m", str(cache.gguf(outtype)), "--host", "127.0.0.1", "--port", str(port),
+def llama_server(cache: Cache, model_dir: Path, outtype: str, port: int) -> Server:
+    argv = [str(cache.llama_server), "-m", str(cache.gguf(model_dir, outtype)), "--host", "127.0.0.1",
+            "--port", str(port),
             *LLAMA_SERVER_FLAGS, "--alias", SERVED_NAME]
     return Server("llama.cpp", argv, port, cache.logs / "llama-server.log")

@@ -13,6 +13,9 @@ OURS = "shardline"
 # our name -> the key in a `vllm bench serve --save-result` file
 METRICS = {"output_tok_s": "output_throughput", "median_tpot_ms": "median_tpot_ms", "p99_tpot_ms": "p99_tpot_ms",
            "median_ttft_ms": "median_ttft_ms", "p99_ttft_ms": "p99_ttft_ms", "p99_itl_ms": "p99_itl_ms"}
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct",
+               "1b-class": "a 1B-class Llama shape with random weights (16 layers, hidden 2048, 32 / 8 heads, "
+                           "intermediate 8192, SmolLM2's vocabulary: 1.17B parameters)"}
 RESULT_NAME = re.compile(r"^(?P<server>.+)_c(?P<c>\d+)_r(?P<round>\d+)\.json$")
 
 
@@ -74,27 +77,27 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]],
     return out
 
 
+# ratio name -> (concurrency, metric, whether lower is better): ours over the best peer's
+RATIOS = {"tpot_c1": ("c1", "median_tpot_ms", True), "tok_s_c16": ("c16", "output_tok_s", False),
+          "ttft_c16": ("c16", "median_ttft_ms", True), "p99_tpot_c16": ("c16", "p99_tpot_ms", True)}
+
+
 def ratios(summary: dict[str, dict[str, dict[str, Any]]], ours: str = OURS) -> dict[str, Any]:
-    """``tpot_c1_vs_best_peer``: our median TPOT at c=1 over the lowest peer's (below 1: we are
-    faster); ``tok_s_c16_vs_best_peer``: our output tok/s at c=16 over the highest peer's (above
-    1: we are faster). None where we or every peer lack the figure."""
+    """``<name>_vs_best_peer`` for each of RATIOS: our figure over the best peer's (the lowest
+    TPOT or TTFT, the highest tok/s), and ``<name>_best_peer`` naming it. Below 1 is better for
+    times, above 1 for tok/s. None where we or every peer lack the figure."""
     def figure(server: str, c: str, name: str) -> float | None:
         return summary.get(server, {}).get(c, {}).get(name)
 
     peers = [s for s in summary if s != ours]
-    tpots = {p: figure(p, "c1", "median_tpot_ms") for p in peers}
-    tpots = {p: v for p, v in tpots.items() if v}
-    rates = {p: figure(p, "c16", "output_tok_s") for p in peers}
-    rates = {p: v for p, v in rates.items() if v}
-    best_tpot = min(tpots, key=tpots.__getitem__) if tpots else None
-    best_rate = max(rates, key=rates.__getitem__) if rates else None
-    our_tpot, our_rate = figure(ours, "c1", "median_tpot_ms"), figure(ours, "c16", "output_tok_s")
-    return {
-        "tpot_c1_vs_best_peer": round(our_tpot / tpots[best_tpot], 3) if our_tpot and best_tpot else None,
-        "tpot_c1_best_peer": best_tpot,
-        "tok_s_c16_vs_best_peer": round(our_rate / rates[best_rate], 3) if our_rate and best_rate else None,
-        "tok_s_c16_best_peer": best_rate,
-    }
+    out: dict[str, Any] = {}
+    for name, (c, metric, lower) in RATIOS.items():
+        values = {p: v for p in peers if (v := figure(p, c, metric))}
+        best = (min if lower else max)(values, key=values.__getitem__) if values else None
+        mine = figure(ours, c, metric)
+        out[f"{name}_vs_best_peer"] = round(mine / values[best], 3) if mine and best else None
+        out[f"{name}_best_peer"] = best
+    return out
 
 
 def common_prefix(a: list[int] | str, b: list[int] | str) -> int:
@@ -138,7 +141,7 @@ def markdown(result: dict[str, Any]) -> str:
     cfg, summary, rat = result["config"], result["summary"], result["ratios"]
     lines = [f"# Serving: shardline vs vLLM (CPU) vs llama.cpp, `vllm bench serve` (`{result['name']}`)", "",
              f"Machine: {result['machine']['line']}", "",
-             f"SmolLM2-135M-Instruct, {cfg['dtype']}; random dataset, {cfg['input_len']} input / "
+             f"{MODEL_NAMES[cfg.get('model', 'smollm2')]}, {cfg['dtype']}; random dataset, {cfg['input_len']} input / "
              f"{cfg['output_len']} output tokens, `--ignore-eos`, temperature 0; {cfg['rounds']} round(s), "
              f"server order alternating, one server running at a time; medians across rounds "
              f"(failed: summed).", "",
@@ -154,10 +157,12 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {server} | {c[1:]} | {prompts} | {_cell(row['output_tok_s'])} | "
                          f"{_cell(row['median_tpot_ms'], 2)} | {_cell(row['p99_tpot_ms'], 2)} | "
                          f"{_cell(row['median_ttft_ms'], 1)} | {_cell(row['p99_itl_ms'], 2)} | {row['failed']} |")
-    lines += ["", f"- `tpot_c1_vs_best_peer` = **{_cell(rat['tpot_c1_vs_best_peer'], 3)}** "
-                  f"(ours / {rat['tpot_c1_best_peer'] or 'no peer'}'s median TPOT at c=1; below 1 is faster)",
-              f"- `tok_s_c16_vs_best_peer` = **{_cell(rat['tok_s_c16_vs_best_peer'], 3)}** "
-              f"(ours / {rat['tok_s_c16_best_peer'] or 'no peer'}'s output tok/s at c=16; above 1 is faster)", ""]
+    what = {"tpot_c1": "median TPOT at c=1; below 1 is faster", "tok_s_c16": "output tok/s at c=16; above 1 is faster",
+            "ttft_c16": "median TTFT at c=16; below 1 is sooner", "p99_tpot_c16": "p99 TPOT at c=16; below 1 is faster"}
+    lines.append("")
+    lines += [f"- `{name}_vs_best_peer` = **{_cell(rat.get(f'{name}_vs_best_peer'), 3)}** "
+              f"(ours / {rat.get(f'{name}_best_peer') or 'no peer'}'s {what[name]})" for name in RATIOS]
+    lines.append("")
     for error in result.get("errors", []):
         lines.append(f"- error: {error.splitlines()[0][:300]}")
     undercounted = [f"- {server} at {c}: the client counted {row['tokens_counted']:.1%} of the "

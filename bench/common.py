@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from services.modeling.gguf_import import convert_smollm2
+from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -23,6 +25,34 @@ def smollm2_dir() -> Path:
     out = REPO / ".models" / "smollm2-bench"
     if not (out / "model.safetensors").exists():
         convert_smollm2(out, dtype="float32")
+    return out
+
+
+# The 1B-class Llama shape the serving benchmarks also run (Llama-3.2-1B's layers, heads and
+# widths); with SmolLM2's 49,152-token vocabulary, untied, about 1.17B parameters
+ONE_B_CLASS = {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "intermediate": 8192}
+
+
+def one_b_class_dir(tokenizer_from: Path) -> Path:
+    """The 1B-class shape with random weights (seed 0), bfloat16, in HF layout under .models/ (made
+    once), with the tokenizer and special tokens of ``tokenizer_from`` (SmolLM2's), so that every
+    server, llama.cpp's GGUF converter and the benchmark client read the same text the same way."""
+    out = REPO / ".models" / "llama-1b-class"
+    if (out / "model.safetensors").exists():
+        return out
+    source = json.loads((tokenizer_from / "config.json").read_text())
+    spec = TinyModelSpec(**ONE_B_CLASS, vocab=source["vocab_size"], max_position=4096, rope_theta=source["rope_theta"],
+                         dtype="bfloat16")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    write_tiny_model(spec, partial)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copyfile(tokenizer_from / name, partial / name)
+    config = json.loads((partial / "config.json").read_text())
+    config.update({k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source})
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    partial.rename(out)
     return out
 
 

