@@ -140,8 +140,8 @@ void attend_rows(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_st
   float inv[16];
   const auto* qb = reinterpret_cast<const uint16_t*>(q);
   const auto* kb = reinterpret_cast<const uint16_t*>(k);
-  if (d == 128) scores_phase<4>(qb, q_row_stride, q_head_stride, G, N, kb, off, ldk, b.max_ctx, scale, b.scores, b.stride);
-  else scores_phase<2>(qb, q_row_stride, q_head_stride, G, N, kb, off, ldk, b.max_ctx, scale, b.scores, b.stride);
+  auto scores = d == 128 ? scores_phase<4> : scores_phase<2>;
+  scores(qb, q_row_stride, q_head_stride, G, N, kb, off, ldk, b.max_ctx, scale, b.scores, b.stride);
   softmax_phase(b.scores, b.stride, N, G, ctx, b.probs, b.width, inv);
   const auto* vb = reinterpret_cast<const uint16_t*>(v);
   const uint32_t* kept = rows::kept_values(pairs, vb, off, b, d, R);
@@ -156,7 +156,8 @@ void attend_rows(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_st
 namespace shardline::amx {
 bool attention_fits(int64_t, int64_t, int64_t) { return false; }
 void attend_rows(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, const int64_t*, const c10::BFloat16*,
-                 const c10::BFloat16*, const int64_t*, int64_t, int64_t, float, c10::BFloat16*, int64_t, rows::ValuePairs&) {}
+                 const c10::BFloat16*, const int64_t*, int64_t, int64_t, float, c10::BFloat16*, int64_t,
+                 rows::ValuePairs&) {}
 }  // namespace shardline::amx
 
 #endif

@@ -42,6 +42,19 @@ namespace {
   }();
   return enabled;
 }
+
+// f(std::integral_constant<int, n>) for n = min(count, kMax), count >= 1: a run-time count of rows
+// as the compile-time one the row loops are unrolled for
+template <int kMax, typename F>
+[[maybe_unused]] inline void with_count(int64_t count, F&& f) {
+  if constexpr (kMax > 1) {
+    if (count < kMax) {
+      with_count<kMax - 1>(count, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, kMax>{});
+}
 }  // namespace
 
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
@@ -64,21 +77,6 @@ inline void score_rows(const uint32_t (*qw)[NP], int64_t n0, const uint32_t (&kp
   for (int n = 0; n < NB; ++n) _mm512_storeu_ps(scores + (n0 + n) * stride + t0, _mm512_mul_ps(acc[n], scale));
 }
 
-// f(std::integral_constant<int, n>) for n = min(count, kRowsPerPass) in 1..kRowsPerPass
-template <typename F>
-inline void with_rows(int64_t count, F&& f) {
-  switch (std::min<int64_t>(count, kRowsPerPass)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
-}
-
 // phase 1: scores[n * stride + t] for t < ctx rounded up to 16; NP = d / 2
 template <int NP>
 void scores_phase(const uint16_t* q, int64_t q_row_stride, int64_t q_head_stride, int64_t G, int64_t N,
@@ -99,7 +97,9 @@ void scores_phase(const uint16_t* q, int64_t q_row_stride, int64_t q_head_stride
       for (int p = 0; p < 16; ++p) _mm512_store_ps(reinterpret_cast<float*>(kp[c + p]), r[p]);
     }
     for (int64_t n0 = 0; n0 < N; n0 += kRowsPerPass)
-      with_rows(N - n0, [&](auto nb) { score_rows<decltype(nb)::value, NP>(qw, n0, kp, s, scores, stride, t0); });
+      with_count<kRowsPerPass>(N - n0, [&](auto nb) {
+        score_rows<decltype(nb)::value, NP>(qw, n0, kp, s, scores, stride, t0);
+      });
   }
 }
 
@@ -145,15 +145,9 @@ void values_phase(const uint16_t* probs, int64_t width, const float* inv, int64_
                   c10::BFloat16* out, int64_t out_row_stride) {
   auto run = [&](auto&& vp) {
     for (int64_t n0 = 0; n0 < N; n0 += kValueRows) {
-      auto pass = [&](auto nb) {
+      with_count<kValueRows>(N - n0, [&](auto nb) {
         value_rows<decltype(nb)::value>(probs, width, inv, n0, G, chunks, d0, d, vp, out, out_row_stride);
-      };
-      switch (std::min<int64_t>(N - n0, kValueRows)) {
-        case 1: pass(std::integral_constant<int, 1>{}); break;
-        case 2: pass(std::integral_constant<int, 2>{}); break;
-        case 3: pass(std::integral_constant<int, 3>{}); break;
-        default: pass(std::integral_constant<int, 4>{}); break;
-      }
+      });
     }
   };
   if (kept) {
@@ -225,18 +219,6 @@ inline void transpose8(__m256 (&r)[8]) {
   }
 }
 
-template <typename F>
-inline void with_rows(int64_t count, F&& f) {
-  switch (std::min<int64_t>(count, kRowsPerPass)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
-  }
-}
-
 // scores of rows [n0, n0 + NB) for the 8 tokens from t0; qe / qo: each row's even / odd elements.
 // A row's even and odd products go to two sums (added at the end): two dependent chains of
 // multiply-adds per row instead of one, so that a decode step's 3 or 4 rows keep the FMA units busy.
@@ -281,7 +263,7 @@ void scores_phase(const uint16_t* q, int64_t q_row_stride, int64_t q_head_stride
       for (int p = 0; p < 8; ++p) _mm256_store_ps(reinterpret_cast<float*>(kp[c + p]), r[p]);
     }
     for (int64_t n0 = 0; n0 < N; n0 += kRowsPerPass)
-      with_rows(N - n0, [&](auto nb) {
+      with_count<kRowsPerPass>(N - n0, [&](auto nb) {
         score_rows<decltype(nb)::value, NP>(qe, qo, n0, kp, s, scores, stride, t0);
       });
   }
@@ -370,7 +352,7 @@ void attend_vector(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_
   auto values = [&](auto&& row) {
     for (int64_t d0 = 0; d0 < d; d0 += 16)
       for (int64_t n0 = 0; n0 < N; n0 += kRowsPerPass)
-        with_rows(N - n0, [&](auto nb) {
+        with_count<kRowsPerPass>(N - n0, [&](auto nb) {
           value_rows<decltype(nb)::value>(scores.data(), stride, inv, n0, G, row, max_ctx, d0, d, out, out_row_stride);
         });
   };
