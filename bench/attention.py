@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from bench.common import machine, median_time, write_results
+from bench.common import machine, median_time, publish_results
 from services.modeling.attention import AttentionMetadata
 from services.modeling.kernels import TorchOps, cpu_arch, cpu_kernels, ops_for
 
@@ -125,10 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['shape']} | {r['case']} | {r['kernel_ms']:.3f} | {r['vector_ms']:.3f} | {r['per_row_ms']:.3f} | "
               f"{r['sdpa_ms']:.3f} | {r['kernel_vs_vector']:.2f} | {r['kernel_vs_per_row']:.2f} | "
               f"{r['kernel_vs_sdpa']:.2f} | {r['kernel_gflops']:.0f} |" for r in rows]
-    write_results(args.name, {"machine": info, "march": cpu_arch(), "reps": args.reps, "rows": rows},
-                  "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return publish_results(args.name, {"machine": info, "march": cpu_arch(), "reps": args.reps, "rows": rows},
+                           "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine, write_results
+from bench.common import machine, publish_results
 from services.modeling.kernels import cpu_arch, cpu_kernels
 
 SHAPES = {  # name: {linear: (N, K)}
@@ -84,10 +84,8 @@ def main(argv: list[str] | None = None) -> int:
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['linear']} ({r['n']} x {r['k']}) | {r['rows']} | {r['ours_gflops']:.0f} | "
               f"{r['onednn_gflops']:.0f} | {r['ours_vs_onednn']:.2f} |" for r in rows]
-    write_results(args.name, {"machine": info, "march": cpu_arch(), "passes": args.passes, "rows": rows},
-                  "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return publish_results(args.name, {"machine": info, "march": cpu_arch(), "passes": args.passes, "rows": rows},
+                           "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -169,31 +169,32 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": VERSION})
 
 
-@routes.post("/tokenize")
-async def tokenize(request: Request) -> JSONResponse:
+async def authorized_body(request: Request) -> tuple[RouterCore, dict[str, Any], int]:
+    """The caller's key checked and the body read: the router core, the body and its size."""
     front = _front(request)
     front.authorize(request)
     body, size = await json_body(request)
-    model = front.core.catalog.get(_model_name(body))
+    return front.core, body, size
+
+
+@routes.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    core, body, size = await authorized_body(request)
+    model = core.catalog.get(_model_name(body))
     if size <= INLINE_CHAT_BYTES:
         return JSONResponse(tokenize_api.tokenize(body, model))
-    return JSONResponse(await front.core.off_loop(tokenize_api.tokenize, body, model))
+    return JSONResponse(await core.off_loop(tokenize_api.tokenize, body, model))
 
 
 @routes.post("/detokenize")
 async def detokenize(request: Request) -> JSONResponse:
-    front = _front(request)
-    front.authorize(request)
-    body, _size = await json_body(request)
-    return JSONResponse(tokenize_api.detokenize(body, front.core.catalog.get(_model_name(body))))
+    core, body, _size = await authorized_body(request)
+    return JSONResponse(tokenize_api.detokenize(body, core.catalog.get(_model_name(body))))
 
 
 @routes.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    front = _front(request)
-    front.authorize(request)
-    core = front.core
-    body, _size = await json_body(request)
+    core, body, _size = await authorized_body(request)
     model = core.catalog.get(_model_name(body))
     batch = oa.parse_completions(body, model)
     first = batch[0]
@@ -212,10 +213,7 @@ async def completions(request: Request) -> Response:
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    front = _front(request)
-    front.authorize(request)
-    core = front.core
-    body, size = await json_body(request)
+    core, body, size = await authorized_body(request)
     model = core.catalog.get(_model_name(body))
     limit = max((g.token_limit for g in core.groups(model.name)), default=0)
     if size <= INLINE_CHAT_BYTES:
