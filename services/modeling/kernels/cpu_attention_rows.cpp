@@ -1,9 +1,9 @@
 // Paged attention for a few rows of one sequence on vectors (machines without AMX): the contract
 // in cpu_attention_rows.h, for every bfloat16 row, decode or prefill, on such a machine. With
-// AVX512-BF16, below; with AVX2 + FMA alone, the same plan on 8 float32 lanes (further down). Both
-// products run on vdpbf16ps, 32 multiply-adds per instruction, twice what the
-// float32 kernel in cpu_attention.cpp gets, and the rows of a prefill share every key and value
-// they read, where that kernel reads and converts them per row.
+// AVX512-BF16, below; with AVX2 + FMA alone, the same plan on 8 float32 lanes (further down). The
+// rows of a prefill share every key and value they read, where the float32 kernel in
+// cpu_attention.cpp reads and converts them per row; with AVX512-BF16 both products run on
+// vdpbf16ps, 32 multiply-adds per instruction, twice what that kernel's float32 FMAs do.
 //
 // Scores, per 16 tokens: the keys transposed in registers into pairs of d (kp[p] lane t holds
 // k[t][2p], k[t][2p + 1]), then for each query row n, d / 2 vdpbf16ps of q's pair p broadcast
@@ -338,22 +338,20 @@ const float* widened_values(ValuePairs& pairs, const uint16_t* v, const int64_t*
 void attend_vector(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t G,
                    const int64_t* ctx, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* off, int64_t d,
                    float scale, c10::BFloat16* out, int64_t out_row_stride, ValuePairs& pairs) {
-  const int64_t N = R * G, max_ctx = *std::max_element(ctx, ctx + R);
-  const int64_t stride = (max_ctx + 15) / 16 * 16;
-  thread_local std::vector<float> scores;
-  if (static_cast<int64_t>(scores.size()) < N * stride) scores.resize(N * stride);
+  const int64_t N = R * G;
+  const Buffers b = buffers(N, ctx, R);
   float inv[16];
   const auto* qb = reinterpret_cast<const uint16_t*>(q);
   const auto* kb = reinterpret_cast<const uint16_t*>(k);
-  if (d == 128) scores_phase<64>(qb, q_row_stride, q_head_stride, G, N, kb, off, max_ctx, scale, scores.data(), stride);
-  else scores_phase<32>(qb, q_row_stride, q_head_stride, G, N, kb, off, max_ctx, scale, scores.data(), stride);
-  softmax_phase(scores.data(), stride, N, G, ctx, max_ctx, inv);
+  if (d == 128) scores_phase<64>(qb, q_row_stride, q_head_stride, G, N, kb, off, b.max_ctx, scale, b.scores, b.stride);
+  else scores_phase<32>(qb, q_row_stride, q_head_stride, G, N, kb, off, b.max_ctx, scale, b.scores, b.stride);
+  softmax_phase(b.scores, b.stride, N, G, ctx, b.max_ctx, inv);
   const auto* vb = reinterpret_cast<const uint16_t*>(v);
   auto values = [&](auto&& row) {
     for (int64_t d0 = 0; d0 < d; d0 += 16)
       for (int64_t n0 = 0; n0 < N; n0 += kRowsPerPass)
         with_count<kRowsPerPass>(N - n0, [&](auto nb) {
-          value_rows<decltype(nb)::value>(scores.data(), stride, inv, n0, G, row, max_ctx, d0, d, out, out_row_stride);
+          value_rows<decltype(nb)::value>(b.scores, b.stride, inv, n0, G, row, b.max_ctx, d0, d, out, out_row_stride);
         });
   };
   // a decode row reads each value once: widened where it is used. A prefill's rows (or a call
@@ -361,7 +359,7 @@ void attend_vector(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_
   if (R == 1 && pairs.whole == 0) {
     values([&](int64_t t, int64_t i) { return widen8(vb + off[t] + i); });
   } else {
-    const float* vf = widened_values(pairs, vb, off, max_ctx, d);
+    const float* vf = widened_values(pairs, vb, off, b.max_ctx, d);
     values([&](int64_t t, int64_t i) { return _mm256_loadu_ps(vf + t * d + i); });
   }
 }
@@ -373,11 +371,14 @@ void attend_vector(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, con
 
 #endif
 
-bool vector_fits(int64_t d, int64_t G) {
 #ifdef SHARDLINE_NO_ROWS_KERNEL
-  return false;
+constexpr bool kBuilt = false;
+#else
+constexpr bool kBuilt = true;
 #endif
-  return rows_enabled() && (d == 64 || d == 128) && G >= 1 && G <= 16;
+
+bool vector_fits(int64_t d, int64_t G) {
+  return kBuilt && rows_enabled() && (d == 64 || d == 128) && G >= 1 && G <= 16;
 }
 
 }  // namespace shardline::rows

@@ -40,6 +40,25 @@ void attend_vector(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_
                    const int64_t* ctx, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* off, int64_t d,
                    float scale, c10::BFloat16* out, int64_t out_row_stride, ValuePairs& pairs);
 
+// One call's sizes and this thread's buffers for them: scores [N, stride] (the context rounded up
+// to 16 tokens) and probabilities [N, width] (to whole 32-token chunks; the AVX2 kernel keeps them
+// float32, in scores)
+struct Buffers {
+  int64_t max_ctx, stride, width, chunks;
+  float* scores;
+  uint16_t* probs;
+};
+
+inline Buffers buffers(int64_t N, const int64_t* ctx, int64_t R) {
+  thread_local std::vector<float> scores;
+  thread_local std::vector<uint16_t> probs;
+  const int64_t max_ctx = *std::max_element(ctx, ctx + R);
+  const int64_t stride = (max_ctx + 15) / 16 * 16, width = (max_ctx + 31) / 32 * 32;
+  if (static_cast<int64_t>(scores.size()) < N * stride) scores.resize(N * stride);
+  if (static_cast<int64_t>(probs.size()) < N * width) probs.resize(N * width);
+  return {max_ctx, stride, width, width / 32, scores.data(), probs.data()};
+}
+
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
 // r[i] lane j <- r[j] lane i: pairs of rows, then of pairs, then 128-bit lanes twice
 inline void transpose16(__m512 (&r)[16]) {
@@ -132,24 +151,6 @@ inline void pack_values(const uint16_t* v, const int64_t* off, int64_t ctx, int6
       }
     }
   }
-}
-
-// One call's sizes and this thread's buffers for them: scores [N, stride] (the context rounded up
-// to 16 tokens) and probabilities [N, width] (to whole 32-token chunks)
-struct Buffers {
-  int64_t max_ctx, stride, width, chunks;
-  float* scores;
-  uint16_t* probs;
-};
-
-inline Buffers buffers(int64_t N, const int64_t* ctx, int64_t R) {
-  thread_local std::vector<float> scores;
-  thread_local std::vector<uint16_t> probs;
-  const int64_t max_ctx = *std::max_element(ctx, ctx + R);
-  const int64_t stride = (max_ctx + 15) / 16 * 16, width = (max_ctx + 31) / 32 * 32;
-  if (static_cast<int64_t>(scores.size()) < N * stride) scores.resize(N * stride);
-  if (static_cast<int64_t>(probs.size()) < N * width) probs.resize(N * width);
-  return {max_ctx, stride, width, width / 32, scores.data(), probs.data()};
 }
 
 // A prefill's rows (R > 1), or a call after one: the values packed once for all of d and kept for
