@@ -125,7 +125,7 @@ class Cache:
             return
         self._step("llama.cpp source", (self.llama_src / "CMakeLists.txt").exists(), self._fetch_llama_src)
         self._step("llama-server build", self.llama_server.exists(), self._build_llama_server)
-        for outtype in ("bf16", "f32"):
+        for outtype in ("bf16", "f32", "q8_0"):
             self._step(f"gguf {outtype}", self.gguf(model_dir, outtype).exists(),
                        lambda t=outtype: self._convert(model_dir, t))
 

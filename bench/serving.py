@@ -85,13 +85,18 @@ def machine_line() -> str:
             f"load average {load} (uptime, at start)")
 
 
+# the GGUF llama.cpp serves for each --dtype: int8 against its own converter's Q8_0 (8-bit weights in
+# blocks of 32, each with a float16 scale; its matmuls quantize the activations the same way)
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}
+
+
 def make_server(name: str, dtype: str, cache: Cache, model_dir: Path) -> Server:
     port = PORTS[name]
     if name == "shardline":
         return shardline_server(model_dir, dtype, port, cache.root / "shardline" / model_dir.name / dtype)
     if name == "vllm":
         return vllm_server(cache, model_dir, dtype, port)
-    return llama_server(cache, model_dir, "f32" if dtype == "float32" else "bf16", port)
+    return llama_server(cache, model_dir, GGUF_TYPES[dtype], port)
 
 
 def model_dir_for(name: str) -> Path:
@@ -205,8 +210,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.servers) - set(SERVERS)
     if unknown:
         parser.error(f"--servers: unknown {', '.join(sorted(unknown))}")
-    if args.dtype not in ("bfloat16", "float32"):
-        parser.error("--dtype: bfloat16 or float32 (llama.cpp serves the GGUF of that type)")
+    if args.dtype not in GGUF_TYPES:
+        parser.error(f"--dtype: one of {', '.join(GGUF_TYPES)} (llama.cpp serves the GGUF of that type)")
+    if args.dtype == "int8" and "vllm" in args.servers:
+        parser.error("--dtype int8: vLLM quantizes no bfloat16 checkpoint to int8 on the CPU; "
+                     "--servers shardline,llama.cpp")
     return args
 
 

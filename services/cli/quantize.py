@@ -46,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--chunks must be >= 1 and --chunk-tokens >= 2")
         if not (args.model / "config.json").exists():
             raise FileNotFoundError(f"{args.model}: no config.json (an HF model directory is needed)")
+        report = quantize_model_dir(args.model, args.out, scheme, quantize_lm_head=args.lm_head == "quantized",
+                                    chunks=args.chunks, chunk_tokens=args.chunk_tokens)
     except (ValueError, FileNotFoundError) as exc:
         print(f"shardline quantize: {exc}", file=sys.stderr)
         return 2
-    report = quantize_model_dir(args.model, args.out, scheme, quantize_lm_head=args.lm_head == "quantized",
-                                chunks=args.chunks, chunk_tokens=args.chunk_tokens)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

@@ -4,6 +4,10 @@ One loader loop and one name-mapping table (vLLM's ``stacked_params_mapping``): 
 are mapped to this stage's parameter names (q/k/v → qkv_proj, gate/up → gate_up_proj), and each
 parameter's ``weight_loader`` reads only this rank's slice through ``safe_open(...).get_slice``.
 Tensors of layers owned by other stages are never opened.
+
+A compressed-tensors checkpoint (quantized by llm-compressor) is read the same way: each
+quantized weight comes as one source holding its codes and scales
+(:mod:`services.modeling.compressed_tensors`), and its scale tensors are not names of their own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any
 
 from safetensors import safe_open
 from torch import nn
+
+from services.modeling.compressed_tensors import SCALE_SUFFIX as COMPRESSED_SCALE_SUFFIX
+from services.modeling.compressed_tensors import CompressedWeight, compressed_format, is_companion
 
 # (fused parameter part, checkpoint part, shard id)
 STACKED_PARAMS_MAPPING: tuple[tuple[str, str, Any], ...] = (
@@ -60,6 +67,8 @@ class CheckpointReader:
                 self._file_of = {name: single for name in handle.keys()}
         self._stack = ExitStack()
         self._handles: dict[Path, Any] = {}
+        config = self.model_dir / "config.json"
+        self.compressed = compressed_format(json.loads(config.read_text())) if config.exists() else None
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -72,12 +81,22 @@ class CheckpointReader:
         self._handles.clear()
 
     def names(self) -> list[str]:
-        return sorted(self._file_of)
+        """The tensors to place: a compressed checkpoint's scales travel with their weights."""
+        if self.compressed is None:
+            return sorted(self._file_of)
+        return sorted(name for name in self._file_of if not is_companion(name))
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
     def get_slice(self, name: str) -> Any:
+        """A slice handle; a compressed checkpoint's quantized weight as codes with their scales."""
+        scale_name = name.removesuffix(".weight") + COMPRESSED_SCALE_SUFFIX
+        if self.compressed is not None and name.endswith(".weight") and scale_name in self._file_of:
+            return CompressedWeight(name, self._raw_slice(name), self._raw_slice(scale_name), self.compressed.scheme)
+        return self._raw_slice(name)
+
+    def _raw_slice(self, name: str) -> Any:
         path = self._file_of[name]
         handle = self._handles.get(path)
         if handle is None:

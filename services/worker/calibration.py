@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from services.modeling.compressed_tensors import compressed_format
 from services.modeling.config import CALIBRATION_KEY
 from services.modeling.golden_set import calibration_text, fingerprint
 from services.modeling.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_round
@@ -109,6 +110,10 @@ def quantize_model_dir(model_dir: Path, out_dir: Path, scheme: QuantScheme, *, q
     """Writes the calibrated copy of ``model_dir`` to ``out_dir`` (see the module docstring)."""
     start = time.perf_counter()
     config = json.loads((model_dir / "config.json").read_text())
+    compressed = compressed_format(config)
+    if compressed is not None:
+        raise ValueError(f"{model_dir} is already quantized ({compressed.describe()}): calibrate the original "
+                         f"weights, or serve these as {compressed.scheme.name}")
     tied = bool(config.get("tie_word_embeddings", False))
     token_chunks = calibration_chunks(str(model_dir), chunks, chunk_tokens)
     hessians = collect_hessians(str(model_dir), token_chunks)

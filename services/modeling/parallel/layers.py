@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.modeling.compressed_tensors import QuantizedPiece
 from services.modeling.kernels import dense_linear, dense_linear_chunks
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.quant import QuantScheme, channel_scales, quant_linear, quantize_with_scales
 
-WeightSource = Any  # torch.Tensor or safetensors PySafeSlice
+WeightSource = Any  # torch.Tensor, safetensors PySafeSlice, or compressed_tensors.CompressedWeight
 
 
 def source_shape(source: WeightSource) -> tuple[int, ...]:
@@ -102,7 +103,13 @@ class LinearBase(TPLayer):
     def _place(self, target: torch.Tensor, piece: torch.Tensor, what: str, *,
                rows: torch.Tensor | None = None) -> None:
         """Copy checkpoint slice ``piece`` into ``target``; quantized, the weight or (1-D target)
-        the scales, from the whole rows ``rows`` (``piece`` itself when it has them all)."""
+        the scales, from the whole rows ``rows`` (``piece`` itself when it has them all).
+
+        A piece of an already quantized checkpoint (compressed-tensors) gives its own codes and
+        scales to a plan of its scheme, its values to a dense plan."""
+        if isinstance(piece, QuantizedPiece):
+            self._place_quantized(target, piece, what, rows=rows)
+            return
         if self.quant is None:
             _copy(target, piece, what)
             return
@@ -111,6 +118,18 @@ class LinearBase(TPLayer):
             _copy(target, scale, f"{what} scales")
         else:
             _copy(target, quantize_with_scales(piece, scale, self.quant), what)
+
+    def _place_quantized(self, target: torch.Tensor, piece: QuantizedPiece, what: str, *,
+                         rows: QuantizedPiece | None) -> None:
+        if self.quant is None:
+            _copy(target, piece.dequantized(), what)
+        elif piece.scheme is not self.quant:
+            raise ValueError(f"{what}: the checkpoint holds {piece.scheme.name} codes, this plan quantizes to "
+                             f"{self.quant.name}: serve it as {piece.scheme.name} or dense")
+        elif target.dim() == 1:
+            _copy(target, (piece if rows is None else rows).scale, f"{what} scales")
+        else:
+            _copy(target, piece.codes, what)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
@@ -218,7 +237,7 @@ class RowParallelLinear(LinearBase):
         _expect_shape(source, (self.out_features, self.in_features), "row-parallel weight")
         start = self.tp_rank * self.in_local
         if self.quant is None:
-            _copy(target, source[:, start:start + self.in_local], "row-parallel weight")
+            self._place(target, source[:, start:start + self.in_local], "row-parallel weight")
             return
         rows = source[:]  # the scales need whole rows: this rank reads all of them
         self._place(target, rows[:, start:start + self.in_local], "row-parallel weight", rows=rows)

@@ -9,6 +9,7 @@ import torch
 
 from services.common.dtypes import DENSE_DTYPES, DTYPES, canonical_dtype
 from services.common.numerics import NUMERICS
+from services.modeling.compressed_tensors import CompressedTensorsError, compressed_format
 from services.modeling.config import CALIBRATION_KEY, ModelConfig, ModelConfigError, torch_dtype
 from services.modeling.quant import QuantScheme, scheme_for, scheme_record
 
@@ -99,6 +100,14 @@ class ParallelPlan:
             raise ModelConfigError(f"these weights were calibrated for {calibrated} (shardline quantize): a {name} "
                                    f"plan would round them again onto another grid; calibrate the original "
                                    f"model for {name}, or serve this copy as {calibrated}")
+        try:
+            compressed = compressed_format(cfg.raw)
+        except CompressedTensorsError as exc:
+            raise ModelConfigError(str(exc)) from None
+        if compressed and DTYPES[name].quantized and compressed.scheme.name != name:
+            raise ModelConfigError(f"these weights are a {compressed.describe()} checkpoint: a {name} plan would "
+                                   f"round them again onto another grid; serve them as {compressed.scheme.name}, "
+                                   f"or dense (bfloat16, float32)")
         problem = tp_problem(cfg, tp)
         if problem is not None:
             raise ModelConfigError(problem)
