@@ -3,8 +3,8 @@ and what a fleet controller calls before a new plan takes traffic.
 
 A plan is written ``key=value`` pairs joined by commas, from ``tp``, ``pp``, ``dtype``,
 ``checkpoint`` (a manifest.json), ``model`` (another model directory with the same tokenizer,
-e.g. a fine-tune or a perturbed copy) and ``lm_head`` (``quantized``, the default, or ``dense``:
-an int8/fp8 plan's lm_head): ``dtype=float32``, ``tp=2,dtype=bfloat16``, ``dtype=fp8,lm_head=dense``. Each plan runs
+e.g. a fine-tune or a perturbed copy) and ``lm_head`` (``quantized``, the default but for a
+compressed-tensors checkpoint that left it dense, or ``dense``: an int8/fp8 plan's lm_head): ``dtype=float32``, ``tp=2,dtype=bfloat16``, ``dtype=fp8,lm_head=dense``. Each plan runs
 as a local replica group (its ranks spawned here) that scores every chunk as its own prompt;
 ``worker=HOST:PORT`` or ``group=ID`` (its endpoint in the registry) instead names a serving
 replica group, scored through its worker's Score.
@@ -72,12 +72,12 @@ def plan_spec(model_dir: str | None, text: str, *,
     except ValueError:
         raise InvalidArgument(f"plan {text!r}: tp and pp are whole numbers") from None
     checkpoint = plan.get("checkpoint")
-    lm_head = plan.get("lm_head", "quantized")
-    if lm_head not in ("quantized", "dense"):
+    lm_head = plan.get("lm_head")
+    if lm_head not in (None, "quantized", "dense"):
         raise InvalidArgument(f"plan {text!r}: lm_head is 'quantized' or 'dense', got {lm_head!r}")
     return RankSpec(None if checkpoint else plan.get("model", model_dir), tp_degree=tp, pp_degree=pp,
                     dtype=plan.get("dtype"), checkpoint=checkpoint, collective_timeout_s=collective_timeout_s,
-                    replica_group_id=f"golden-{text}", quantize_lm_head=lm_head == "quantized",
+                    replica_group_id=f"golden-{text}", quantize_lm_head=None if lm_head is None else lm_head == "quantized",
                     numerics=plan.get("numerics", "default"))
 
 

@@ -45,7 +45,8 @@ class RankSpec:
     pp_degree: int = field(default=1, kw_only=True)
     dtype: str | None = field(default=None, kw_only=True)  # None: float32 from an HF directory, the checkpoint's
     activation_dtype: str | None = field(default=None, kw_only=True)  # int8/fp8 plans: None is bfloat16
-    quantize_lm_head: bool = field(default=True, kw_only=True)  # int8/fp8 plans from an HF directory
+    # int8/fp8 plans from an HF directory; None: the plan's default (services.modeling.parallel.plan)
+    quantize_lm_head: bool | None = field(default=None, kw_only=True)
     numerics: str = field(default="default", kw_only=True)  # ParallelPlan's: "default" | "layout-invariant"
     replica_group_id: str = field(default="local", kw_only=True)
     collective_timeout_s: float = field(default=DEFAULT_TIMEOUT_S, kw_only=True)

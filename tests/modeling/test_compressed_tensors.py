@@ -147,6 +147,10 @@ def test_a_plan_of_the_other_scheme_is_refused(tiny_tp3, tmp_path):
     with pytest.raises(ModelConfigError, match="serve them as fp8, or dense"):
         ParallelPlan(cfg, 1, 1, "int8")
     assert ParallelPlan(cfg, 1, 1, "bfloat16").weight_quant is None
+    # the checkpoint left its lm_head dense (ignore: lm_head): so does a plan that does not say
+    assert ParallelPlan(cfg, 1, 1, "fp8").lm_head_quant is None
+    assert ParallelPlan(cfg, 1, 1, "fp8", quantize_lm_head=True).lm_head_quant is FP8
+    assert ParallelPlan(ModelConfig.from_dir(tiny_tp3), 1, 1, "fp8").lm_head_quant is FP8
 
 
 @pytest.mark.parametrize("change, refusal", [

@@ -74,7 +74,8 @@ class ParallelPlan:
     in the activation dtype. ``quantize_lm_head`` quantizes the lm_head too; with tied embeddings
     that is the one table both use, so the embedding then dequantizes the rows it looks up (its
     output is still in the activation dtype): a tied model's table is a fifth of SmolLM2-135M's
-    weights, and keeping it dense would leave the plan at 0.61 of the bfloat16 bytes.
+    weights, and keeping it dense would leave the plan at 0.61 of the bfloat16 bytes. Unset
+    (None), it is on, but for a compressed-tensors checkpoint that left its lm_head dense.
     """
 
     config: ModelConfig
@@ -82,7 +83,7 @@ class ParallelPlan:
     pp_degree: int = 1
     dtype: str = "float32"
     activation_dtype: str | None = field(default=None, kw_only=True)
-    quantize_lm_head: bool = field(default=True, kw_only=True)
+    quantize_lm_head: bool | None = field(default=None, kw_only=True)
     numerics: str = field(default="default", kw_only=True)  # services/common/numerics.py
 
     def __post_init__(self) -> None:
@@ -104,6 +105,8 @@ class ParallelPlan:
             compressed = compressed_format(cfg.raw)
         except CompressedTensorsError as exc:
             raise ModelConfigError(str(exc)) from None
+        if self.quantize_lm_head is None:
+            object.__setattr__(self, "quantize_lm_head", not (compressed and "lm_head" in compressed.ignore))
         if compressed and DTYPES[name].quantized and compressed.scheme.name != name:
             raise ModelConfigError(f"these weights are a {compressed.describe()} checkpoint: a {name} plan would "
                                    f"round them again onto another grid; serve them as {compressed.scheme.name}, "
