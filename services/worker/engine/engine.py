@@ -355,14 +355,14 @@ class LLMEngine:
     def _plan_of(self, out: SchedulerOutput) -> StepPlan:
         steps = []
         scheduled = [(s, self.scheduler.get(s.seq_id)) for s in out.scheduled]
-        guided = [seq for s, seq in scheduled if s.do_sample and seq.matcher is not None]
+        guided = [seq for s, seq in scheduled if s.sample and seq.matcher is not None]
         masks = self.guides.masks([seq.matcher for seq in guided]) if guided else []
         allowed_of = {seq.seq_id: mask for seq, mask in zip(guided, masks, strict=True)}
         for s, seq in scheduled:
             p = seq.sampling_params
-            banned = tuple(sorted(seq.stop_ids)) if s.do_sample and seq.sampling_step < p.min_tokens else ()
+            banned = tuple(sorted(seq.stop_ids)) if s.sample and seq.sampling_step < p.min_tokens else ()
             generated = prompt = ()
-            if s.do_sample and p.has_penalties:  # a continuation's generated ids end its prompt
+            if s.sample and p.has_penalties:  # a continuation's generated ids end its prompt
                 cut = len(seq.prompt_token_ids) - p.first_step
                 generated = (*seq.prompt_token_ids[cut:], *seq.output_token_ids)
                 prompt = tuple(seq.prompt_token_ids[:cut]) if p.repetition_penalty != 1 else ()
@@ -370,8 +370,8 @@ class LLMEngine:
             steps.append(SeqStep.of(p, seq.num_output_tokens, banned=banned, generated=generated, prompt=prompt,
                                     allowed=allowed,
                                     seq_id=s.seq_id, token_ids=s.token_ids, positions=s.positions,
-                                    slots=s.slot_mapping, block_table=s.block_table, context_len=s.context_len,
-                                    sample=s.do_sample))
+                                    slots=s.slots, block_table=s.block_table, context_len=s.context_len,
+                                    sample=s.sample))
         plan = StepPlan(out.step_id, "run", steps)
         for listener in tuple(self.step_listeners):
             listener.on_step_scheduled(plan)

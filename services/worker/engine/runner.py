@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from services.modeling.attention import AttentionMetadata
 from services.modeling.config import torch_dtype
+from services.worker.engine.batch import flatten
 from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.kv_cache import KVCacheLayout, allocate_kv_cache
 from services.worker.engine.sampler import Sampler
@@ -61,33 +59,17 @@ class StageRunner:
             out = self.sampler.sample(self.graphs.run(plan.seqs), plan.seqs)
             sampled = [SampledToken(s.seq_id, tok, lp, top) for s, (tok, lp, top) in zip(plan.seqs, out)]
             return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
-        device = rt.device
-        token_ids = [t for s in plan.seqs for t in s.token_ids]
-        positions = torch.tensor([p for s in plan.seqs for p in s.positions], device=device)
-        max_blocks = max(len(s.block_table) for s in plan.seqs)
-        tables = torch.zeros((len(plan.seqs), max_blocks), dtype=torch.int64, device=device)
-        for i, s in enumerate(plan.seqs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
-        meta = AttentionMetadata(
-            query_lens=[len(s.token_ids) for s in plan.seqs],
-            context_lens=[s.context_len for s in plan.seqs],
-            slot_mapping=torch.tensor([x for s in plan.seqs for x in s.slots], dtype=torch.int64, device=device),
-            block_tables=tables,
-        )
+        batch = flatten(plan.seqs, rt.device)
         if g.is_first_stage:
-            hidden = rt.model(positions, meta, input_ids=torch.tensor(token_ids, device=device))
+            hidden = rt.model(batch.positions, batch.meta, input_ids=batch.input_ids)
         else:
-            incoming = c.recv((len(token_ids), rt.plan.config.hidden_size), rt.plan.torch_dtype, g.pp_stage - 1)
-            hidden = rt.model(positions, meta, hidden_states=incoming)
+            incoming = c.recv((batch.num_rows, rt.plan.config.hidden_size), rt.plan.torch_dtype, g.pp_stage - 1)
+            hidden = rt.model(batch.positions, batch.meta, hidden_states=incoming)
         if not g.is_last_stage:
             c.send(hidden, g.pp_stage + 1)
             return None
-        rows, sampling, end = [], [], 0
-        for s in plan.seqs:
-            end += len(s.token_ids)
-            if s.sample:
-                rows.append(end - 1)
-                sampling.append(s)
+        rows = batch.sample_rows
+        sampling = [s for s in plan.seqs if s.sample]
         if not rows:
             return StepResult(plan.step_id, [], time.perf_counter() - t0) if self.samples_here else None
         # all TP ranks take part in the all-gather; the sampler reads the model's dtype directly

@@ -98,16 +98,16 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledSequence:
     """One sequence's share of a step: run ``token_ids`` at ``positions`` writing KV to
-    ``slot_mapping``; attend over ``context_len`` tokens through ``block_table``. When
-    ``do_sample`` the chunk completes the prefill (or is a decode) and the logits of its last
-    token are sampled."""
+    ``slots``; attend over ``context_len`` tokens through ``block_table``. When ``sample`` the
+    chunk completes the prefill (or is a decode) and the logits of its last token are sampled.
+    (The step's rows are laid out once, by :func:`services.worker.engine.batch.flatten`.)"""
 
     seq_id: int
     token_ids: list[int]
     positions: list[int]
-    slot_mapping: list[int]
+    slots: list[int]
     block_table: list[int]
-    do_sample: bool
+    sample: bool
     context_len: int
 
     @property
@@ -146,39 +146,6 @@ class SchedulerOutput:
     @property
     def context_lens(self) -> list[int]:
         return [s.context_len for s in self.scheduled]
-
-    @property
-    def token_ids(self) -> list[int]:
-        """All sequences' tokens, concatenated in ``scheduled`` order."""
-        return [t for s in self.scheduled for t in s.token_ids]
-
-    @property
-    def positions(self) -> list[int]:
-        return [p for s in self.scheduled for p in s.positions]
-
-    @property
-    def slot_mapping(self) -> list[int]:
-        return [x for s in self.scheduled for x in s.slot_mapping]
-
-    def block_tables(self) -> list[list[int]]:
-        """Block tables padded with 0 to the longest (``AttentionMetadata.block_tables``)."""
-        width = max((len(s.block_table) for s in self.scheduled), default=0)
-        return [s.block_table + [0] * (width - len(s.block_table)) for s in self.scheduled]
-
-    @property
-    def sample_seq_ids(self) -> list[int]:
-        """Sequences whose last token's logits are sampled this step, in ``scheduled`` order."""
-        return [s.seq_id for s in self.scheduled if s.do_sample]
-
-    @property
-    def sample_indices(self) -> list[int]:
-        """Row of each sampled sequence's last token in the flattened batch."""
-        rows, end = [], 0
-        for s in self.scheduled:
-            end += s.query_len
-            if s.do_sample:
-                rows.append(end - 1)
-        return rows
 
 
 class Scheduler:
@@ -347,9 +314,9 @@ class Scheduler:
                     self._dropped_in_flight.discard(seq_id)
                     continue
                 raise SchedulerError(f"sequence {seq_id} is not in flight; in flight: {sorted(self._in_flight)}")
-            if chunk.do_sample != (token is not None):
+            if chunk.sample != (token is not None):
                 self._in_flight[seq_id] = chunk
-                want = "a sampled token" if chunk.do_sample else "None (prefill chunk without sampling)"
+                want = "a sampled token" if chunk.sample else "None (prefill chunk without sampling)"
                 raise SchedulerError(f"sequence {seq_id}: expected {want}, got {token!r}")
             seq = self._seqs[seq_id]
             seq.num_computed_tokens = chunk.context_len
@@ -425,9 +392,9 @@ class Scheduler:
             seq_id=seq.seq_id,
             token_ids=seq.token_ids_slice(start, stop),
             positions=list(range(start, stop)),
-            slot_mapping=self.allocator.slots(seq.seq_id, start, stop),
+            slots=self.allocator.slots(seq.seq_id, start, stop),
             block_table=self.allocator.block_table(seq.seq_id),
-            do_sample=stop == seq.num_tokens,
+            sample=stop == seq.num_tokens,
             context_len=stop,
         )
         out.scheduled.append(chunk)

@@ -13,6 +13,7 @@ from services.modeling.llama import LlamaForCausalLM
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.parallel.groups import ParallelGroups
 from services.modeling.parallel.plan import ParallelPlan
+from services.worker.engine.batch import flatten
 from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.kv_cache import (
     CacheConfig,
@@ -139,13 +140,11 @@ def test_paged_steps_match_a_full_forward() -> None:
         out = sched.schedule()
         preemptions += len(out.preempted)
         assert not out.is_empty
-        meta = AttentionMetadata(query_lens=out.query_lens, context_lens=out.context_lens,
-                                 slot_mapping=torch.tensor(out.slot_mapping),
-                                 block_tables=torch.tensor(out.block_tables(), dtype=torch.int64))
-        hidden = model(torch.tensor(out.positions), meta, input_ids=torch.tensor(out.token_ids))
-        logits = model.compute_logits(hidden[out.sample_indices])
+        batch = flatten(out.scheduled)
+        hidden = model(batch.positions, batch.meta, input_ids=batch.input_ids)
+        logits = model.compute_logits(hidden[batch.sample_rows])
         sampled: dict[int, int | None] = {c.seq_id: None for c in out.scheduled}
-        for row, sid in enumerate(out.sample_seq_ids):
+        for row, sid in enumerate(c.seq_id for c in out.scheduled if c.sample):
             context = sched.get(sid).all_token_ids
             torch.testing.assert_close(logits[row], _full_forward_logits(model, context), rtol=1e-4, atol=1e-4)
             sampled[sid] = int(logits[row].argmax())

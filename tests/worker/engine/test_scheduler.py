@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.sampling import FinishReason, InvalidRequest, SamplingParams
+from services.worker.engine.batch import flatten
 from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
 from services.worker.engine.sequence import Sequence, SequenceStatus
@@ -31,8 +32,12 @@ def seq(seq_id: int, prompt_len: int, max_tokens: int = 8, **params) -> Sequence
 
 
 def chunks(out: SchedulerOutput) -> list[tuple]:
-    return [(s.seq_id, s.positions, s.slot_mapping, s.block_table, s.do_sample, s.context_len)
+    return [(s.seq_id, s.positions, s.slots, s.block_table, s.sample, s.context_len)
             for s in out.scheduled]
+
+
+def tokens(out: SchedulerOutput) -> list[int]:
+    return [t for s in out.scheduled for t in s.token_ids]
 
 
 def test_admits_in_arrival_order_with_exact_slots_and_tables() -> None:
@@ -45,10 +50,13 @@ def test_admits_in_arrival_order_with_exact_slots_and_tables() -> None:
         (1, [0, 1], [4, 5], [1], True, 2),
         (2, [0, 1, 2, 3], [8, 9, 10, 11], [2], True, 4),
     ]
-    assert out.token_ids == [100, 101, 102, 110, 111, 120, 121, 122, 123]
     assert out.query_lens == [3, 2, 4] and out.context_lens == [3, 2, 4]
-    assert out.sample_indices == [2, 4, 8]
-    assert out.block_tables() == [[0], [1], [2]]
+    batch = flatten(out.scheduled)  # the step's rows, as the runner lays them out
+    assert batch.input_ids.tolist() == [100, 101, 102, 110, 111, 120, 121, 122, 123]
+    assert batch.positions.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
+    assert batch.meta.slot_mapping.tolist() == [0, 1, 2, 4, 5, 8, 9, 10, 11]
+    assert batch.sample_rows == [2, 4, 8]
+    assert batch.meta.block_tables.tolist() == [[0], [1], [2]]
     assert [q.arrival for q in (s.get(0), s.get(1), s.get(2))] == [0, 1, 2]
     assert s.num_running == 3 and s.num_waiting == 0
 
@@ -66,7 +74,7 @@ def test_decode_batching() -> None:
         (1, [4], [12], [1, 3], True, 5),
         (2, [1], [9], [2], True, 2),
     ]
-    assert out.token_ids == [50, 51, 52]
+    assert tokens(out) == [50, 51, 52]
     assert out.num_batched_tokens == 3 and all(c.is_decode for c in out.scheduled)
 
 
@@ -86,7 +94,7 @@ def test_chunked_prefill_splits_exactly_and_decodes_go_first() -> None:
         (0, [2], [2], [0], True, 3),
         (1, list(range(6, 13)), [10, 11, 12, 13, 14, 15, 16], [1, 2, 3, 4], False, 13),
     ]
-    assert out.token_ids == [7, *range(116, 123)]
+    assert tokens(out) == [7, *range(116, 123)]
     s.on_step_done({0: 8, 1: None})
     out = s.schedule()
     assert chunks(out) == [
@@ -111,7 +119,7 @@ def test_prefill_chunks_are_capped_while_a_sequence_decodes() -> None:
     for _ in range(5):
         out = s.schedule()
         lens.append([(c.seq_id, len(c.positions)) for c in out.scheduled])
-        s.on_step_done({c.seq_id: 5 if c.do_sample else None for c in out.scheduled})
+        s.on_step_done({c.seq_id: 5 if c.sample else None for c in out.scheduled})
     # one decode and at most 8 prefill tokens a step; seq 2 waits behind seq 1 (first come, first served)
     assert lens == [[(0, 1), (1, 8)], [(0, 1), (1, 8)], [(0, 1), (1, 8)], [(0, 1), (1, 6), (2, 2)],
                     [(0, 1), (1, 1), (2, 1)]]
@@ -126,8 +134,8 @@ def test_long_prompt_alone_uses_the_whole_budget_each_step() -> None:
     lens = []
     for _ in range(3):
         out = s.schedule()
-        lens.append((out.query_lens, out.scheduled[0].do_sample))
-        s.on_step_done({0: 1 if out.scheduled[0].do_sample else None})
+        lens.append((out.query_lens, out.scheduled[0].sample))
+        s.on_step_done({0: 1 if out.scheduled[0].sample else None})
     assert lens == [([5], False), ([5], False), ([2], True)]
 
 
@@ -174,7 +182,7 @@ def test_preempts_newest_with_exact_blocks_and_recomputes_later() -> None:
     assert s.allocator.num_free_blocks == 4
     out = s.schedule()  # b recomputes prompt + outputs: 5 tokens, 3 blocks, free list [2, 3, 1, 0]
     assert chunks(out) == [(1, [0, 1, 2, 3, 4], [4, 5, 6, 7, 2], [2, 3, 1], True, 5)]
-    assert out.token_ids == [110, 111, 112, 20, 21]
+    assert tokens(out) == [110, 111, 112, 20, 21]
     assert s.on_step_done({1: 22}) == [b]
     assert b.output_token_ids == [20, 21, 22]
     assert s.allocator.num_free_blocks == 4 and not s.has_unfinished
@@ -196,7 +204,7 @@ def test_preempts_itself_when_it_is_the_newest() -> None:
     s.on_step_done({0: 7})  # seq 0 finishes (max_tokens=2)
     out = s.schedule()
     assert chunks(out) == [(1, [0, 1, 2], [4, 5, 2], [2, 1], True, 3)]  # free list [2, 1, 0]
-    assert out.token_ids == [110, 111, 6]
+    assert tokens(out) == [110, 111, 6]
 
 
 def test_abort_frees_blocks_for_waiting_running_and_in_flight() -> None:
@@ -400,14 +408,14 @@ def run_to_completion(s: Scheduler, seqs: list[Sequence], *, pp: int = 1,
                 continue
             # the chunk must be exactly the next uncomputed tokens of the sequence
             assert c.token_ids == q.all_token_ids[c.positions[0]:c.context_len]
-            assert c.slot_mapping == [c.block_table[p // size] * size + p % size for p in c.positions]
+            assert c.slots == [c.block_table[p // size] * size + p % size for p in c.positions]
             tokens = q.all_token_ids
-            for p, slot in zip(c.positions, c.slot_mapping, strict=True):
+            for p, slot in zip(c.positions, c.slots, strict=True):
                 kv[slot] = hash(tuple(tokens[:p + 1]))
             for p in range(c.context_len):
                 assert kv.get(c.block_table[p // size] * size + p % size) == hash(tuple(tokens[:p + 1])), \
                     f"sequence {c.seq_id} reads another's keys and values at position {p}"
-            sampled[c.seq_id] = fake_next_token(q.all_token_ids[:c.context_len]) if c.do_sample else None
+            sampled[c.seq_id] = fake_next_token(q.all_token_ids[:c.context_len]) if c.sample else None
         for q in s.on_step_done(sampled):
             results[q.seq_id] = list(q.output_token_ids)
     raise AssertionError("did not finish")
