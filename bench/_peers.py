@@ -85,6 +85,7 @@ class Cache:
 
     root: Path
     steps: dict[str, float] = field(default_factory=dict)
+    isa: str = "native"  # or "avx2": every server held to AVX2 + FMA (see hold_to_isa)
 
     @property
     def vllm_python(self) -> Path:
@@ -99,8 +100,12 @@ class Cache:
         return self.root / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
 
     @property
+    def llama_build(self) -> Path:
+        return self.root / ("llama.cpp-build" if self.isa == "native" else f"llama.cpp-build-{self.isa}")
+
+    @property
     def llama_server(self) -> Path:
-        return self.root / "llama.cpp-build" / "bin" / "llama-server"
+        return self.llama_build / "bin" / "llama-server"
 
     @property
     def logs(self) -> Path:
@@ -173,8 +178,13 @@ class Cache:
 
     def _build_llama_server(self) -> None:
         log = self.logs / "setup-llama.log"
-        build = self.root / "llama.cpp-build"
-        run_logged(["cmake", "-S", self.llama_src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        build = self.llama_build
+        # native: what the machine has; avx2: ggml's AVX2 + FMA + F16C kernels, no AVX-512 (the
+        # build an AVX2-only machine makes natively)
+        isa = ["-DGGML_NATIVE=ON"] if self.isa == "native" else [
+            "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+            "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"]
+        run_logged(["cmake", "-S", self.llama_src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *isa,
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], log)
         run_logged(["cmake", "--build", build, "--config", "Release", "--target", "llama-server", "-j2"], log)
         if not self.llama_server.exists():
@@ -192,6 +202,21 @@ class Cache:
     def vllm_env(self) -> dict[str, str]:
         """vLLM's environment; its torch.compile cache (a minute or two per dtype the first time) here too."""
         return {**os.environ, **OFFLINE_ENV, **VLLM_ENV, "VLLM_CACHE_ROOT": str(self.root / "vllm-cache")}
+
+
+# what holds each server to AVX2 + FMA on a machine with more (an AVX2-only machine's stand-in):
+# our kernels built for x86-64-v3, torch's own kernels (ATen) and oneDNN/MKL (torch's and vLLM's
+# matmuls) dispatching AVX2; llama.cpp is a build of its own (Cache.isa)
+AVX2_ENV = {"SHARDLINE_CPU_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def hold_to_isa(isa: str) -> None:
+    """Every server started from now on runs on ``isa`` ("native", or "avx2": :data:`AVX2_ENV`)."""
+    if isa == "avx2":
+        os.environ.update(AVX2_ENV)
+    elif isa != "native":
+        raise ValueError(f"isa is native or avx2, got {isa!r}")
 
 
 @dataclass

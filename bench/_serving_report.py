@@ -138,10 +138,19 @@ def _cell(value: Any, digits: int = 1) -> str:
     return "–" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+# what a run held to fewer instructions than the machine has says of itself (bench.serving --isa)
+ISA_LINES = {"avx2": ["Every server held to **AVX2 + FMA** (no AVX-512), an AVX2-only machine's stand-in: shardline's "
+                      "kernels built for `x86-64-v3`, torch and oneDNN held to AVX2 (`ATEN_CPU_CAPABILITY`, "
+                      "`ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`), llama.cpp built with `GGML_NATIVE=OFF` and "
+                      "AVX2/FMA/F16C only. vLLM's own C++ kernels pick their instruction set at build time, not "
+                      "from these variables.", ""]}
+
+
 def markdown(result: dict[str, Any]) -> str:
     cfg, summary, rat = result["config"], result["summary"], result["ratios"]
     lines = [f"# Serving: shardline vs vLLM (CPU) vs llama.cpp, `vllm bench serve` (`{result['name']}`)", "",
              f"Machine: {result['machine']['line']}", "",
+             *ISA_LINES.get(cfg.get("isa", "native"), []),
              f"{MODEL_NAMES[cfg.get('model', 'smollm2')]}, {cfg['dtype']}; random dataset, {cfg['input_len']} input / "
              f"{cfg['output_len']} output tokens, `--ignore-eos`, temperature 0; {cfg['rounds']} round(s), "
              f"server order alternating, one server running at a time; medians across rounds "

