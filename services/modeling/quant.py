@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.modeling.kernels import _cpu_module
+from services.modeling.kernels import kernels_for
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +148,11 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     The C++ kernel wherever it runs (CPU, built, enabled): measured faster than
     ``torch._weight_int8pack_mm`` from 1 to 512 rows, and the only fp8 kernel on CPU that is not
     tens of times slower than bfloat16 (``bench/results/quant-kernels.md``)."""
+    module = kernels_for(x)
+    if x.dim() == 2:  # the model's activations
+        return module.quant_linear(x, q, scale) if module is not None else quant_linear_torch(x, q, scale)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    module = _cpu_module(x.device)
     out = module.quant_linear(rows, q, scale) if module is not None else quant_linear_torch(rows, q, scale)
     return out.view(*lead, q.shape[0])
 
