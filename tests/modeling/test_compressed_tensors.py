@@ -21,7 +21,7 @@ from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.quant import FP8, INT8, SCHEMES, quantize
 from services.modeling.tiny import write_tiny_model
 from services.modeling.weights import CheckpointReader
-from tests.modeling.test_quant_model import TP3_SPEC, loaded, logits, raw_bytes
+from tests.modeling.test_quant_model import TP3_SPEC, loaded, logits, raw_bytes, tp3_shares
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FORMAT = {"fp8": ("float-quantized", "float"), "int8": ("int-quantized", "int")}
@@ -82,32 +82,16 @@ def test_a_plan_of_the_checkpoints_scheme_holds_its_codes_and_scales_at_tp1_and_
     if dtype == "int8":  # llm-compressor's grid, not ours: rounding scale·code again would move it
         assert any((q == -128).any() for q, _ in written.values())
     cfg = ModelConfig.from_dir(tmp_path / "ct")
-    hidden, kv, inter = 192, 96, 384  # q rows and o columns; k and v rows; gate, up rows and down columns
     for tp in (1, 3):
         for rank in range(tp):
             params = dict(loaded(tmp_path / "ct", ParallelPlan(cfg, tp, 1, dtype), rank).named_parameters())
-
-            def part(total: int, rank: int = rank, tp: int = tp) -> slice:  # this rank's rows or columns
-                return slice(rank * total // tp, (rank + 1) * total // tp)
-
             for layer in range(cfg.num_hidden_layers):
                 pre = f"model.layers.{layer}"
-                want = {"self_attn.qkv_proj": [("self_attn.q_proj", part(hidden), None),
-                                               ("self_attn.k_proj", part(kv), None),
-                                               ("self_attn.v_proj", part(kv), None)],
-                        "mlp.gate_up_proj": [("mlp.gate_proj", part(inter), None), ("mlp.up_proj", part(inter), None)],
-                        "self_attn.o_proj": [("self_attn.o_proj", None, part(hidden))],
-                        "mlp.down_proj": [("mlp.down_proj", None, part(inter))]}
-                for param, parts in want.items():
-                    qs, ss = [], []
-                    for ckpt, rows, cols in parts:
-                        q, s = written[f"{pre}.{ckpt}.weight"]
-                        qs.append(q[rows] if rows is not None else q[:, cols])
-                        ss.append(s[rows] if rows is not None else s)  # row-parallel: every row's scale
+                for param, (want_q, want_s) in tp3_shares(written, pre, rank, tp).items():
                     got_q, got_s = params[f"{pre}.{param}.weight"], params[f"{pre}.{param}.weight_scale"]
                     assert got_q.dtype == SCHEMES[dtype].weight_dtype
-                    assert torch.equal(raw_bytes(got_q), raw_bytes(torch.cat(qs))), f"tp{tp} rank {rank} {param}"
-                    assert torch.equal(got_s, torch.cat(ss)), f"tp{tp} rank {rank} {param} scales"
+                    assert torch.equal(raw_bytes(got_q), raw_bytes(want_q)), f"tp{tp} rank {rank} {param}"
+                    assert torch.equal(got_s, want_s), f"tp{tp} rank {rank} {param} scales"
 
 
 def test_a_dense_plan_holds_the_checkpoints_values(tiny_tp3, tmp_path):

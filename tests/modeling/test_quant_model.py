@@ -102,6 +102,31 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def tp3_shares(full: dict[str, tuple[torch.Tensor, torch.Tensor]], pre: str, rank: int, tp: int
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer ``pre``'s fused parameters on TP rank ``rank`` of ``tp`` (TP3_SPEC's shape), from
+    every checkpoint linear's whole (codes, scales): a column-parallel part's rows with their
+    scales, a row-parallel weight's columns with every row's scale."""
+    def part(total: int) -> slice:
+        return slice(rank * total // tp, (rank + 1) * total // tp)
+
+    hidden, kv, inter = 192, 96, 384  # q rows and o columns; k and v rows; gate/up rows and down columns
+    layout = {"self_attn.qkv_proj": [("self_attn.q_proj", part(hidden), None), ("self_attn.k_proj", part(kv), None),
+                                     ("self_attn.v_proj", part(kv), None)],
+              "mlp.gate_up_proj": [("mlp.gate_proj", part(inter), None), ("mlp.up_proj", part(inter), None)],
+              "self_attn.o_proj": [("self_attn.o_proj", None, part(hidden))],
+              "mlp.down_proj": [("mlp.down_proj", None, part(inter))]}
+    shares = {}
+    for param, parts in layout.items():
+        qs, ss = [], []
+        for ckpt, rows, cols in parts:
+            q, s = full[f"{pre}.{ckpt}.weight"]
+            qs.append(q[rows] if rows is not None else q[:, cols])
+            ss.append(s[rows] if rows is not None else s)
+        shares[param] = (torch.cat(qs), torch.cat(ss))
+    return shares
+
+
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_tp3_ranks_hold_exactly_the_tp1_values(tiny_dirs, dtype):
     """Quantize the whole checkpoint tensor, then slice by the layer's rule == what each TP=3 rank
@@ -115,30 +140,16 @@ def test_tp3_ranks_hold_exactly_the_tp1_values(tiny_dirs, dtype):
             tensor = reader.get_slice(name)[:]
             if tensor.dim() == 2:  # norms stay dense
                 full[name] = quantize(tensor, scheme)
-    q_rows, kv_rows, inter, vocab = 192 // 3, 96 // 3, 384 // 3, 384 // 3
+    inter, vocab = 384 // 3, 384 // 3
     for rank in range(3):
         params = dict(loaded(tiny_dirs["tp3"], ParallelPlan(cfg, 3, 1, dtype, activation_dtype="float32"),
                              rank).named_parameters())
         for layer in range(cfg.num_hidden_layers):
             pre = f"model.layers.{layer}"
-            want = {  # (parameter, [(checkpoint tensor, row slice or column slice)])
-                "self_attn.qkv_proj": [("self_attn.q_proj", slice(rank * q_rows, (rank + 1) * q_rows), None),
-                                       ("self_attn.k_proj", slice(rank * kv_rows, (rank + 1) * kv_rows), None),
-                                       ("self_attn.v_proj", slice(rank * kv_rows, (rank + 1) * kv_rows), None)],
-                "mlp.gate_up_proj": [("mlp.gate_proj", slice(rank * inter, (rank + 1) * inter), None),
-                                     ("mlp.up_proj", slice(rank * inter, (rank + 1) * inter), None)],
-                "self_attn.o_proj": [("self_attn.o_proj", None, slice(rank * 64, (rank + 1) * 64))],
-                "mlp.down_proj": [("mlp.down_proj", None, slice(rank * inter, (rank + 1) * inter))],
-            }
-            for param, parts in want.items():
-                qs, ss = [], []
-                for ckpt, rows, cols in parts:
-                    q, s = full[f"{pre}.{ckpt}.weight"]
-                    qs.append(q[rows] if rows is not None else q[:, cols])
-                    ss.append(s[rows] if rows is not None else s)  # row-parallel: every row's scale
+            for param, (want_q, want_s) in tp3_shares(full, pre, rank, 3).items():
                 got_q, got_s = params[f"{pre}.{param}.weight"], params[f"{pre}.{param}.weight_scale"]
-                assert torch.equal(raw_bytes(got_q), raw_bytes(torch.cat(qs))), f"rank {rank} {pre}.{param}"
-                assert torch.equal(got_s, torch.cat(ss)), f"rank {rank} {pre}.{param} scales"
+                assert torch.equal(raw_bytes(got_q), raw_bytes(want_q)), f"rank {rank} {pre}.{param}"
+                assert torch.equal(got_s, want_s), f"rank {rank} {pre}.{param} scales"
             # the same bytes as the TP=1 model: row-parallel columns, column-parallel rows
             one = tp1[f"{pre}.mlp.down_proj.weight"][:, rank * inter:(rank + 1) * inter]
             assert torch.equal(raw_bytes(params[f"{pre}.mlp.down_proj.weight"]), raw_bytes(one))
