@@ -55,10 +55,7 @@ constexpr int64_t kGroupsPerTask = 64 / kGroup;  // parallel grain: 64 channels 
 // percent of each other at 256 and 1024 rows, 256 ahead)
 constexpr int64_t kRowBlockBytes = 256 << 10;
 
-#ifndef SHARDLINE_ROW_CHANNELS
-#define SHARDLINE_ROW_CHANNELS 8
-#endif
-constexpr int kRowChannels = SHARDLINE_ROW_CHANNELS;  // channels per tile when a block has a single row
+constexpr int kRowChannels = 8;           // channels per tile when a block has a single row
 
 // One product's operands: y [M, N] (rows N apart) = x [M, K] times w [N, K]^T, x's rows ldx
 // elements apart and w's ldw (a whole matrix, or a k-range of a wider one)
