@@ -152,13 +152,15 @@ inline __m512 round_bf16(__m512 v) {
 // zero-filled. Every accumulator sees the same instructions in the same order whatever MB and NB
 // are, so a sum does not depend on the tile it was computed in. `prefetch` (elements, 0 for none)
 // asks for each weight row's line that far ahead: weights streamed from memory arrive sooner.
+// dot_range_bf16 adds the chunks of [k0, k1) only (k0 a multiple of 32, k1 = K or a multiple of
+// 32) to acc as it is: consecutive ranges give the bits of the whole, since the chunks and their
+// order are the same and float32 accumulators are kept exactly in between.
 template <int MB, int NB>
-inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
-                          int64_t prefetch, __m512 (&acc)[MB][NB]) {
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t body = K & ~int64_t{31};
-  for (int64_t k = 0; k < body; k += 32) {
+inline void dot_range_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k0, int64_t k1,
+                           int64_t K, int64_t prefetch, __m512 (&acc)[MB][NB]) {
+  const int64_t full = K & ~int64_t{31};
+  const int64_t body = k1 < full ? k1 : full;
+  for (int64_t k = k0; k < body; k += 32) {
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k + prefetch), _MM_HINT_T0);
@@ -169,15 +171,23 @@ inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
-  if (body < K) {  // the last K % 32 elements, the rest of the chunk zero (never read)
-    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (K - body)) - 1);
+  if (k1 == K && full < K) {  // the last K % 32 elements, the rest of the chunk zero (never read)
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (K - full)) - 1);
     __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * ldw + body);
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * ldw + full);
     for (int i = 0; i < MB; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * ldx + body);
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * ldx + full);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
+}
+
+template <int MB, int NB>
+inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                          int64_t prefetch, __m512 (&acc)[MB][NB]) {
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  dot_range_bf16<MB, NB>(x, ldx, w, ldw, 0, K, K, prefetch, acc);
 }
 #endif  // __AVX512BF16__
 #endif  // SHARDLINE_AVX512
