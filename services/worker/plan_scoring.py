@@ -4,8 +4,9 @@ and what a fleet controller calls before a new plan takes traffic.
 A plan is written ``key=value`` pairs joined by commas, from ``tp``, ``pp``, ``dtype``,
 ``checkpoint`` (a manifest.json), ``model`` (another model directory with the same tokenizer,
 e.g. a fine-tune or a perturbed copy) and ``lm_head`` (``quantized``, the default but for a
-compressed-tensors checkpoint that left it dense, or ``dense``: an int8/fp8 plan's lm_head): ``dtype=float32``, ``tp=2,dtype=bfloat16``, ``dtype=fp8,lm_head=dense``. Each plan runs
-as a local replica group (its ranks spawned here) that scores every chunk as its own prompt;
+compressed-tensors checkpoint that left it dense, or ``dense``: an int8/fp8 plan's lm_head):
+``dtype=float32``, ``tp=2,dtype=bfloat16``, ``dtype=fp8,lm_head=dense``. Each plan runs as a local
+replica group (its ranks spawned here) that scores every chunk as its own prompt;
 ``worker=HOST:PORT`` or ``group=ID`` (its endpoint in the registry) instead names a serving
 replica group, scored through its worker's Score.
 """
@@ -77,7 +78,8 @@ def plan_spec(model_dir: str | None, text: str, *,
         raise InvalidArgument(f"plan {text!r}: lm_head is 'quantized' or 'dense', got {lm_head!r}")
     return RankSpec(None if checkpoint else plan.get("model", model_dir), tp_degree=tp, pp_degree=pp,
                     dtype=plan.get("dtype"), checkpoint=checkpoint, collective_timeout_s=collective_timeout_s,
-                    replica_group_id=f"golden-{text}", quantize_lm_head=None if lm_head is None else lm_head == "quantized",
+                    replica_group_id=f"golden-{text}",
+                    quantize_lm_head=None if lm_head is None else lm_head == "quantized",
                     numerics=plan.get("numerics", "default"))
 
 
