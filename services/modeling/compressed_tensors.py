@@ -40,8 +40,7 @@ FORMATS = {"float-quantized": FP8, "int-quantized": INT8, "naive-quantized": INT
 WEIGHT_TYPES = {"float": FP8, "int": INT8}
 # a quantized weight's companions in the checkpoint: its scales (read with it), and the tensors
 # of schemes refused above, never placed
-SCALE_SUFFIX = ".weight_scale"
-COMPANION_SUFFIXES = (SCALE_SUFFIX, ".weight_zero_point", ".weight_g_idx", ".input_scale", ".input_zero_point",
+COMPANION_SUFFIXES = (".weight_scale", ".weight_zero_point", ".weight_g_idx", ".input_scale", ".input_zero_point",
                       ".weight_global_scale", ".input_global_scale")
 
 
@@ -115,6 +114,11 @@ def is_companion(name: str) -> bool:
     return name.endswith(COMPANION_SUFFIXES)
 
 
+def _rows(index: Any) -> Any:
+    """The row part of an index into a [rows, columns] weight."""
+    return index[0] if isinstance(index, tuple) else index
+
+
 @dataclass(frozen=True)
 class QuantizedPiece:
     """Some rows and columns of a quantized weight: its codes and the float32 scales of its rows."""
@@ -128,8 +132,7 @@ class QuantizedPiece:
         return self.codes.shape
 
     def __getitem__(self, index: Any) -> QuantizedPiece:
-        rows = index[0] if isinstance(index, tuple) else index
-        return QuantizedPiece(self.codes[index], self.scale[rows], self.scheme)
+        return QuantizedPiece(self.codes[index], self.scale[_rows(index)], self.scheme)
 
     def dequantized(self) -> torch.Tensor:
         """``scale[n] · code[n, k]`` in float32: the values the checkpoint stands for."""
@@ -158,6 +161,5 @@ class CompressedWeight:
         return list(self._shape)
 
     def __getitem__(self, index: Any) -> QuantizedPiece:
-        rows = index[0] if isinstance(index, tuple) else index
-        scale = self._scale[rows].reshape(-1).to(torch.float32)
+        scale = self._scale[_rows(index)].reshape(-1).to(torch.float32)
         return QuantizedPiece(self._codes[index], scale, self.scheme)

@@ -21,7 +21,6 @@ from typing import Any
 from safetensors import safe_open
 from torch import nn
 
-from services.modeling.compressed_tensors import SCALE_SUFFIX as COMPRESSED_SCALE_SUFFIX
 from services.modeling.compressed_tensors import CompressedWeight, compressed_format, is_companion
 
 # (fused parameter part, checkpoint part, shard id)
@@ -33,7 +32,8 @@ STACKED_PARAMS_MAPPING: tuple[tuple[str, str, Any], ...] = (
     (".gate_up_proj.", ".up_proj.", 1),
 )
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# a quantized layer's per-output-channel scales sit beside its weight: ``….weight_scale``
+# a quantized layer's per-output-channel scales sit beside its weight: ``….weight_scale`` (ours, and
+# a compressed-tensors checkpoint's)
 SCALE_SUFFIX = "_scale"
 
 
@@ -91,7 +91,7 @@ class CheckpointReader:
 
     def get_slice(self, name: str) -> Any:
         """A slice handle; a compressed checkpoint's quantized weight as codes with their scales."""
-        scale_name = name.removesuffix(".weight") + COMPRESSED_SCALE_SUFFIX
+        scale_name = name + SCALE_SUFFIX
         if self.compressed is not None and name.endswith(".weight") and scale_name in self._file_of:
             return CompressedWeight(name, self._raw_slice(name), self._raw_slice(scale_name), self.compressed.scheme)
         return self._raw_slice(name)

@@ -223,9 +223,9 @@ def _cpu_module(device: torch.device | str | None):
 
 
 def kernels_for(t: torch.Tensor):
-    """:func:`_cpu_module` for a tensor's device, in the fewest steps: the matmuls of a decode
-    step ask once per layer each, and the general checks had cost them ~5 µs a call (8 % of a
-    SmolLM2 token on 2 cores)."""
+    """:func:`_cpu_module` for a tensor's device, in the fewest steps: the kernels of a decode
+    step ask once per layer each, and the general checks had cost a matmul ~4 µs a call (121
+    calls a SmolLM2 token)."""
     return cpu_kernels() if t.is_cpu and kernels_enabled() else None
 
 
@@ -238,7 +238,7 @@ def ops_for(device: torch.device | str | None) -> LayerOps:
 def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``logits`` [n, vocab] (any float dtype): the greedy token (first maximum, as
     ``argmax``) and ``logsumexp`` in float32. The C++ kernel on CPU, PyTorch elsewhere."""
-    module = _cpu_module(logits.device) if logits.stride(-1) == 1 else None
+    module = kernels_for(logits) if logits.stride(-1) == 1 else None
     if module is not None:
         ids, lse = module.greedy_logsumexp(logits)
         return ids, lse
@@ -249,7 +249,7 @@ def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mask_tokens_(logits: torch.Tensor, masks: torch.Tensor) -> None:
     """In place on float32 ``logits`` [n, vocab]: token t of row r to -inf unless bit t of
     ``masks`` [n, bytes] (uint8, LSB first) row r is set. The C++ kernel on CPU, PyTorch elsewhere."""
-    module = _cpu_module(logits.device) if logits.stride(-1) == 1 and logits.dtype == torch.float32 else None
+    module = kernels_for(logits) if logits.stride(-1) == 1 and logits.dtype == torch.float32 else None
     if module is not None and masks.device.type == "cpu":
         module.mask_tokens_(logits, masks.contiguous())
         return
@@ -267,14 +267,23 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     batch-invariant (row m of the result has the same bits whatever the other rows are, and
     whatever M and the thread count), float32 sums rounded once. Anything else (float32, other
     devices, neither instruction set): ``F.linear``."""
+    module = _dense_module(x, w)
+    if module is None:
+        return F.linear(x, w)
+    if x.dim() == 2:  # the model's activations: no reshape and view (a microsecond each)
+        return module.dense_linear(x, w)
+    lead, k = x.shape[:-1], x.shape[-1]
+    return module.dense_linear(x.reshape(-1, k), w).view(*lead, w.shape[0])
+
+
+def _dense_module(x: torch.Tensor, w: torch.Tensor):
+    """The module whose bfloat16 kernels take ``x`` times ``w``ᵀ here (both bfloat16 on the CPU,
+    ``w`` contiguous, the kernels enabled and vectorized); None otherwise."""
     if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and w.is_cpu and w.is_contiguous():
         module = kernels_for(x)
         if module is not None and _gemm_vectorized(module):
-            if x.dim() == 2:  # the model's activations: no reshape and view (a microsecond each)
-                return module.dense_linear(x, w)
-            lead, k = x.shape[:-1], x.shape[-1]
-            return module.dense_linear(x.reshape(-1, k), w).view(*lead, w.shape[0])
-    return F.linear(x, w)
+            return module
+    return None
 
 
 def dense_linear_chunks(x: torch.Tensor, w: torch.Tensor, chunks: int, *, sum: bool) -> torch.Tensor | None:
@@ -282,11 +291,11 @@ def dense_linear_chunks(x: torch.Tensor, w: torch.Tensor, chunks: int, *, sum: b
     ``cpu_gemm.cpp``): ``w`` [N, K] in ``chunks`` equal k-ranges, read in place; summed to
     ``x``'s shape with ``sum``, else ``[chunks, ..., N]``. None where :func:`dense_linear` would
     not run the kernel (the caller takes the chunks one by one)."""
-    if not (x.dtype == torch.bfloat16 == w.dtype and x.device.type == "cpu" == w.device.type
-            and w.is_contiguous() and dense_linear_vectorized()):
+    module = _dense_module(x, w)
+    if module is None:
         return None
     lead, k = x.shape[:-1], x.shape[-1]
-    out = cpu_kernels().dense_linear_chunks(x.reshape(-1, k), w, chunks, sum)
+    out = module.dense_linear_chunks(x.reshape(-1, k), w, chunks, sum)
     n = w.shape[0]
     return out.view(*lead, n) if sum else out.view(chunks, *lead, n)
 
