@@ -90,8 +90,9 @@ def bench_shape(name: str, n: int, k: int, rows: int, *, reps: int, budget_mb: f
     if kernels is not None and kernels.dense_linear_vectorized():  # the model's bf16 matmul on CPU now
         methods[2:2] = [("bf16", "C++ cpu_gemm (bf16)", lambda a, w: kernels.dense_linear(a, w), dense, 2 * n * k)]
     if kernels is not None:
-        methods[2:2] = [("int8", "C++ cpu_quant (W8A16)", lambda a, w: kernels.quant_linear(a, *w), int8,
-                         n * k + 4 * n)]
+        w8a8 = [(kernels.w8a8_pack(q), s) for q, s in int8]  # the layer's weight after its first call
+        methods[2:2] = [("int8", f"C++ cpu_w8a8 (W8A8, groups of 32, {kernels.w8a8_path()})",
+                         lambda a, w: kernels.quant_linear(a, *w), w8a8, n * k + 4 * n)]
         methods.append(("fp8", "C++ cpu_quant (W8A16)", lambda a, w: kernels.quant_linear(a, *w), fp8,
                         n * k + 4 * n))
     # passes round-robin over the methods, so a neighbour's burst on the shared cores lands on all

@@ -168,9 +168,10 @@ class LlamaModel(nn.Module):
         if self._stage_args is None and all(a.kv_cache is not None for a in self._attns):
             layers = list(self.layers.values())
             weights = stage_weights(
-                (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.weight_scale,
+                (layer.input_layernorm.weight, layer.self_attn.qkv_proj.kernel_weight(),
+                 layer.self_attn.qkv_proj.weight_scale,
                  layer.self_attn.o_proj.stage_weight(), layer.self_attn.o_proj.weight_scale,
-                 layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
+                 layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.kernel_weight(),
                  layer.mlp.gate_up_proj.weight_scale, layer.mlp.down_proj.stage_weight(),
                  layer.mlp.down_proj.weight_scale)
                 for layer in layers)

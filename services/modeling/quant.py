@@ -9,8 +9,12 @@ Both schemes are symmetric, weight-only and per output channel. For a linear wei
     (−128 is never used, so the range is symmetric);
   - **fp8**: cast to ``float8_e4m3fn`` (round to nearest even), ``Q = 448``, e4m3's largest finite
     value: the clamp keeps a value that rounds up past 448 from becoming NaN (e4m3fn has no inf);
-* the layer computes ``y[m, n] = scale[n] · Σ_k x[m, k] · q[n, k]``: activations stay in their
-  dtype (bfloat16, or float32), only the weights are quantized (W8A16).
+* the layer computes ``y[m, n] = scale[n] · Σ_k x̂[m, k] · q[n, k]``, where ``x̂`` is
+  - **int8** (W8A8): the activations quantized at each call to int8 with one scale per 32
+    consecutive values of a row (``d[m, g] = max_{k∈g} |x[m, k]| / 127``,
+    ``xq = round_half_even(x / d)``; llama.cpp's Q8_0 grouping), ``x̂ = d · xq``: integer dot
+    products per group, the groups added in float32 (:data:`ACTIVATION_GROUP`);
+  - **fp8** (W8A16): the activations themselves, in their dtype (bfloat16, or float32).
 
 Round trip: ``|W − scale·q| ≤ scale/2 = max|W[n]|/254`` per element for int8; for fp8 the error
 is relative, ``≤ 2⁻⁴·|W|`` (3 mantissa bits) for values in e4m3's normal range and
@@ -25,8 +29,13 @@ row-parallel layer (split along K) keeps every row's scale, computed from the wh
 So quantizing the full weight and then slicing gives bit-identical values to quantizing on a rank
 from its slice: a TP=3 plan and a TP=1 plan hold the same numbers.
 
-**The matmul** (:func:`quant_linear`) never materialises a dequantized weight: on CPU the C++
-kernel (``kernels/cpu_quant.cpp``) reads each weight byte once and converts it in registers (at
+**The matmul** (:func:`quant_linear`) never materialises a dequantized weight. int8 on CPU: the
+C++ kernel (``kernels/cpu_w8a8.cpp``) takes the weight repacked once, at the first call after
+loading (:func:`pack_int8`: the layer's parameter then holds the packed bytes, still one byte a
+weight), into the layout of the integer dot-product instructions (AVX512-VNNI ``vpdpbusd``, AVX2
+``vpmaddubsw``); its group sums are exact, so every path gives the same bits. Activation groups of
+32 cost +0.30 % perplexity on the golden set against bfloat16 where one scale per token cost
++3.3 % (``docs/numerics.md``). fp8 on CPU: the C++ kernel (``kernels/cpu_quant.cpp``) reads each weight byte once and converts it in registers (at
 4+ rows, 16 weight rows at a time into a few-KB bfloat16 scratch that stays in cache), so a
 decode step reads one byte per weight instead of two. Measured on the project's CPU against
 the bfloat16 ``F.linear`` and torch's own int8 and fp8 kernels (``bench/results/quant-kernels.md``).
@@ -34,9 +43,11 @@ Elsewhere (no kernel build, ``SHARDLINE_CPU_KERNELS=0``, CUDA) torch's ops run. 
 of compute capability 8.9+ with bfloat16 activations fp8 takes ``torch._scaled_mm`` — the e4m3
 tensor cores, so the activations are quantized to e4m3 per token there (W8A8), with row-wise
 scales, or (a shape cuBLAS refuses row-wise) unit scales and both scales applied to the float32
-product. int8 on CUDA converts the whole weight to the activation dtype and multiplies (torch's
-``_weight_int8pack_mm`` CUDA kernel is a plain loop, far slower). On the CPU without the kernels,
-``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the activations are bfloat16:
+product. int8 without the C++ kernel (CUDA; a CPU with ``SHARDLINE_CPU_KERNELS=0``) quantizes the
+activations the same way and multiplies their dequantized values ``d · xq`` in the activation
+dtype (the same scheme; the products rounded as that dtype's). On CUDA it converts the weight to
+the activation dtype block by block (torch's ``_weight_int8pack_mm`` CUDA kernel is a plain loop,
+far slower); on the CPU ``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the activations are bfloat16:
 torch's requirement); otherwise, for fp8 and for int8 weights whose K torch's kernel cannot take,
 a blocked dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never
 the whole weight; correct, but slow on CPU, where torch's float8 conversion is slow).
@@ -76,6 +87,7 @@ class QuantScheme:
 
 
 INT8 = QuantScheme("int8", torch.int8, 127.0)
+ACTIVATION_GROUP = 32  # int8: activation values per scale (W8A8); the C++ kernel's kGroup
 FP8 = QuantScheme("fp8", torch.float8_e4m3fn, 448.0)
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (INT8, FP8)}
 
@@ -142,19 +154,48 @@ DEQUANT_BLOCK_ROWS = 256
 
 
 def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``y = x · (scale ⊙ q)ᵀ``: ``x`` [..., K] (bfloat16 or float32), ``q`` [N, K] int8 or
-    float8_e4m3fn, ``scale`` float32 [N] → ``y`` [..., N] in ``x``'s dtype.
+    """``y = x̂ · (scale ⊙ q)ᵀ``: ``x`` [..., K] (bfloat16 or float32), ``q`` [N, K] int8 or
+    float8_e4m3fn, or int8 packed by :func:`pack_int8`, ``scale`` float32 [N] → ``y`` [..., N] in
+    ``x``'s dtype (``x̂``: see the top).
 
-    The C++ kernel wherever it runs (CPU, built, enabled): measured faster than
-    ``torch._weight_int8pack_mm`` from 1 to 512 rows, and the only fp8 kernel on CPU that is not
-    tens of times slower than bfloat16 (``bench/results/quant-kernels.md``)."""
+    The C++ kernels wherever they run (CPU, built, enabled): W8A8 1.5-3.3x the bfloat16 kernel
+    from 1 to 256 rows, fp8 the only kernel on CPU that is not tens of times slower than bfloat16
+    (``bench/results/quant-kernels.md``)."""
     module = kernels_for(x)
-    if x.dim() == 2:  # the model's activations
-        return module.quant_linear(x, q, scale) if module is not None else quant_linear_torch(x, q, scale)
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = module.quant_linear(rows, q, scale) if module is not None else quant_linear_torch(rows, q, scale)
-    return out.view(*lead, q.shape[0])
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], scale.shape[0])
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor | None:
+    """int8 weight [N, K] → the C++ W8A8 kernel's layout (uint8 ``[⌈N/16⌉, ⌈K/32⌉·8, 16, 4]``:
+    16 channels' 4 consecutive bytes side by side, each ``q + 128``, zero-padded), or None where
+    that kernel does not run (another device, no build)."""
+    module = kernels_for(q)
+    return module.w8a8_pack(q) if module is not None and q.dtype == torch.int8 else None
+
+
+def packed_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``rows`` [T] of the int8 weight [N, k] that :func:`pack_int8` packed: int8 [T, k]."""
+    block, lane = rows // 16, rows % 16
+    picked = packed[block, :, lane, :].reshape(rows.shape[0], -1)[:, :k]  # [T, Kp/4, 4] -> [T, Kp]
+    return (picked.to(torch.int16) - 128).to(torch.int8)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] → (int8 values as float32 [M, Kp], scales float32 [M, Kp / 32]): the int8
+    scheme's activations, K padded with zeros to a multiple of :data:`ACTIVATION_GROUP`."""
+    m, k = x.shape
+    padded = F.pad(x.float(), (0, -k % ACTIVATION_GROUP)).view(m, -1, ACTIVATION_GROUP)
+    d = padded.abs().amax(dim=2) / INT8.qmax
+    xq = torch.where(d.unsqueeze(2) > 0, padded / d.unsqueeze(2), torch.zeros_like(padded))
+    return xq.round_().clamp_(-INT8.qmax, INT8.qmax).view(m, -1), d
+
+
+def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """``d · xq`` [M, K] in ``x``'s dtype: the values the int8 scheme multiplies."""
+    xq, d = quantize_activations(x)
+    return (xq.view(*d.shape, ACTIVATION_GROUP) * d.unsqueeze(2)).view(x.shape[0], -1)[:, :x.shape[1]].to(x.dtype)
 
 
 # torch._weight_int8pack_mm on CPU (torch 2.13) needs K % 16 == 0: other K give wrong sums or
@@ -168,6 +209,8 @@ def quant_linear_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
         raise QuantizationError(f"quantized weight must be int8 or float8_e4m3fn, got {q.dtype}")
     if q.dtype == torch.float8_e4m3fn and x.is_cuda and _cuda_fp8_ok(x, q):
         return _scaled_mm_fp8(x, q, scale)
+    if q.dtype == torch.int8:
+        x = dequantized_activations(x)
     if x.is_cuda:
         return _blocked(x, q, scale, block_rows=q.shape[0])
     if q.dtype == torch.int8 and q.shape[1] % INT8PACK_K_MULTIPLE == 0 and _has_int8pack(x.device.type):

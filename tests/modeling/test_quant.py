@@ -11,7 +11,8 @@ import torch
 
 from services.modeling import quant
 from services.modeling.kernels import cpu_arch, cpu_kernels
-from services.modeling.quant import FP8, INT8, channel_scales, dequantize, quant_linear, quant_linear_torch, quantize
+from services.modeling.quant import (FP8, INT8, channel_scales, dequantize, dequantized_activations, quant_linear,
+                                     quant_linear_torch, quantize)
 
 
 def weights(n: int = 64, k: int = 96, seed: int = 0) -> torch.Tensor:
@@ -86,7 +87,9 @@ def test_sharding_a_quantized_weight_equals_quantizing_the_shard(scheme):
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.double() @ dequantize(q, scale).double().t()
+    """The scheme's product in float64: int8 multiplies the quantized activations (W8A8)."""
+    xs = dequantized_activations(x.float()) if q.dtype == torch.int8 else x
+    return xs.double() @ dequantize(q, scale).double().t()
 
 
 def check(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Quantized plans through real worker processes: a TP=3 (and TP=3 x PP=2) int8/fp8 group scores
 a sequence as the TP=1 group does, because every rank holds the TP=1 quantized values (float32
-activations, so the only differences left are the all-reduce's summation order)."""
+activations, so the only differences left are the all-reduce's summation order, and for int8 what
+that order does to the activations' rounding)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,18 @@ def logprobs(model_dir: str, ids: list[int], tp: int, pp: int, dtype: str, activ
     return torch.tensor(run_replica_group(tp * pp, score_rank, spec, ids).logprobs)
 
 
+# int8 quantizes the activations too (W8A8): where the all-reduce's order moves a value by an ulp
+# across a rounding boundary, its int8 value moves by a whole step (1/127 of its group's largest)
+BOUNDS = {"fp8": (1e-4, 1e-4), "int8": (1e-2, 5e-4)}  # max and mean |Δ logprob| against TP=1
+
+
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_tp3_and_pp2_quantized_groups_score_as_tp1(tp3_model_dir, dtype):
     ids = random_ids(48, TP3_SPEC.vocab, seed=4)
     one = logprobs(tp3_model_dir, ids, 1, 1, dtype, "float32")
     for tp, pp in [(3, 1), (3, 2)]:
-        assert (logprobs(tp3_model_dir, ids, tp, pp, dtype, "float32") - one).abs().max().item() <= 1e-4
+        delta = (logprobs(tp3_model_dir, ids, tp, pp, dtype, "float32") - one).abs()
+        assert delta.max().item() <= BOUNDS[dtype][0] and delta.mean().item() <= BOUNDS[dtype][1]
 
 
 def test_int8_bfloat16_scores_near_the_bfloat16_plan(tp3_model_dir):

@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("quant_linear", &quant_linear, nogil());
   m.def("quant_linear_vectorized", &quant_linear_vectorized);
+  m.def("w8a8_pack", &w8a8_pack, nogil());
+  m.def("w8a8_linear", &w8a8_linear, py::arg("x"), py::arg("packed"), py::arg("wscale"),
+        py::arg("vectorized") = true, nogil());
+  m.def("w8a8_path", &w8a8_path);
   m.def("dense_linear", &dense_linear, nogil());
   m.def("dense_linear_chunks", &dense_linear_chunks, nogil());
   m.def("dense_linear_vectorized", &dense_linear_vectorized);

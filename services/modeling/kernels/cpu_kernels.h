@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 // cpu_ops.cpp
@@ -23,6 +24,10 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w);
 at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool sum);
 at::Tensor sum_chunk_products(const at::Tensor& parts);
 bool dense_linear_vectorized();
+// cpu_w8a8.cpp
+at::Tensor w8a8_pack(at::Tensor q);
+at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor wscale, bool vectorized);
+std::string w8a8_path();
 // cpu_layers.cpp
 std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const std::vector<at::Tensor>& weights,
                                        const std::vector<at::Tensor>& k_caches,

@@ -8,8 +8,8 @@
 //
 // Weights come as kLayerTensors per layer, in this order: input norm, qkv, qkv scale, o, o scale,
 // post-attention norm, gate_up, gate_up scale, down, down scale. A scale with no elements marks a
-// dense weight (bfloat16: dense_linear; float32: torch's linear); otherwise the weight is int8 or
-// float8 with per-channel scales (quant_linear).
+// dense weight (bfloat16: dense_linear; float32: torch's linear); otherwise the weight is int8
+// (packed by w8a8_pack) or float8 with per-channel scales (quant_linear).
 //
 // In the layout-invariant numerics (`chunks` > 0) the row-parallel products (o and down) are
 // summed over that many fixed k-chunks, as RowParallelLinear does at TP1: a dense weight through
@@ -57,9 +57,10 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const 
   auto row_parallel = [chunks](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
     if (chunks == 0) return linear(x, w, scale);
     if (scale.numel() == 0) return dense_linear_chunks(x, w, chunks, true);
-    TORCH_CHECK(w.dim() == 3 && w.size(0) == chunks, "decoder_layers: a quantized row-parallel weight in the "
-                "layout-invariant numerics comes as [", chunks, ", N, W], got ", w.sizes());
-    const int64_t width = w.size(2);
+    TORCH_CHECK(w.size(0) == chunks && (w.dim() == 3 || (w.dim() == 5 && w.scalar_type() == at::kByte)),
+                "decoder_layers: a quantized row-parallel weight in the layout-invariant numerics comes as [",
+                chunks, ", N, W] (or int8 packed per chunk), got ", w.sizes());
+    const int64_t width = x.size(1) / chunks;
     std::vector<at::Tensor> parts;
     for (int64_t j = 0; j < chunks; ++j)
       parts.push_back(quant_linear(x.narrow(1, j * width, width).contiguous(), w.select(0, j), scale));

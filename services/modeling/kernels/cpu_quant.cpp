@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 #ifdef SHARDLINE_AVX512
@@ -388,9 +389,13 @@ SHARDLINE_SIMD
 
 }  // namespace
 
-// x [M, K] float32 or bfloat16; q [N, K] int8 or float8_e4m3fn; scale [N] float32 -> y [M, N] in x's dtype
+// x [M, K] float32 or bfloat16; q [N, K] float8_e4m3fn, or int8 (the W8A8 kernel: cpu_w8a8.cpp),
+// packed by w8a8_pack or not; scale [N] float32 -> y [M, N] in x's dtype
 at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale) {
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "quant_linear: CPU tensors");
+  if (q.scalar_type() == at::kByte) return w8a8_linear(x, q, scale, true);
+  if (q.scalar_type() == at::kChar && x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1))
+    return w8a8_linear(x, w8a8_pack(q), scale, true);
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "quant_linear: x [M, K] and q [N, K], got ",
               x.sizes(), " and ", q.sizes());
   TORCH_CHECK(q.is_contiguous() && scale.is_contiguous(), "quant_linear: q and scale must be contiguous");

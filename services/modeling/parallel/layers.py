@@ -40,7 +40,8 @@ from torch import nn
 from services.modeling.compressed_tensors import QuantizedPiece
 from services.modeling.kernels import dense_linear, dense_linear_chunks
 from services.modeling.parallel.coordinator import Coordinator
-from services.modeling.quant import QuantScheme, channel_scales, quant_linear, quantize_with_scales
+from services.modeling.quant import (QuantScheme, channel_scales, pack_int8, packed_rows, quant_linear,
+                                     quantize_with_scales)
 
 WeightSource = Any  # torch.Tensor, safetensors PySafeSlice, or compressed_tensors.CompressedWeight
 
@@ -134,7 +135,16 @@ class LinearBase(TPLayer):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
             return dense_linear(x, self.weight)
-        return quant_linear(x, self.weight, self.weight_scale)
+        return quant_linear(x, self.kernel_weight(), self.weight_scale)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as the matmul kernel takes it: an int8 one repacked for the integer dot
+        products (:func:`~services.modeling.quant.pack_int8`) at the first call after loading, in
+        place: the parameter then holds the packed bytes, one copy (a tied embedding reads its
+        rows from them)."""
+        if self.weight.dtype == torch.int8 and (packed := pack_int8(self.weight.data)) is not None:
+            self.weight.data = packed
+        return self.weight
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -278,11 +288,12 @@ class RowParallelLinear(LinearBase):
         layout-invariant numerics a quantized one as [chunks, out, W], each chunk's rows contiguous
         (the quantized kernel reads a weight as one block), made at the first call after loading."""
         if not (self.invariant_chunks and self.quant is not None):
-            return self.weight
+            return self.kernel_weight()
         if self._chunk_weights is None:
             count = self.invariant_chunks // self.tp_degree
-            self._chunk_weights = (self.weight.view(self.out_features, count, self.in_local // count)
-                                   .transpose(0, 1).contiguous())
+            chunks = self.weight.view(self.out_features, count, self.in_local // count).transpose(0, 1).contiguous()
+            packed = [pack_int8(chunk) for chunk in chunks]  # int8: each chunk packed on its own
+            self._chunk_weights = torch.stack(packed) if packed[0] is not None else chunks
         return self._chunk_weights
 
 
@@ -310,8 +321,10 @@ class VocabParallelEmbedding(LinearBase):
         if self.quant is None:
             return F.embedding(ids, self.weight)
         flat = ids.reshape(-1)
-        # gather the rows as bytes (index_select has no float8 kernel), then dequantize them
-        rows = self.weight.view(torch.uint8).index_select(0, flat).view(self.weight.dtype)
+        if self.weight.dtype == torch.uint8:  # int8, packed by a tied lm_head's first matmul
+            rows = packed_rows(self.weight, flat, self.hidden_size)
+        else:  # gather the rows as bytes (index_select has no float8 kernel), then dequantize them
+            rows = self.weight.view(torch.uint8).index_select(0, flat).view(self.weight.dtype)
         out = rows.float() * self.weight_scale.index_select(0, flat).unsqueeze(1)
         return out.to(self.activation_dtype).view(*ids.shape, self.hidden_size)
 
