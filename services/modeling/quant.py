@@ -35,9 +35,10 @@ loading (:func:`pack_int8`: the layer's parameter then holds the packed bytes, s
 weight), into the layout of the integer dot-product instructions (AVX512-VNNI ``vpdpbusd``, AVX2
 ``vpmaddubsw``); its group sums are exact, so every path gives the same bits. Activation groups of
 32 cost +0.30 % perplexity on the golden set against bfloat16 where one scale per token cost
-+3.3 % (``docs/numerics.md``). fp8 on CPU: the C++ kernel (``kernels/cpu_quant.cpp``) reads each weight byte once and converts it in registers (at
-4+ rows, 16 weight rows at a time into a few-KB bfloat16 scratch that stays in cache), so a
-decode step reads one byte per weight instead of two. Measured on the project's CPU against
++3.3 % (``docs/numerics.md``). fp8 on CPU: the C++ kernel (``kernels/cpu_quant.cpp``) reads
+each weight byte once and converts it in registers (at 4+ rows, 16 weight rows at a time into a
+few-KB bfloat16 scratch that stays in cache), so a decode step reads one byte per weight instead
+of two. Measured on the project's CPU against
 the bfloat16 ``F.linear`` and torch's own int8 and fp8 kernels (``bench/results/quant-kernels.md``).
 Elsewhere (no kernel build, ``SHARDLINE_CPU_KERNELS=0``, CUDA) torch's ops run. On a CUDA device
 of compute capability 8.9+ with bfloat16 activations fp8 takes ``torch._scaled_mm`` — the e4m3

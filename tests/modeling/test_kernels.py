@@ -357,7 +357,7 @@ def test_the_avx2_build_passes_the_matmul_and_attention_tests():
                                                 "test_decode_rows_sharing_cached_blocks_keep_their_own_bits")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-p", "tests.modeling.vector_build", *tests,
-                          str(Path(__file__).with_name("test_quant.py")), str(Path(__file__).with_name("test_w8a8.py"))],
+                          *(str(Path(__file__).with_name(name)) for name in ("test_quant.py", "test_w8a8.py"))],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     # skipped there: test_quant's and test_w8a8's checks of which path is built for this CPU
     assert run.returncode == 0 and " passed, 2 skipped" in run.stdout, run.stdout[-3000:]

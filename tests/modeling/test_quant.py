@@ -11,8 +11,16 @@ import torch
 
 from services.modeling import quant
 from services.modeling.kernels import cpu_arch, cpu_kernels
-from services.modeling.quant import (FP8, INT8, channel_scales, dequantize, dequantized_activations, quant_linear,
-                                     quant_linear_torch, quantize)
+from services.modeling.quant import (
+    FP8,
+    INT8,
+    channel_scales,
+    dequantize,
+    dequantized_activations,
+    quant_linear,
+    quant_linear_torch,
+    quantize,
+)
 
 
 def weights(n: int = 64, k: int = 96, seed: int = 0) -> torch.Tensor:

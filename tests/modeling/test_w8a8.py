@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from services.modeling.kernels import cpu_arch, cpu_kernels
-from services.modeling.quant import (ACTIVATION_GROUP, INT8, pack_int8, packed_rows, quant_linear,
-                                     quantize, quantize_activations)
+from services.modeling.quant import (
+    ACTIVATION_GROUP,
+    INT8,
+    pack_int8,
+    packed_rows,
+    quant_linear,
+    quantize,
+    quantize_activations,
+)
 
 
 @pytest.fixture(scope="module")

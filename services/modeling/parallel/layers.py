@@ -40,8 +40,14 @@ from torch import nn
 from services.modeling.compressed_tensors import QuantizedPiece
 from services.modeling.kernels import dense_linear, dense_linear_chunks
 from services.modeling.parallel.coordinator import Coordinator
-from services.modeling.quant import (QuantScheme, channel_scales, pack_int8, packed_rows, quant_linear,
-                                     quantize_with_scales)
+from services.modeling.quant import (
+    QuantScheme,
+    channel_scales,
+    pack_int8,
+    packed_rows,
+    quant_linear,
+    quantize_with_scales,
+)
 
 WeightSource = Any  # torch.Tensor, safetensors PySafeSlice, or compressed_tensors.CompressedWeight
 
