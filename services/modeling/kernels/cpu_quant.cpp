@@ -1,7 +1,8 @@
-// Weight-only quantized matmul for decode: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
+// The fp8 matmul, weight-only (W8A16): y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
 //
-// q is int8 or float8 e4m3 ([N, K], one byte per weight, see services/modeling/quant.py); x is
-// float32 or bfloat16 [M, K]; scale is float32 [N]. The weights are read once per call, one byte
+// q is float8 e4m3 ([N, K], one byte per weight, see services/modeling/quant.py); x is float32 or
+// bfloat16 [M, K]; scale is float32 [N]. (int8 weights multiply int8 activations: cpu_w8a8.cpp,
+// which quant_linear hands them to.) The weights are read once per call, one byte
 // each, and turned into float32 in registers; nothing the size of the weight is ever written.
 // A decode step at small M is bound by the bytes it reads, so half the bytes of bfloat16 is
 // (close to) half the time.
@@ -42,41 +43,34 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;  // output channels per parallel task (a few KB of weights)
 
-enum Kind : int64_t { kInt8 = 0, kFp8 = 1 };
-
-// float value of every byte, per kind: the portable path's dequantization (a table lookup)
-struct ByteTables {
-  float v[2][256];
-  ByteTables() {
+// float value of every e4m3 byte: the portable path's dequantization (a table lookup)
+struct ByteTable {
+  float v[256];
+  ByteTable() {
     for (int b = 0; b < 256; ++b) {
-      v[kInt8][b] = static_cast<float>(static_cast<int8_t>(b));
       c10::Float8_e4m3fn f;
       f.x = static_cast<uint8_t>(b);
-      v[kFp8][b] = static_cast<float>(f);
+      v[b] = static_cast<float>(f);
     }
   }
 };
-const ByteTables& tables() { static const ByteTables t; return t; }
+const ByteTable& table() { static const ByteTable t; return t; }
 
 // channel n's weights as float32 in w[0..K): the table's values exactly
-inline void dequant_row(const uint8_t* qn, int64_t K, Kind kind, float* w) {
-  const float* table = tables().v[kind];
+inline void dequant_row(const uint8_t* qn, int64_t K, float* w) {
+  const float* values = table().v;
   int64_t k = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-  // 8 bytes at a time in registers (fp8 by way of float16, see the top, times 2^8: exact too); the
+  // 8 bytes at a time in registers (by way of float16, see the top, times 2^8: exact too); the
   // lookup alone had kept an AVX2 machine's decode at ~14 GFLOP/s
   for (; k + 8 <= K; k += 8) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qn + k));
-    if (kind == kInt8) {
-      _mm256_storeu_ps(w + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-    } else {
-      const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8), 1),
-                                      _mm_set1_epi16(static_cast<short>(0xBFFF)));
-      _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f)));
-    }
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8), 1),
+                                    _mm_set1_epi16(static_cast<short>(0xBFFF)));
+    _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f)));
   }
 #endif
-  for (; k < K; ++k) w[k] = table[qn[k]];
+  for (; k < K; ++k) w[k] = values[qn[k]];
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(SHARDLINE_QUANT_AVX512)
@@ -114,12 +108,12 @@ inline void dot_block(const float* x, const float* const* w, const float* scale,
 // products with them: by hand on AVX2 (dot_block), else a loop the compiler vectorises.
 template <typename T>
 void rows_portable(const float* x, const uint8_t* q, const float* scale, T* y, int64_t M, int64_t K,
-                   int64_t N, int64_t n0, int64_t n1, Kind kind) {
+                   int64_t N, int64_t n0, int64_t n1) {
   std::vector<float> buf(4 * K);
   for (int64_t n = n0; n < n1; n += 4) {
     const int64_t nc = std::min<int64_t>(4, n1 - n);
     const float* w[4] = {buf.data(), buf.data() + K, buf.data() + 2 * K, buf.data() + 3 * K};
-    for (int64_t c = 0; c < nc; ++c) dequant_row(q + (n + c) * K, K, kind, buf.data() + c * K);
+    for (int64_t c = 0; c < nc; ++c) dequant_row(q + (n + c) * K, K, buf.data() + c * K);
 #ifdef SHARDLINE_QUANT_AVX2
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
@@ -150,18 +144,13 @@ SHARDLINE_SIMD_SUM(acc)
 }
 
 #ifdef SHARDLINE_QUANT_AVX512
-// 16 weights from bytes at p as float32: int8 exactly, e4m3 times 2^-8 (see the header)
-template <Kind kind>
+// 16 weights from bytes at p as float32: e4m3 times 2^-8 (see the header)
 inline __m512 dequant16(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (kind == kInt8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  } else {
-    // the byte into bits 8..15, an arithmetic shift right by one (the sign lands on bits 15 and
-    // 14, the rest on 7..13), bit 14 cleared: the float16 bits described at the top
-    const __m256i w = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8), 1);
-    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
-  }
+  // the byte into bits 8..15, an arithmetic shift right by one (the sign lands on bits 15 and 14,
+  // the rest on 7..13), bit 14 cleared: the float16 bits described at the top
+  const __m256i w = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8), 1);
+  return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
 #ifndef SHARDLINE_QUANT_PREFETCH
@@ -169,7 +158,7 @@ inline __m512 dequant16(const uint8_t* p) {
 #endif
 constexpr int64_t kPrefetchBytes = SHARDLINE_QUANT_PREFETCH;  // how far ahead in a weight row
 
-template <Kind kind> constexpr float unit() { return kind == kFp8 ? 256.0f : 1.0f; }
+constexpr float kUnit = 256.0f;  // dequant16's values times this are the weights
 
 // y[0..3] = sums * scale[0..3] * unit, rounded to T
 template <typename T>
@@ -187,7 +176,7 @@ inline void store_scaled4(T* y, __m128 sums, const float* scale, float unit) {
 }
 
 // float32 path: y[m0:m0+MB, n0:n0+NB] for K a multiple of 16, weights dequantized in registers
-template <Kind kind, int MB, int NB, typename T>
+template <int MB, int NB, typename T>
 inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y, int64_t K, int64_t N,
                      int64_t m0, int64_t n0) {
   __m512 acc[MB][NB];
@@ -200,7 +189,7 @@ inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y,
       for (int j = 0; j < NB; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(q0 + j * K + k + kPrefetchBytes), _MM_HINT_T0);
     }
-    for (int j = 0; j < NB; ++j) w[j] = dequant16<kind>(q0 + j * K + k);
+    for (int j = 0; j < NB; ++j) w[j] = dequant16(q0 + j * K + k);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
@@ -210,23 +199,23 @@ inline void tile_f32(const float* x, const uint8_t* q, const float* scale, T* y,
     for (int j = 0; j < NB; j += 4)
       store_scaled4(y + (m0 + i) * N + n0 + j,
                     shardline::reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]), scale + n0 + j,
-                    unit<kind>());
+                    kUnit);
 }
 
-template <Kind kind, typename T>
+template <typename T>
 void rows_f32(const float* x, const uint8_t* q, const float* scale, T* y, int64_t M, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (M == 1) {  // one row: 8 channels per tile, more independent loads and FMA chains in flight
-    for (; n + 8 <= n1; n += 8) tile_f32<kind, 1, 8>(x, q, scale, y, K, N, 0, n);
+    for (; n + 8 <= n1; n += 8) tile_f32<1, 8>(x, q, scale, y, K, N, 0, n);
   }
   for (; n < n1; n += 4) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile_f32<kind, 4, 4>(x, q, scale, y, K, N, m, n);
+    for (; m + 4 <= M; m += 4) tile_f32<4, 4>(x, q, scale, y, K, N, m, n);
     switch (M - m) {
-      case 3: tile_f32<kind, 3, 4>(x, q, scale, y, K, N, m, n); break;
-      case 2: tile_f32<kind, 2, 4>(x, q, scale, y, K, N, m, n); break;
-      case 1: tile_f32<kind, 1, 4>(x, q, scale, y, K, N, m, n); break;
+      case 3: tile_f32<3, 4>(x, q, scale, y, K, N, m, n); break;
+      case 2: tile_f32<2, 4>(x, q, scale, y, K, N, m, n); break;
+      case 1: tile_f32<1, 4>(x, q, scale, y, K, N, m, n); break;
       default: break;
     }
   }
@@ -235,38 +224,29 @@ void rows_f32(const float* x, const uint8_t* q, const float* scale, T* y, int64_
 #ifdef __AVX512BF16__
 #define SHARDLINE_QUANT_BF16DOT 1
 // bfloat16 path for several rows: a block of kBlockRows weight rows is converted to bfloat16 once
-// (exact: int8 and e4m3 values fit bfloat16's 8 bits of precision) into an L1/L2-resident
+// (exact: e4m3 values fit bfloat16's 8 bits of precision) into an L1/L2-resident
 // scratch, then every activation row's tile multiplies it with the bfloat16 dot product
 // (vdpbf16ps: two products per float32 lane per instruction, twice the float32 FMA rate).
 constexpr int64_t kBlockRows = 16;
 
-template <Kind kind>
 void block_to_bf16(const uint8_t* q, uint16_t* out, int64_t rows, int64_t K) {
-  if constexpr (kind == kFp8) {
-    // e4m3 -> bfloat16 bits with integer ops, exactly, 32 at a time: a normal e4m3 s.eeee.mmm is
-    // bfloat16 s.(eeee + 120).mmm0000, i.e. (|bits| << 4) + (120 << 7); the 8 subnormal
-    // magnitudes (eeee = 0: m * 2^-9) come from a table
-    alignas(64) static const uint16_t kSubnormal[32] = {
-        0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};  // bfloat16 of m * 2^-9
-    const __m512i table = _mm512_load_si512(kSubnormal);
-    const __m512i mag_mask = _mm512_set1_epi16(0x7F), bias = _mm512_set1_epi16(120 << 7);
-    const __m512i sign_mask = _mm512_set1_epi16(0x80), eight = _mm512_set1_epi16(8);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < K; k += 32) {
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k)));
-        const __m512i mag = _mm512_and_si512(w, mag_mask);
-        __m512i bf = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
-        bf = _mm512_mask_permutexvar_epi16(bf, _mm512_cmplt_epu16_mask(mag, eight), mag, table);
-        bf = _mm512_or_si512(bf, _mm512_slli_epi16(_mm512_and_si512(w, sign_mask), 8));
-        _mm512_storeu_si512(out + r * K + k, bf);
-      }
-  } else {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < K; k += 32) {
-        const __m512 lo = dequant16<kind>(q + r * K + k), hi = dequant16<kind>(q + r * K + k + 16);
-        _mm512_storeu_si512(out + r * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-  }
+  // e4m3 -> bfloat16 bits with integer ops, exactly, 32 at a time: a normal e4m3 s.eeee.mmm is
+  // bfloat16 s.(eeee + 120).mmm0000, i.e. (|bits| << 4) + (120 << 7); the 8 subnormal magnitudes
+  // (eeee = 0: m * 2^-9) come from a table
+  alignas(64) static const uint16_t kSubnormal[32] = {
+      0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};  // bfloat16 of m * 2^-9
+  const __m512i table = _mm512_load_si512(kSubnormal);
+  const __m512i mag_mask = _mm512_set1_epi16(0x7F), bias = _mm512_set1_epi16(120 << 7);
+  const __m512i sign_mask = _mm512_set1_epi16(0x80), eight = _mm512_set1_epi16(8);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k)));
+      const __m512i mag = _mm512_and_si512(w, mag_mask);
+      __m512i bf = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
+      bf = _mm512_mask_permutexvar_epi16(bf, _mm512_cmplt_epu16_mask(mag, eight), mag, table);
+      bf = _mm512_or_si512(bf, _mm512_slli_epi16(_mm512_and_si512(w, sign_mask), 8));
+      _mm512_storeu_si512(out + r * K + k, bf);
+    }
 }
 
 template <int MB>
@@ -279,13 +259,12 @@ inline void tile_bf16(const uint16_t* x, const uint16_t* w0, const float* scale,
                   scale + n0, unit);
 }
 
-template <Kind kind>
 void rows_bf16(const uint16_t* x, const uint8_t* q, const float* scale, c10::BFloat16* y, int64_t M, int64_t K,
                int64_t N, int64_t n0, int64_t n1) {
   std::vector<uint16_t> scratch(kBlockRows * K);
   for (int64_t nb = n0; nb < n1; nb += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, n1 - nb);  // a multiple of 4 (the caller's range is)
-    block_to_bf16<kind>(q + nb * K, scratch.data(), rows, K);
+    block_to_bf16(q + nb * K, scratch.data(), rows, K);
     // the next block's weights, asked for while this block's tiles run: converted from memory
     // with nothing in flight, a block waited on each line in turn (1.3-1.6x slower than bfloat16
     // at 16 rows)
@@ -309,13 +288,12 @@ void rows_bf16(const uint16_t* x, const uint8_t* q, const float* scale, c10::BFl
 // The same on AMX tiles: each block of 16 weight rows converted to bfloat16 as above, then the
 // tile kernel multiplies it with every activation row (x packed once by the caller) and scales
 // each channel. Blocks [b0, b1) of 16 channels.
-template <Kind kind>
 void blocks_amx(const uint16_t* xp, const uint8_t* q, const float* scale, c10::BFloat16* y, int64_t M, int64_t K,
                 int64_t N, int64_t b0, int64_t b1) {
   std::vector<uint16_t> scratch(kBlockRows * K);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = b * kBlockRows;
-    block_to_bf16<kind>(q + n * K, scratch.data(), kBlockRows, K);
+    block_to_bf16(q + n * K, scratch.data(), kBlockRows, K);
     if (b + 1 < b1)
       for (int64_t i = 0; i < kBlockRows * K; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + (n + kBlockRows) * K + i), _MM_HINT_T0);
@@ -331,16 +309,14 @@ void blocks_amx(const uint16_t* xp, const uint8_t* q, const float* scale, c10::B
 constexpr int64_t kBf16MinRows = 4;
 
 template <typename T>
-void run(const at::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N,
-         Kind kind) {
+void run(const at::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N) {
 #ifdef SHARDLINE_QUANT_BF16DOT
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (M >= kBf16MinRows && shardline::amx::ready() && shardline::amx::fits(K, N)) {
       const at::Tensor packed = shardline::amx::pack(x);
       const uint16_t* pp = static_cast<const uint16_t*>(packed.data_ptr());
       at::parallel_for(0, N / kBlockRows, kRowsPerTask / kBlockRows, [&](int64_t b0, int64_t b1) {
-        if (kind == kInt8) blocks_amx<kInt8>(pp, qp, sp, yp, M, K, N, b0, b1);
-        else blocks_amx<kFp8>(pp, qp, sp, yp, M, K, N, b0, b1);
+        blocks_amx(pp, qp, sp, yp, M, K, N, b0, b1);
       });
       return;
     }
@@ -370,20 +346,18 @@ SHARDLINE_SIMD
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (M >= kBf16MinRows && K % 32 == 0) {
           const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
-          if (kind == kInt8) rows_bf16<kInt8>(xb, qp, sp, yp, M, K, N, n0, vec_end);
-          else rows_bf16<kFp8>(xb, qp, sp, yp, M, K, N, n0, vec_end);
+          rows_bf16(xb, qp, sp, yp, M, K, N, n0, vec_end);
           n0 = vec_end;
         }
       }
 #endif
       if (n0 < vec_end) {
-        if (kind == kInt8) rows_f32<kInt8>(xf, qp, sp, yp, M, K, N, n0, vec_end);
-        else rows_f32<kFp8>(xf, qp, sp, yp, M, K, N, n0, vec_end);
+        rows_f32(xf, qp, sp, yp, M, K, N, n0, vec_end);
         n0 = vec_end;
       }
     }
 #endif
-    if (n0 < n1) rows_portable(xf, qp, sp, yp, M, K, N, n0, n1, kind);
+    if (n0 < n1) rows_portable(xf, qp, sp, yp, M, K, N, n0, n1);
   });
 }
 
@@ -393,18 +367,15 @@ SHARDLINE_SIMD
 // packed by w8a8_pack or not; scale [N] float32 -> y [M, N] in x's dtype
 at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale) {
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "quant_linear: CPU tensors");
-  if (q.scalar_type() == at::kByte) return w8a8_linear(x, q, scale, true);
-  if (q.scalar_type() == at::kChar && x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1))
-    return w8a8_linear(x, w8a8_pack(q), scale, true);
+  if (q.scalar_type() == at::kByte) return w8a8_linear(x, q, scale, true);  // int8, packed
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "quant_linear: x [M, K] and q [N, K], got ",
               x.sizes(), " and ", q.sizes());
   TORCH_CHECK(q.is_contiguous() && scale.is_contiguous(), "quant_linear: q and scale must be contiguous");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0),
               "quant_linear: scale must be float32 [N], got ", scale.scalar_type(), " ", scale.sizes());
-  Kind kind;
-  if (q.scalar_type() == at::kChar) kind = kInt8;
-  else if (q.scalar_type() == at::kFloat8_e4m3fn) kind = kFp8;
-  else TORCH_CHECK(false, "quant_linear: q must be int8 or float8_e4m3fn, got ", q.scalar_type());
+  if (q.scalar_type() == at::kChar) return w8a8_linear(x, w8a8_pack(q), scale, true);
+  TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn, "quant_linear: q must be int8 or float8_e4m3fn, got ",
+              q.scalar_type());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
   at::Tensor xc = x.contiguous();
@@ -412,8 +383,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale) {
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* sp = scale.data_ptr<float>();
-  if (x.scalar_type() == at::kFloat) run<float>(xc, qp, sp, y.data_ptr<float>(), M, K, N, kind);
-  else run<c10::BFloat16>(xc, qp, sp, y.data_ptr<c10::BFloat16>(), M, K, N, kind);
+  if (x.scalar_type() == at::kFloat) run<float>(xc, qp, sp, y.data_ptr<float>(), M, K, N);
+  else run<c10::BFloat16>(xc, qp, sp, y.data_ptr<c10::BFloat16>(), M, K, N);
   return y;
 }
 
