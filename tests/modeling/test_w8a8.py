@@ -90,6 +90,19 @@ def test_packed_rows_read_back_the_int8_weight(kernels):
     assert torch.equal(packed_rows(kernels.w8a8_pack(q), ids, 70), q[ids])
 
 
+def test_a_code_of_minus_128_packs_as_minus_127(kernels):
+    """llm-compressor's int8 scale is max|row| / 127.5, so its codes reach -128; AVX2's sign trick
+    cannot make +128, so every path takes -128 as -127 (the same bits everywhere)."""
+    q = torch.full((16, 32), -128, dtype=torch.int8)
+    q[:, 1::2] = 5
+    packed = kernels.w8a8_pack(q)
+    assert torch.equal(packed_rows(packed, torch.arange(16), 32), q.clamp(min=-127))
+    x = -torch.ones(3, 32)  # negative activations: where the sign trick would flip -128's product
+    y = kernels.w8a8_linear(x, packed, torch.ones(16))
+    assert torch.equal(y, kernels.w8a8_linear(x, packed, torch.ones(16), vectorized=False))
+    assert torch.equal(y, torch.full((3, 16), 16 * 127.0 - 16 * 5.0))
+
+
 def test_activations_quantize_as_the_kernel_does(kernels):
     """One weight row of unit values picks out each activation group's d · Σ xq: the kernel's
     quantized activations are quantize_activations'."""

@@ -358,7 +358,9 @@ void run(const at::Tensor& x, const uint8_t* w, const float* wscale, T* y, int64
 
 }  // namespace
 
-// q [N, K] int8 -> the packed weight: uint8 [ceil(N / 16), ceil(K / 32) * 8, 16, 4], q + 128
+// q [N, K] int8 -> the packed weight: uint8 [ceil(N / 16), ceil(K / 32) * 8, 16, 4], q + 128. A
+// code of -128 (llm-compressor's scale is max|row| / 127.5) is taken as -127: the AVX2 path's sign
+// trick cannot make +128, and every path must give the same bits.
 at::Tensor w8a8_pack(at::Tensor q) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar,
               "w8a8_pack: q must be a CPU int8 [N, K], got ", q.scalar_type(), " ", q.sizes());
@@ -373,7 +375,8 @@ at::Tensor w8a8_pack(at::Tensor q) {
       for (int64_t c = 0; c < kBlockCols && b * kBlockCols + c < N; ++c) {
         const int8_t* row = src + (b * kBlockCols + c) * K;
         uint8_t* out = dst + b * kBlockCols * Kp + c * 4;
-        for (int64_t k = 0; k < K; ++k) out[(k / 4) * 64 + k % 4] = static_cast<uint8_t>(row[k] + 128);
+        for (int64_t k = 0; k < K; ++k)
+          out[(k / 4) * 64 + k % 4] = static_cast<uint8_t>(std::max<int>(row[k], -127) + 128);
       }
   });
   return packed;
