@@ -29,9 +29,9 @@ from pathlib import Path
 
 from bench._peers import OFFLINE_ENV, SERVED_NAME, Server, run_logged, shardline_server
 from bench.common import machine, publish_results, smollm2_dir
-from services.common.logprob_comparison import compare
 from services.modeling.compressed_tensors import compressed_format
-from services.worker.plan_scoring import golden_set_for, plan_spec, score_plan
+from services.quality.comparison import compare
+from services.quality.gate import golden_set_for, plan_spec, score_plan
 
 LLMCOMPRESSOR_VERSION = "0.14.0.1"
 SCHEMES = {"FP8_DYNAMIC": "fp8", "W8A8": "int8"}  # llm-compressor's preset -> the dtype that serves it

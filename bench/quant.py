@@ -28,12 +28,12 @@ from tokenizers import Tokenizer
 
 from bench.common import machine, smollm2_dir, write_results
 from bench.engine import make_prompts, read_bandwidth, run_engine, spec_for
-from services.common.logprob_comparison import compare
 from services.loader.layout import RankLayout
 from services.modeling.quant import scheme_for
+from services.quality.comparison import compare
+from services.quality.gate import golden_set_for, plan_spec, score_plan
 from services.worker.calibration import quantize_model_dir
 from services.worker.engine.bootstrap import build_engine, start_rank
-from services.worker.plan_scoring import golden_set_for, plan_spec, score_plan
 
 DTYPES = ("bfloat16", "int8", "fp8")
 DENSITY_BUDGET_BYTES = 4 << 30  # one fixed memory budget the replica groups share

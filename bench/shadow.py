@@ -51,10 +51,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import machine, smollm2_dir, write_results
 from bench.soak import Stack, ports_for
-from services.common.logprob_comparison import percentile
 from services.common.ports import free_port
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
-from services.modeling.golden_set import golden_text
+from services.quality.comparison import percentile
+from services.quality.golden_set import golden_text
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = ("bfloat16", "int8")  # incumbent, candidate

@@ -2,8 +2,8 @@
 every import sits at the top of its file unless it defers a heavy optional dependency and says
 why, and no module edits ``sys.path``.
 
-Layers, bottom to top: common ← modeling ← loader, planner ← worker, router, telemetry ← fleet ←
-cli ← bench. Packages on one layer may import each other (the worker ships telemetry, the router
+Layers, bottom to top: common ← modeling ← loader, planner ← worker, router, telemetry, quality ←
+fleet ← cli ← bench. Packages on one layer may import each other (the worker ships telemetry, the router
 federates it); tests sit above everything.
 
 An import is an ``import`` statement, one under ``if TYPE_CHECKING:`` included, or a call of
@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"common": 0, "modeling": 1, "loader": 2, "planner": 2, "worker": 3, "router": 3, "telemetry": 3,
-          "fleet": 4, "cli": 5, "bench": 6, "tests": 7}
+          "quality": 3, "fleet": 4, "cli": 5, "bench": 6, "tests": 7}
 GENERATED = Path("services") / "common" / "proto" / "shardline"
 DYNAMIC = ("importlib.import_module", "import_module", "__import__")
 

@@ -1,8 +1,8 @@
 """`shardline compare`: score two shard plans of one model on the golden set and say how far apart they are.
 
-Plans are written as :mod:`services.worker.plan_scoring` reads them (``dtype=float32``,
+Plans are written as :mod:`services.quality.gate` reads them (``dtype=float32``,
 ``tp=2,dtype=bfloat16``, ``checkpoint=out/manifest.json``, ``model=DIR``); the figures are those
-of :mod:`services.common.logprob_comparison`.
+of :mod:`services.quality.comparison`.
 
     shardline compare --model .models/smollm2-135m-instruct --reference dtype=float32 \\
         --candidate dtype=bfloat16
@@ -14,9 +14,8 @@ import argparse
 import json
 
 from services.cli.score import exit_code_for
-from services.common.logprob_comparison import Comparison, compare
-from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
-from services.worker.plan_scoring import (
+from services.quality.comparison import Comparison, compare
+from services.quality.gate import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     PlanScores,
     check_comparable,
@@ -26,6 +25,7 @@ from services.worker.plan_scoring import (
     score_live_group,
     score_plan,
 )
+from services.quality.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
 
 
 def add_golden_arguments(parser: argparse.ArgumentParser, *, sides_required: bool = True) -> None:

@@ -28,11 +28,11 @@ from services.common.errors import ShardlineError
 from services.common.group_status import GroupStatus
 from services.common.logging import configure_logging
 from services.common.stop_signals import SignalListener
-from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS
+from services.quality.drift import DEFAULT_DRIFT_CHUNKS, DEFAULT_REFERENCE, DriftChecker, serving_groups
+from services.quality.gate import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_THRESHOLD_PCT, GateResult, record_gate
+from services.quality.golden_set import DEFAULT_CHUNK_TOKENS
 from services.telemetry.client import raise_alert
 from services.telemetry.rules import Alert, AlertKind
-from services.worker.drift_check import DEFAULT_DRIFT_CHUNKS, DEFAULT_REFERENCE, DriftChecker, serving_groups
-from services.worker.plan_scoring import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_THRESHOLD_PCT, GateResult, record_gate
 
 log = logging.getLogger("shardline.drift")
 

@@ -34,8 +34,8 @@ from services.cli.compare import add_golden_arguments, figure_lines, figures_jso
 from services.cli.score import exit_code_for
 from services.common.errors import InvalidArgument
 from services.common.registry import QualityGateResult
-from services.worker.drift_check import DEFAULT_REFERENCE, DriftChecker, drift_history, group_label
-from services.worker.plan_scoring import DEFAULT_THRESHOLD_PCT, GateResult, record_gate, run_gate
+from services.quality.drift import DEFAULT_REFERENCE, DriftChecker, drift_history, group_label
+from services.quality.gate import DEFAULT_THRESHOLD_PCT, GateResult, record_gate, run_gate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

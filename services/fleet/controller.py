@@ -45,8 +45,8 @@ from services.fleet.load_signal import registry_utilization
 from services.fleet.paging import Page
 from services.fleet.provisioner import GroupLaunch, GroupProcess, Provisioner
 from services.fleet.spec import FleetSpec
-from services.modeling.golden_set import GoldenSet
-from services.worker.plan_scoring import golden_set_for
+from services.quality.gate import golden_set_for
+from services.quality.golden_set import GoldenSet
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any
 from services.common.proto import worker_pb2, worker_pb2_grpc
 from services.common.registry import Fenced, QualityGateResult, ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
-from services.modeling.golden_set import GoldenSet
-from services.worker.plan_scoring import GateResult, PlanScores, record_gate, run_gate, score_live_group
+from services.quality.gate import GateResult, PlanScores, record_gate, run_gate, score_live_group
+from services.quality.golden_set import GoldenSet
 
 log = logging.getLogger(__name__)
 

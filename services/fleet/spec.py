@@ -49,7 +49,7 @@ import yaml
 from services.common.dtypes import canonical_dtype
 from services.common.errors import InvalidArgument
 from services.common.numerics import NUMERICS
-from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS
+from services.quality.golden_set import DEFAULT_CHUNK_TOKENS
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")  # a DNS label: it names Kubernetes objects
 SCALE_ON = ("kv_cache_utilization_pct",)

@@ -18,7 +18,7 @@ from services.common.vllm_metrics import ENGINE, EngineState, RequestTimes, Vllm
 from services.router.types import Finished
 
 if TYPE_CHECKING:
-    from services.router.shadow_window import WindowFigures
+    from services.quality.shadow_window import WindowFigures
 
 REQUESTS = Counter("shardline_router_requests", "Requests that ended, by model and outcome "
                    "(a finish reason, or the error that ended them)", ["model", "outcome"])

@@ -13,7 +13,7 @@ The mirror's own thread scores each job on every candidate with the candidate wo
 (teacher forcing on prompt + the incumbent's tokens, ``top_logprobs=1`` for the candidate's
 argmax) and appends the generated positions to the rolling window of the pair (incumbent,
 candidate): at most ``window_tokens`` positions, the newest. The window's figures use the
-golden-set comparison's definitions (``services.common.logprob_comparison``), on the
+golden-set comparison's definitions (``services.quality.comparison``), on the
 mirrored tokens only (prompt positions are not compared: the incumbent never scored them):
 
 - perplexity delta, ``100 * (ppl_candidate / ppl_incumbent - 1)``;
@@ -69,8 +69,8 @@ from typing import Protocol
 
 from services.common.errors import InvalidArgument
 from services.common.group_status import GroupStatus
+from services.quality.shadow_window import ShadowWindow, WindowFigures
 from services.router.replicas import ReplicaGroupView, ReplicaSet
-from services.router.shadow_window import ShadowWindow, WindowFigures
 from services.telemetry.rules import Alert, AlertKind
 
 log = logging.getLogger(__name__)

@@ -29,11 +29,11 @@ from safetensors.torch import save_file
 
 from services.modeling.compressed_tensors import compressed_format
 from services.modeling.config import CALIBRATION_KEY
-from services.modeling.golden_set import calibration_text, fingerprint
 from services.modeling.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_round
 from services.modeling.parallel.layers import LinearBase, VocabParallelEmbedding
 from services.modeling.quant import QuantScheme
 from services.modeling.weights import IGNORED_SUFFIXES, CheckpointReader, map_checkpoint_name
+from services.quality.golden_set import calibration_text, fingerprint
 from services.worker.engine.bootstrap import load_tokenizer
 from services.worker.runtime import RankRuntime, RankSpec
 from services.worker.scoring import score_tokens

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from services.common.logprob_comparison import ScoreResult
 from services.modeling.attention import AttentionMetadata
+from services.quality.comparison import ScoreResult
 from services.worker.runtime import RankRuntime, RankSpec
 
 

@@ -88,14 +88,16 @@ def test_the_rendered_controller_starts_without_an_api_server_reports_not_ready_
             stop(proc, timeout_s=20)
 
 
-def test_the_fleet_package_imports_no_torch() -> None:
+def test_the_fleet_and_quality_packages_import_no_torch() -> None:
     """The controller's process starts in half a second of CPU rather than two (it runs the
     workers; it never runs a model): none of its modules may pull torch in, not even through a
-    live group's quality gate. A fresh interpreter, since this one has torch already."""
-    code = ("import importlib, pkgutil, sys, services.fleet\n"
-            "for m in pkgutil.iter_modules(services.fleet.__path__):\n"
-            "    if m.name != '__main__':\n"
-            "        importlib.import_module(f'services.fleet.{m.name}')\n"
+    live group's quality gate (the quality package is checked too). A fresh interpreter, since this
+    one has torch already."""
+    code = ("import importlib, pkgutil, sys, services.fleet, services.quality\n"
+            "for p in (services.fleet, services.quality):\n"
+            "    for m in pkgutil.iter_modules(p.__path__):\n"
+            "        if m.name != '__main__':\n"
+            "            importlib.import_module(f'{p.__name__}.{m.name}')\n"
             "heavy = sorted(n for n in ('torch', 'transformers', 'safetensors') if n in sys.modules)\n"
             "assert not heavy, heavy\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_environ(), capture_output=True, text=True,

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from services.common.logprob_comparison import ScoreResult
 from services.loader.layout import rank_model
 from services.modeling.config import ModelConfig
 from services.modeling.llama import LlamaForCausalLM
@@ -14,6 +13,7 @@ from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.parallel.groups import init_parallel_groups
 from services.modeling.parallel.plan import ParallelPlan
 from services.modeling.weights import CheckpointReader, load_weights
+from services.quality.comparison import ScoreResult
 from services.worker.rank_loading import load_checkpoint_weights, plan_for_checkpoint
 from services.worker.runtime import LOAD_BARRIER_TIMEOUT_S, RankRuntime
 from services.worker.scoring import prefill_logprobs

@@ -19,11 +19,11 @@ import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.group_status import GroupStatus
-from services.common.logprob_comparison import compare
 from services.common.proto import telemetry_pb2
+from services.quality.comparison import compare
+from services.quality.shadow_window import ShadowWindow
 from services.router.replicas import ReplicaSet
 from services.router.shadow import ShadowConfig, ShadowJob, ShadowMirror, generated_positions
-from services.router.shadow_window import ShadowWindow
 from services.telemetry.rules import Alert, AlertKind
 from tests.router.processes import running_up
 from tests.router.test_quantized_groups import group_dtypes

@@ -182,9 +182,9 @@ def test_a_serving_layout_invariant_group_is_gated_for_equality(tiny_model_dir: 
 
 
 def test_one_differing_logprob_fails_an_exact_gate_and_names_its_place() -> None:
-    from services.common.logprob_comparison import ScoreResult
-    from services.modeling.golden_set import GoldenSet
-    from services.worker.plan_scoring import PlanScores, run_gate
+    from services.quality.comparison import ScoreResult
+    from services.quality.gate import PlanScores, run_gate
+    from services.quality.golden_set import GoldenSet
 
     chunks = [[-1.0, -2.0, -0.5, -3.0], [-0.25, -1.5, -2.5, -0.75]]
     tweaked = [list(chunks[0]), list(chunks[1])]

@@ -11,10 +11,10 @@ import pytest
 from services.cli.drift import DriftMonitor, drift_alert
 from services.common.errors import Unavailable
 from services.common.group_status import GroupStatus
-from services.common.logprob_comparison import ScoreResult
-from services.modeling.golden_set import GoldenSet
+from services.quality.comparison import ScoreResult
+from services.quality.gate import GateResult, PlanScores, run_gate
+from services.quality.golden_set import GoldenSet
 from services.telemetry.rules import AlertKind
-from services.worker.plan_scoring import GateResult, PlanScores, run_gate
 
 GOLDEN = GoldenSet(chunks=tuple(tuple(range(i, i + 9)) for i in range(4)), text_fingerprint="f", chunk_tokens=9)
 

@@ -1,4 +1,4 @@
-"""A shadow pair's rolling window (``shadow.py``): the newest mirrored positions of one
+"""A shadow pair's rolling window (the router's ``shadow.py``): the newest mirrored positions of one
 (incumbent, candidate) pair and the figures they give, kept as running sums."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.logprob_comparison import perplexity_delta_pct
+from services.quality.comparison import perplexity_delta_pct
 
 
 @dataclass(frozen=True)

@@ -22,20 +22,13 @@ import grpc
 
 from services.common.dtypes import lookup_dtype
 from services.common.errors import InvalidArgument, Unavailable
-from services.common.logprob_comparison import (
-    Comparison,
-    GateVerdict,
-    ScoreResult,
-    bootstrap_delta_interval,
-    compare,
-    gate,
-)
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB
 from services.common.registry import NotFound as RegistryNotFound
 from services.common.registry import QualityGateResult, ShardRegistry, registry_group_id
 from services.common.transport_security import open_channel
-from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
+from services.quality.comparison import Comparison, GateVerdict, ScoreResult, bootstrap_delta_interval, compare, gate
+from services.quality.golden_set import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS, GoldenSet
 
 if TYPE_CHECKING:
     from services.worker.runtime import RankSpec

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.common.logprob_comparison import bootstrap_delta_interval, compare, gate, percentile
+from services.quality.comparison import bootstrap_delta_interval, compare, gate, percentile
 
 
 @dataclass

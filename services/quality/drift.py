@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from services.common.errors import InvalidArgument
 from services.common.registry import IN_ROTATION, QualityGateResult, ReplicaGroup, ShardRegistry, registry_group_id
 from services.common.registry import NotFound as RegistryNotFound
-from services.modeling.golden_set import DEFAULT_CHUNK_TOKENS, GoldenSet
-from services.worker.plan_scoring import (
+from services.quality.gate import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_THRESHOLD_PCT,
     GateResult,
@@ -34,6 +33,7 @@ from services.worker.plan_scoring import (
     score_live_group,
     score_plan,
 )
+from services.quality.golden_set import DEFAULT_CHUNK_TOKENS, GoldenSet
 
 DEFAULT_REFERENCE = "dtype=float32"
 DEFAULT_DRIFT_CHUNKS = 8  # a scheduled check is a handful of prefills per group, not a load test

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from services.modeling.golden_set import DEFAULT_CHUNKS, GoldenSet, fingerprint, golden_text
+from services.quality.golden_set import DEFAULT_CHUNKS, GoldenSet, fingerprint, golden_text
 
 
 def test_the_text_is_prose_and_deterministic() -> None:
