@@ -20,8 +20,9 @@ A dense plan (bfloat16, float32) multiplies them out on load; a plan of the othe
 refused (it would round the checkpoint's values onto a second grid).
 
 Activations: the checkpoint may ask for dynamically quantized activations (``FP8_DYNAMIC``,
-``W8A8``); the CPU kernels here keep them in bfloat16 (W8A16), which computes the same codes'
-products without the activations' rounding error. Anything else (group or block scales,
+``W8A8``, one scale per token); the plan's scheme decides instead: int8 quantizes them per group
+of 32 values (finer than per token), fp8 keeps them in bfloat16. A code of -128 (the scale is
+``max|row| / 127.5``) is taken as -127 by int8's packing (``quant.pack_int8``). Anything else (group or block scales,
 asymmetric weights, packed 4-bit codes, static activation scales, sparsity) is refused with
 what it is.
 """

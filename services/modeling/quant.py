@@ -1,6 +1,6 @@
 """Weight quantization: the int8 and fp8 schemes, their exact sharding, and the quantized matmul.
 
-Both schemes are symmetric, weight-only and per output channel. For a linear weight ``W``
+Both schemes' weights are symmetric and per output channel. For a linear weight ``W``
 ``[N, K]`` (PyTorch's layout: one row per output channel ``n``):
 
 * ``scale[n] = max_k |W[n, k]| / Q`` in float32 (a row of zeros gets scale 1, so it stays zeros);

@@ -1,7 +1,7 @@
 """Dtype names: the project's long names and the registry's short names.
 
 The project (CLI, planner, protos) names dtypes ``float32``, ``bfloat16``, ``float16``, ``int8``
-(weight-only) and ``fp8`` (e4m3 weights), accepting ``fp32``/``bf16``/``fp16`` as aliases. The
+(int8 weights and activations) and ``fp8`` (e4m3 weights), accepting ``fp32``/``bf16``/``fp16`` as aliases. The
 registry keeps the original schema's short names in its ``dtype`` columns, guarded by the CHECK
 ``dtype IN ('fp16', 'bf16', 'fp32', 'int8', 'fp8')``.
 """
