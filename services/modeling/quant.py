@@ -33,9 +33,9 @@ from its slice: a TP=3 plan and a TP=1 plan hold the same numbers.
 C++ kernel (``kernels/cpu_w8a8.cpp``) takes the weight repacked once, at the first call after
 loading (:func:`pack_int8`: the layer's parameter then holds the packed bytes, still one byte a
 weight), into the layout of the integer dot-product instructions (AVX512-VNNI ``vpdpbusd``, AVX2
-``vpmaddubsw``); its group sums are exact, so every path gives the same bits. Activation groups of
-32 cost +0.30 % perplexity on the golden set against bfloat16 where one scale per token cost
-+3.3 % (``docs/numerics.md``). fp8 on CPU: the C++ kernel (``kernels/cpu_quant.cpp``) reads
+``vpmaddubsw``); its group sums are exact, so every path gives the same bits. int8 costs
++0.36 % perplexity on the golden set against bfloat16 (activations per token, simulated: +3.3 %;
+``docs/numerics.md``). fp8 on CPU: the C++ kernel (``kernels/cpu_quant.cpp``) reads
 each weight byte once and converts it in registers (at 4+ rows, 16 weight rows at a time into a
 few-KB bfloat16 scratch that stays in cache), so a decode step reads one byte per weight instead
 of two. Measured on the project's CPU against
@@ -48,8 +48,8 @@ product. int8 without the C++ kernel (CUDA; a CPU with ``SHARDLINE_CPU_KERNELS=0
 activations the same way and multiplies their dequantized values ``d · xq`` in the activation
 dtype (the same scheme; the products rounded as that dtype's). On CUDA it converts the weight to
 the activation dtype block by block (torch's ``_weight_int8pack_mm`` CUDA kernel is a plain loop,
-far slower); on the CPU ``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the activations are bfloat16:
-torch's requirement); otherwise, for fp8 and for int8 weights whose K torch's kernel cannot take,
+far slower); on the CPU ``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the
+activations are bfloat16: torch's requirement); otherwise, for fp8 and for int8 weights whose K torch's kernel cannot take,
 a blocked dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never
 the whole weight; correct, but slow on CPU, where torch's float8 conversion is slow).
 """
@@ -89,6 +89,7 @@ class QuantScheme:
 
 INT8 = QuantScheme("int8", torch.int8, 127.0)
 ACTIVATION_GROUP = 32  # int8: activation values per scale (W8A8); the C++ kernel's kGroup
+PACKED_BLOCK = 16  # output channels per block of a packed int8 weight; the C++ kernel's kBlockCols
 FP8 = QuantScheme("fp8", torch.float8_e4m3fn, 448.0)
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (INT8, FP8)}
 
@@ -178,7 +179,7 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor | None:
 
 def packed_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
     """Rows ``rows`` [T] of the int8 weight [N, k] that :func:`pack_int8` packed: int8 [T, k]."""
-    block, lane = rows // 16, rows % 16
+    block, lane = rows // PACKED_BLOCK, rows % PACKED_BLOCK
     picked = packed[block, :, lane, :].reshape(rows.shape[0], -1)[:, :k]  # [T, Kp/4, 4] -> [T, Kp]
     return (picked.to(torch.int16) - 128).to(torch.int8)
 
