@@ -49,9 +49,10 @@ activations the same way and multiplies their dequantized values ``d · xq`` in 
 dtype (the same scheme; the products rounded as that dtype's). On CUDA it converts the weight to
 the activation dtype block by block (torch's ``_weight_int8pack_mm`` CUDA kernel is a plain loop,
 far slower); on the CPU ``torch._weight_int8pack_mm`` for int8 (with bfloat16 scales when the
-activations are bfloat16: torch's requirement); otherwise, for fp8 and for int8 weights whose K torch's kernel cannot take,
-a blocked dequantize-and-matmul that converts :data:`DEQUANT_BLOCK_ROWS` rows at a time (never
-the whole weight; correct, but slow on CPU, where torch's float8 conversion is slow).
+activations are bfloat16: torch's requirement); otherwise, for fp8 and for int8 weights whose K
+torch's kernel cannot take, a blocked dequantize-and-matmul that converts
+:data:`DEQUANT_BLOCK_ROWS` rows at a time (never the whole weight; correct, but slow on CPU,
+where torch's float8 conversion is slow).
 """
 
 from __future__ import annotations
