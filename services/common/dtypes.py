@@ -31,7 +31,7 @@ class DType:
     activation_bytes: int
     proto_enum: str  # the value's name in common.proto's ``Dtype``
     scale_bytes: int = 0
-    compute: str = "16bit"  # which peak FLOP/s of a topology applies: "16bit" or "fp32"
+    compute: str = "16bit"  # which peak FLOP/s of a topology applies: "16bit", "fp32" or "int8"
     safetensors_code: str | None = None  # how a dense tensor of this dtype is stored
 
     @property
@@ -44,7 +44,7 @@ DTYPES: dict[str, DType] = {
     "float16": DType("float16", "fp16", 2, 2, "DTYPE_FLOAT16", safetensors_code="F16"),
     "bfloat16": DType("bfloat16", "bf16", 2, 2, "DTYPE_BFLOAT16", safetensors_code="BF16"),
     "float32": DType("float32", "fp32", 4, 4, "DTYPE_FLOAT32", compute="fp32", safetensors_code="F32"),
-    "int8": DType("int8", "int8", 1, 2, "DTYPE_INT8", scale_bytes=4),
+    "int8": DType("int8", "int8", 1, 2, "DTYPE_INT8", scale_bytes=4, compute="int8"),
     "fp8": DType("fp8", "fp8", 1, 2, "DTYPE_FP8", scale_bytes=4),
 }
 DTYPE_ALIASES: dict[str, str] = {

@@ -154,7 +154,8 @@ class CalibrationResult:
             f"  engine      {t.step_overhead_s * 1e3:.2f} ms per step + {t.layer_overhead_s * 1e6:.0f} µs per layer, "
             f"control broadcast {t.control_latency_s * 1e6:.0f} µs",
             f"  matmul      {t.peak_dense_flops_fp32 / 1e9:.1f} GFLOP/s float32, "
-            f"{t.peak_dense_flops / 1e9:.1f} GFLOP/s bfloat16 per rank",
+            f"{t.peak_dense_flops / 1e9:.1f} GFLOP/s bfloat16, "
+            f"{t.peak_flops('int8') / 1e9:.1f} GOP/s int8 per rank",
             f"  {t.gpus_per_node} ranks per node × {t.gpu_memory_bytes / GIB:.2f} GiB",
         ]
         return "\n".join(lines)
@@ -253,6 +254,7 @@ def calibrate(
         hbm_bandwidth_bytes_per_s=figures["gemv_bytes_per_s_alone"],
         peak_dense_flops=flops["bfloat16"],
         peak_dense_flops_fp32=flops["float32"],
+        peak_dense_flops_int8=flops.get("int8"),
         usd_per_gpu_hour=price,
         reserve_bytes=reserve,
         device=device,

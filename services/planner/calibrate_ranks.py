@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.modeling.quant import INT8, pack_int8, quant_linear, quantize
+
 ALL_REDUCE_ELEMENTS = (1, 64, 1024, 4096, 65536, 262144, 1048576)  # float32: 4 B … 4 MiB
 SMALL_MESSAGE_BATCHES = 9  # batches of calls per small size: the median batch is the figure
 SMALL_MESSAGE_BATCH = 16  # calls per batch, about one decode step's collectives per layer group
@@ -195,11 +197,19 @@ def sum_bandwidth(device: Any, sync: Callable[[], None], total_bytes: int) -> fl
 
 
 def matmul_flops(device: Any, sync: Callable[[], None]) -> dict[str, float]:
+    """FLOP/s of a 512-cube matmul in float32 and bfloat16 (torch's), and of an int8 plan's
+    matmul (``quant_linear`` on the weight as a layer holds it: on CPU the W8A8 kernel)."""
     out: dict[str, float] = {}
-    for name, dtype, n in (("float32", torch.float32, 512), ("bfloat16", torch.bfloat16, 512)):
+    n = 512
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         out[name] = 2 * n**3 / median_for(lambda a=a, b=b: torch.mm(a, b), 0.2, sync)
+    x = torch.randn(n, n, device=device).to(torch.bfloat16)
+    q, scale = quantize(torch.randn(n, n, device=device), INT8)
+    weight = pack_int8(q)
+    weight = q if weight is None else weight
+    out["int8"] = 2 * n**3 / median_for(lambda: quant_linear(x, weight, scale), 0.2, sync)
     return out
 
 

@@ -101,6 +101,7 @@ def topology_from_pb(inputs: planner_pb2.PlanInputs) -> Topology:
         control_latency_s=pb.control_latency_ns * 1e-9,
         node_memory_bandwidth_bytes_per_s=(pb.node_memory_bandwidth_bytes_per_s
                                            if pb.HasField("node_memory_bandwidth_bytes_per_s") else None),
+        peak_dense_flops_int8=pb.peak_flops_int8 or None,
     )
 
 

@@ -71,6 +71,9 @@ class Topology:
     layer_overhead_s: float = 0.0
     control_latency_s: float = 0.0
     node_memory_bandwidth_bytes_per_s: float | None = None
+    # int8 plans' matmuls (a CPU's W8A8 kernel); None: the 16-bit peak, as a GPU's int8 plan
+    # converts its weights to 16 bits for each matmul
+    peak_dense_flops_int8: float | None = None
 
     def __post_init__(self) -> None:
         positive_ints = ("gpus_per_node", "gpu_memory_bytes", "nvlink_domain_size")
@@ -106,6 +109,10 @@ class Topology:
                 f"topology {self.name!r}: nvlink_domain_size {self.nvlink_domain_size} exceeds "
                 f"gpus_per_node {self.gpus_per_node}"
             )
+        int8 = self.peak_dense_flops_int8
+        if int8 is not None and (not isinstance(int8, (int, float)) or not math.isfinite(int8) or int8 <= 0):
+            raise TopologyError(f"topology {self.name!r}: peak_dense_flops_int8 must be a positive number or unset, "
+                                f"got {int8!r}")
         node_bw = self.node_memory_bandwidth_bytes_per_s
         if node_bw is not None and (not isinstance(node_bw, (int, float)) or not math.isfinite(node_bw) or node_bw <= 0):
             raise TopologyError(
@@ -116,8 +123,12 @@ class Topology:
             raise TopologyError(f"topology {self.name!r}: device must be 'gpu' or 'cpu', got {self.device!r}")
 
     def peak_flops(self, compute: str) -> float:
-        """Peak dense FLOP/s for a dtype's compute path ("16bit" or "fp32")."""
-        return self.peak_dense_flops_fp32 if compute == "fp32" else self.peak_dense_flops
+        """Peak dense FLOP/s for a dtype's compute path ("16bit", "fp32" or "int8")."""
+        if compute == "fp32":
+            return self.peak_dense_flops_fp32
+        if compute == "int8" and self.peak_dense_flops_int8 is not None:
+            return self.peak_dense_flops_int8
+        return self.peak_dense_flops
 
     def contention(self, active_ranks: int) -> float:
         """How many times slower each rank runs when ``active_ranks`` of one node work at once.

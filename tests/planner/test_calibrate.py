@@ -69,7 +69,7 @@ def test_calibrate_two_ranks_writes_a_topology_the_planner_accepts(tmp_path: Pat
     assert topology.device == "cpu" and topology.gpus_per_node >= 2
     for value in (topology.gpu_memory_bytes, topology.intra_node_bandwidth_bytes_per_s,
                   topology.intra_node_latency_s, topology.hbm_bandwidth_bytes_per_s, topology.peak_dense_flops,
-                  topology.peak_dense_flops_fp32, topology.usd_per_gpu_hour):
+                  topology.peak_dense_flops_fp32, topology.peak_dense_flops_int8, topology.usd_per_gpu_hour):
         assert value > 0
     # Loopback gloo: microseconds to milliseconds per hop, MB/s to tens of GB/s.
     assert 1e-7 < topology.intra_node_latency_s < 0.05

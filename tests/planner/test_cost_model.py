@@ -282,3 +282,20 @@ def test_cpu_host_decode_step_adds_up() -> None:
     expected = ((s0.read_bytes + s1.read_bytes + 32 * 30 * kv) / 10e9 + 30 * 200e-6 + 1e-3 + 2 * 300e-6
                 + (hop + hidden / 1e9) + 2 * (hop + 64 / 1e9))
     assert cm.tpot_s(Candidate(1, 2, "float32"), 1) == pytest.approx(expected)
+
+
+def test_int8_plans_compute_at_the_topologys_int8_peak() -> None:
+    """A calibrated CPU host measures its int8 matmul (the W8A8 kernel: int8 x int8 dot products),
+    and an int8 plan's flops are priced at that rate; without the figure (a GPU, whose int8 plan
+    converts its weights to 16 bits) at the 16-bit peak, as fp8's always are."""
+    from dataclasses import replace
+
+    slow = replace(CPU_HOST, peak_dense_flops=1e10)  # compute-bound at a batch of 64
+    assert slow.peak_flops("int8") == slow.peak_dense_flops == slow.peak_flops("16bit")
+    fast = replace(slow, peak_dense_flops_int8=4e10)
+    assert fast.peak_flops("int8") == 4e10 and fast.peak_flops("16bit") == 1e10
+    int8, fp8 = Candidate(1, 1, "int8"), Candidate(1, 1, "fp8")
+    assert CostModel(SMOLLM2, fast).tpot_s(int8, 64) < CostModel(SMOLLM2, slow).tpot_s(int8, 64)
+    assert CostModel(SMOLLM2, fast).tpot_s(fp8, 64) == CostModel(SMOLLM2, slow).tpot_s(fp8, 64)
+    with pytest.raises(ValueError, match="peak_dense_flops_int8"):
+        replace(CPU_HOST, peak_dense_flops_int8=0.0)

@@ -190,6 +190,20 @@ def test_plan_of_a_config_json_on_a_spelled_out_topology(stub: planner_pb2_grpc.
     assert chosen.predicted_tpot_ms > 61 * 0.4 + 1.5 * (30 * 0.2 + 1.0) + 2 * 0.3
 
 
+def test_a_spelled_out_topology_carries_its_int8_peak() -> None:
+    """peak_flops_int8 (a calibrated CPU host's W8A8 matmul) reaches the cost model; 0 means the
+    16-bit peak."""
+    host = planner_pb2.Topology(
+        name="host", gpus_per_node=2, gpu_memory_bytes=8 * GIB, nvlink_domain_size=2,
+        intra_node_bandwidth_bytes_per_s=1e9, inter_node_bandwidth_bytes_per_s=1e9, hbm_bandwidth_bytes_per_s=10e9,
+        peak_flops=100e9, usd_per_gpu_hour=0.04, device="cpu")
+    plain = planner_server.topology_from_pb(planner_pb2.PlanInputs(topology_spec=host))
+    assert plain.peak_dense_flops_int8 is None and plain.peak_flops("int8") == 100e9
+    host.peak_flops_int8 = 180e9
+    topology = planner_server.topology_from_pb(planner_pb2.PlanInputs(topology_spec=host))
+    assert topology.peak_flops("int8") == 180e9 and topology.peak_flops("16bit") == 100e9
+
+
 # ---- RecordPlan -------------------------------------------------------------------------------
 
 
