@@ -3,8 +3,9 @@ formats use (the registry's short names, safetensors codes, the proto enum).
 
 Canonical names are ``float16``, ``bfloat16``, ``float32``, ``int8`` (int8 weights with
 per-output-channel scales, activations quantized to int8 per group of 32 at each matmul) and
-``fp8`` (e4m3 weights with per-output-channel scales); ``fp16``/``bf16``/``fp32`` and a few more are accepted aliases. Every layer that takes a dtype
-from a user goes through :func:`canonical_dtype`, so a name means the same thing everywhere.
+``fp8`` (e4m3 weights with per-output-channel scales); ``fp16``/``bf16``/``fp32`` and a few
+more are accepted aliases. Every layer that takes a dtype from a user goes through
+:func:`canonical_dtype`, so a name means the same thing everywhere.
 """
 
 from __future__ import annotations
