@@ -287,16 +287,19 @@ inline void tile_avx2(const int8_t* xq, const float* d, const uint8_t* w, const 
     __m256i acc[MB][NH];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NH; ++j) acc[i][j] = _mm256_setzero_si256();
-    for (int64_t s = g * kGroupSteps; s < (g + 1) * kGroupSteps; ++s) {
+    const uint8_t* wg = w + g * kGroup * kBlockCols;
+    const int8_t* xg = xq + m0 * Kp + g * kGroup;
+#pragma GCC unroll 8
+    for (int s = 0; s < kGroupSteps; ++s) {
       __m256i wv[NH];
       for (int j = 0; j < NH; ++j) {
         const int64_t hj = h + j;  // half-block hj: block hj / 2, bytes 32 * (hj % 2) of each step
         wv[j] = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (hj / 2) * stride + s * 64 + (hj % 2) * 32)), flip);
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (hj / 2) * stride + s * 64 + (hj % 2) * 32)), flip);
       }
       for (int i = 0; i < MB; ++i) {
         int32_t four;
-        std::memcpy(&four, xq + (m0 + i) * Kp + s * 4, 4);
+        std::memcpy(&four, xg + i * Kp + s * 4, 4);
         const __m256i a = _mm256_set1_epi32(four), mag = _mm256_abs_epi8(a);
         for (int j = 0; j < NH; ++j) {
           const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(wv[j], a));
