@@ -170,12 +170,12 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return out if x.dim() == 2 else out.view(*x.shape[:-1], scale.shape[0])
 
 
-def pack_int8(q: torch.Tensor) -> torch.Tensor | None:
-    """int8 weight [N, K] → the C++ W8A8 kernel's layout (uint8 ``[⌈N/16⌉, ⌈K/32⌉·8, 16, 4]``:
-    16 channels' 4 consecutive bytes side by side, each ``q + 128``, zero-padded), or None where
-    that kernel does not run (another device, no build)."""
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 weight [N, K] as :func:`quant_linear` takes it best on its device: the C++ W8A8
+    kernel's layout (uint8 ``[⌈N/16⌉, ⌈K/32⌉·8, 16, 4]``: 16 channels' 4 consecutive bytes side by
+    side, each ``q + 128``, zero-padded) where that kernel runs, else ``q`` itself."""
     module = kernels_for(q)
-    return module.w8a8_pack(q) if module is not None and q.dtype == torch.int8 else None
+    return module.w8a8_pack(q) if module is not None and q.dtype == torch.int8 else q
 
 
 def packed_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:

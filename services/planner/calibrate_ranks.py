@@ -208,7 +208,6 @@ def matmul_flops(device: Any, sync: Callable[[], None]) -> dict[str, float]:
     x = torch.randn(n, n, device=device).to(torch.bfloat16)
     q, scale = quantize(torch.randn(n, n, device=device), INT8)
     weight = pack_int8(q)
-    weight = q if weight is None else weight
     out["int8"] = 2 * n**3 / median_for(lambda: quant_linear(x, weight, scale), 0.2, sync)
     return out
 

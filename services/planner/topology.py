@@ -109,16 +109,10 @@ class Topology:
                 f"topology {self.name!r}: nvlink_domain_size {self.nvlink_domain_size} exceeds "
                 f"gpus_per_node {self.gpus_per_node}"
             )
-        int8 = self.peak_dense_flops_int8
-        if int8 is not None and (not isinstance(int8, (int, float)) or not math.isfinite(int8) or int8 <= 0):
-            raise TopologyError(f"topology {self.name!r}: peak_dense_flops_int8 must be a positive number or unset, "
-                                f"got {int8!r}")
-        node_bw = self.node_memory_bandwidth_bytes_per_s
-        if node_bw is not None and (not isinstance(node_bw, (int, float)) or not math.isfinite(node_bw) or node_bw <= 0):
-            raise TopologyError(
-                f"topology {self.name!r}: node_memory_bandwidth_bytes_per_s must be a positive number or unset, "
-                f"got {node_bw!r}"
-            )
+        for name in ("node_memory_bandwidth_bytes_per_s", "peak_dense_flops_int8"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+                raise TopologyError(f"topology {self.name!r}: {name} must be a positive number or unset, got {value!r}")
         if self.device not in ("gpu", "cpu"):
             raise TopologyError(f"topology {self.name!r}: device must be 'gpu' or 'cpu', got {self.device!r}")
 

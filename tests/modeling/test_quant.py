@@ -150,6 +150,7 @@ def test_quant_linear_keeps_leading_dims_and_runs_without_the_kernels(kernels, m
     long = torch.randn(300, 96)  # a prefill: several row tiles per thread
     check(quant_linear(long, q, scale), long, q, scale)
     monkeypatch.setattr(quant, "kernels_for", lambda t: None)  # no kernel build: torch's ops
+    assert quant.pack_int8(q) is q  # nothing to pack for
     check(quant_linear(x, q, scale).view(10, 64), x.view(10, 96), q, scale)
 
 

@@ -148,8 +148,8 @@ class LinearBase(TPLayer):
         products (:func:`~services.modeling.quant.pack_int8`) at the first call after loading, in
         place: the parameter then holds the packed bytes, one copy (a tied embedding reads its
         rows from them)."""
-        if self.weight.dtype == torch.int8 and (packed := pack_int8(self.weight.data)) is not None:
-            self.weight.data = packed
+        if self.weight.dtype == torch.int8 and (packed := pack_int8(self.weight.data)) is not self.weight.data:
+            self.weight.data = packed  # once: a packed weight is uint8
         return self.weight
 
 
@@ -298,8 +298,7 @@ class RowParallelLinear(LinearBase):
         if self._chunk_weights is None:
             count = self.invariant_chunks // self.tp_degree
             chunks = self.weight.view(self.out_features, count, self.in_local // count).transpose(0, 1).contiguous()
-            packed = [pack_int8(chunk) for chunk in chunks]  # int8: each chunk packed on its own
-            self._chunk_weights = torch.stack(packed) if packed[0] is not None else chunks
+            self._chunk_weights = torch.stack([pack_int8(chunk) for chunk in chunks])  # int8: each chunk on its own
         return self._chunk_weights
 
 
