@@ -91,14 +91,16 @@ def test_requests_share_the_stream_with_one_message_per_step(worker):
     relay = Relay(worker)
     for relay_id, prompt in prompts.items():
         relay.greedy(relay_id, prompt, 24)
-    batched = merged = 0
+    batched = streamed = 0
     while any(o.final is None for o in relay.outcomes.values()):
         response = relay.read()
         ids = [e.relay_id for e in response.events if e.HasField("token")]
-        merged += len(ids) != len(set(ids))  # two steps in one message: the sender fell behind
+        streamed += len(ids) > 0 and len(ids) == len(set(ids))  # one step's tokens, sent as it ended
         batched = max(batched, len(ids))
-    # one message per step; a pause of the sender (a GC, a busy core) merges the odd pair of steps
-    assert merged <= 2, merged
+    # one message per step as the steps end. A sender that pauses (a GC, a busy core) merges the
+    # steps made meanwhile into one message, how many depends on the machine's load; a sender that
+    # held tokens back would send a handful of messages, not most of the 24 steps
+    assert streamed >= 24 // 2, streamed
     for relay_id, prompt in prompts.items():
         outcome = relay.outcomes[relay_id]
         assert outcome.tokens == generate_ids(worker, prompt, 24)  # the same tokens as Generate
