@@ -1,113 +1,98 @@
-"""A candidate bfloat16 GEMM (``bench/prototypes/packed_gemm.cpp``: the weight repacked once into
-16-channel blocks of k-pairs, broadcast activation pairs, one vdpbf16ps chain per output, 4 × 64
-tiles, K in panels) against oneDNN through ``F.linear`` and our ``dense_linear``, at prefill rows.
+"""The dense bfloat16 kernel on its two weight layouts against oneDNN: ``dense_linear`` on the
+packed weight (``pack_dense``: 16-channel blocks of k-pairs, ``cpu_gemm_packed.cpp``; what a
+machine with AVX512-BF16 and no AMX serves), on the ``[N, K]`` rows (``cpu_gemm.cpp``; what it
+served before, and what AMX and AVX2 machines serve) and oneDNN's ``F.linear`` on the same operands.
 
-``python -m bench.gemm_packed [--rows 128,512,2048] [--passes 5] [--name gemm-packed]`` →
-``bench/results/NAME.{json,md}``. Needs AVX512-BF16 (the prototype has no other path); not used by
-the model. Per shape and row count the three run in turn, pass after pass; the figure is each
-one's median GFLOP/s (2·M·N·K), the prototype's at its best K panel and row block of a small grid,
-and its largest error against the float32 product. What it tells: whether the layout the
-model's kernel would move to (and the decode kernel with it, to keep a token's bits the same in
-any batch) reaches oneDNN's rate where ``dense_linear`` does not.
+``python -m bench.gemm_packed [--rows 1,4,16,64,256,1024] [--shapes 1b-class,smollm2]
+[--passes 7] [--name gemm-packed]`` → ``bench/results/NAME.{json,md}``.
+
+Per shape and row count the three run in turn, pass after pass (each pass ~20 ms of calls); the
+figure is each one's median GFLOP/s (2·M·N·K) and the packed kernel's largest error against the
+float32 product. The shapes are ``bench.gemm``'s plus each model's lm_head. Needs a machine where
+``pack_dense`` packs; measure with the machine quiet (``uptime``).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import machine, publish_results
 from bench.gemm import SHAPES
-from services.modeling.kernels import cpu_kernels
+from services.modeling.kernels import cpu_kernels, dense_linear, pack_dense
 
-SOURCE = Path(__file__).with_name("prototypes") / "packed_gemm.cpp"
-PANELS = (256, 512, 1024)
-ROW_BLOCKS = (64, 512)
-
-
-def build():
-    from torch.utils.cpp_extension import load  # deferred: the C++ toolchain only when measuring
-
-    tag = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:10]
-    return load(name=f"shardline_packed_gemm_{tag}", sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+LM_HEADS = {"smollm2": (49152, 576), "1b-class": (32000, 2048)}
+KERNELS = ("onednn", "nk", "packed")
 
 
-def seconds(fn, passes: int) -> float:
-    """Median seconds per call over ``passes`` passes of about 0.2 s each."""
-    fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.05:
+def medians(fns: dict, passes: int) -> dict[str, float]:
+    """Median seconds per call of each function, their passes interleaved."""
+    for fn in fns.values():
         fn()
-        calls += 1
-    per_pass = max(1, int(calls * 4))
-    times = []
+    start = time.perf_counter()
+    next(iter(fns.values()))()
+    calls = max(1, int(0.02 / max(time.perf_counter() - start, 1e-7)))
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(passes):
-        t = time.perf_counter()
-        for _ in range(per_pass):
-            fn()
-        times.append((time.perf_counter() - t) / per_pass)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t) / calls)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def measure(proto, kernels, n: int, k: int, rows: int, passes: int) -> dict:
+def measure(n: int, k: int, rows: int, passes: int) -> dict:
     gen = torch.Generator().manual_seed(rows + n + k)
     w = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    packed = proto.pack(w)
-    flops = 2 * rows * n * k
-    onednn = flops / seconds(lambda: F.linear(x, w), passes) / 1e9
-    ours = flops / seconds(lambda: kernels.dense_linear(x, w), passes) / 1e9
-    grid = {(p, r): flops / seconds(lambda p=p, r=r: proto.matmul(x, packed, p, r), passes) / 1e9
-            for p in PANELS for r in ROW_BLOCKS}
-    (panel, row_block), best = max(grid.items(), key=lambda item: item[1])
+    packed = pack_dense(w)
+    seconds = medians({"onednn": lambda: F.linear(x, w), "nk": lambda: dense_linear(x, w),
+                       "packed": lambda: dense_linear(x, packed)}, passes)
+    gflops = {name: 2 * rows * n * k / s / 1e9 for name, s in seconds.items()}
     ref = F.linear(x.float(), w.float())
-    err = ((proto.matmul(x, packed, panel, row_block) - ref).abs().max() / ref.abs().max()).item()
-    return {"n": n, "k": k, "rows": rows, "onednn_gflops": onednn, "dense_linear_gflops": ours,
-            "packed_gflops": best, "packed_panel": panel, "packed_row_block": row_block, "packed_max_rel_err": err,
-            "packed_vs_onednn": best / onednn, "packed_vs_dense_linear": best / ours}
+    err = ((dense_linear(x, packed).float() - ref).abs().max() / ref.abs().max()).item()
+    return {"n": n, "k": k, "rows": rows, **{f"{name}_gflops": g for name, g in gflops.items()},
+            "packed_vs_onednn": gflops["packed"] / gflops["onednn"], "packed_vs_nk": gflops["packed"] / gflops["nk"],
+            "packed_max_rel_err": err}
 
 
 def markdown(payload: dict) -> str:
-    lines = [f"# A packed bfloat16 GEMM prototype vs oneDNN and `dense_linear` (`{payload['name']}`)", "",
+    lines = [f"# `dense_linear` on the packed weight vs the [N, K] rows and oneDNN (`{payload['name']}`)", "",
              f"Machine: {payload['machine']}. Command: `{payload['command']}`. GFLOP/s, medians of "
-             f"{payload['passes']} passes; the prototype at its best K panel / row block of "
-             f"{list(PANELS)} × {list(ROW_BLOCKS)}.", "",
-             "| shape | rows | oneDNN | `dense_linear` | prototype (panel, row block) | prototype / oneDNN "
-             "| prototype / `dense_linear` | max rel. error |",
+             f"{payload['passes']} interleaved passes.", "",
+             "| shape | rows | oneDNN | [N, K] kernel | packed kernel | packed / oneDNN | packed / [N, K] "
+             "| max rel. error |",
              "|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         lines.append(f"| {r['shape']} ({r['n']}×{r['k']}) | {r['rows']} | {r['onednn_gflops']:.0f} | "
-                     f"{r['dense_linear_gflops']:.0f} | {r['packed_gflops']:.0f} ({r['packed_panel']}, "
-                     f"{r['packed_row_block']}) | {r['packed_vs_onednn']:.2f} | {r['packed_vs_dense_linear']:.2f} | "
-                     f"{r['packed_max_rel_err']:.1e} |")
+                     f"{r['nk_gflops']:.0f} | {r['packed_gflops']:.0f} | {r['packed_vs_onednn']:.2f} | "
+                     f"{r['packed_vs_nk']:.2f} | {r['packed_max_rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gemm_packed", description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="128,512,2048")
+    parser.add_argument("--rows", default="1,4,16,64,256,1024")
     parser.add_argument("--shapes", default="1b-class,smollm2")
-    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--passes", type=int, default=7)
     parser.add_argument("--name", default="gemm-packed")
     args = parser.parse_args(argv)
-    kernels = cpu_kernels()
-    if kernels is None or not kernels.dense_linear_vectorized():
-        print("needs the C++ kernels with the AVX-512 bfloat16 path", file=sys.stderr)
+    probe = torch.ones(16, 2, dtype=torch.bfloat16)
+    if cpu_kernels() is None or pack_dense(probe) is probe:
+        print("dense weights stay [N, K] here (no AVX512-BF16, AMX tiles, or kernels off): nothing to compare",
+              file=sys.stderr)
         return 2
-    proto = build()
     results = []
     for model in args.shapes.split(","):
-        for shape, (n, k) in SHAPES[model].items():
+        for shape, (n, k) in {**SHAPES[model], "lm_head": LM_HEADS[model]}.items():
             for rows in map(int, args.rows.split(",")):
-                r = {"shape": f"{model} {shape}", **measure(proto, kernels, n, k, rows, args.passes)}
+                r = {"shape": f"{model} {shape}", **measure(n, k, rows, args.passes)}
                 print(r, flush=True)
                 results.append(r)
     payload = {"name": args.name, "machine": machine(), "command": "python -m bench.gemm_packed "

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.modeling.kernels import kernels_for
+from services.modeling.kernels import kernels_for, packed_block_rows
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,6 @@ class QuantScheme:
 
 INT8 = QuantScheme("int8", torch.int8, 127.0)
 ACTIVATION_GROUP = 32  # int8: activation values per scale (W8A8); the C++ kernel's kGroup
-PACKED_BLOCK = 16  # output channels per block of a packed int8 weight; the C++ kernel's kBlockCols
 FP8 = QuantScheme("fp8", torch.float8_e4m3fn, 448.0)
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (INT8, FP8)}
 
@@ -180,9 +179,7 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 def packed_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
     """Rows ``rows`` [T] of the int8 weight [N, k] that :func:`pack_int8` packed: int8 [T, k]."""
-    block, lane = rows // PACKED_BLOCK, rows % PACKED_BLOCK
-    picked = packed[block, :, lane, :].reshape(rows.shape[0], -1)[:, :k]  # [T, Kp/4, 4] -> [T, Kp]
-    return (picked.to(torch.int16) - 128).to(torch.int8)
+    return (packed_block_rows(packed, rows, k).to(torch.int16) - 128).to(torch.int8)  # bytes are q + 128
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.modeling.kernels import dense_linear, pack_dense
 from services.modeling.quant import INT8, pack_int8, quant_linear, quantize
 
 ALL_REDUCE_ELEMENTS = (1, 64, 1024, 4096, 65536, 262144, 1048576)  # float32: 4 B … 4 MiB
@@ -197,15 +198,17 @@ def sum_bandwidth(device: Any, sync: Callable[[], None], total_bytes: int) -> fl
 
 
 def matmul_flops(device: Any, sync: Callable[[], None]) -> dict[str, float]:
-    """FLOP/s of a 512-cube matmul in float32 and bfloat16 (torch's), and of an int8 plan's
-    matmul (``quant_linear`` on the weight as a layer holds it: on CPU the W8A8 kernel)."""
+    """FLOP/s of a 512-cube matmul in float32 (torch's), and as a layer runs it in bfloat16
+    (``dense_linear`` on the weight as the layer holds it: on CPU our kernel, packed where the
+    machine packs) and in an int8 plan (``quant_linear``: on CPU the W8A8 kernel)."""
     out: dict[str, float] = {}
     n = 512
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        out[name] = 2 * n**3 / median_for(lambda a=a, b=b: torch.mm(a, b), 0.2, sync)
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    out["float32"] = 2 * n**3 / median_for(lambda: torch.mm(a, b), 0.2, sync)
     x = torch.randn(n, n, device=device).to(torch.bfloat16)
+    dense = pack_dense(torch.randn(n, n, device=device).to(torch.bfloat16))
+    out["bfloat16"] = 2 * n**3 / median_for(lambda: dense_linear(x, dense), 0.2, sync)
     q, scale = quantize(torch.randn(n, n, device=device), INT8)
     weight = pack_int8(q)
     out["int8"] = 2 * n**3 / median_for(lambda: quant_linear(x, weight, scale), 0.2, sync)

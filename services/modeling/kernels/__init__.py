@@ -49,12 +49,15 @@ from services.modeling.attention import AttentionMetadata, gather_decode_attenti
 
 log = logging.getLogger(__name__)
 
+# output channels per block of a packed weight (pack_dense's, and the W8A8 kernel's)
+PACKED_BLOCK = 16
+
 # The kernels written per instruction set, the dense and quantized matmuls and attention (half the
 # compile): what the suite builds a second time for another -march to check the AVX2 paths on an
 # AVX-512 machine (vector_kernels).
 VECTOR_SOURCES = [Path(__file__).with_name(name) for name in (
-    "cpu_bindings.cpp", "cpu_quant.cpp", "cpu_w8a8.cpp", "cpu_gemm.cpp", "cpu_amx.cpp", "cpu_attention.cpp", "cpu_attention_rows.cpp",
-    "cpu_amx_attention.cpp")]
+    "cpu_bindings.cpp", "cpu_quant.cpp", "cpu_w8a8.cpp", "cpu_gemm.cpp", "cpu_gemm_packed.cpp", "cpu_amx.cpp",
+    "cpu_attention.cpp", "cpu_attention_rows.cpp", "cpu_amx_attention.cpp")]
 SOURCES = VECTOR_SOURCES + [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_sampling.cpp",
                                                                         "cpu_layers.cpp")]
 
@@ -273,7 +276,30 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:  # the model's activations: no reshape and view (a microsecond each)
         return module.dense_linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
-    return module.dense_linear(x.reshape(-1, k), w).view(*lead, w.shape[0])
+    return module.dense_linear(x.reshape(-1, k), w).view(*lead, out_features(w))
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 weight [N, K] as :func:`dense_linear` takes it best here: packed for the AVX512-BF16
+    kernel (``[N/16, K/2, 16, 2]``: 16 channels' k-pairs side by side, ``cpu_gemm_packed.h``) on a
+    machine with AVX512-BF16 and no AMX, N a multiple of 16 and K even; ``w`` itself otherwise
+    (AMX, AVX2, other dtypes and devices, kernels off). Either way the product's bits do not
+    depend on the batch."""
+    module = _dense_module(w, w) if w.dim() == 2 else None
+    return module.dense_pack(w) if module is not None else w
+
+
+def out_features(w: torch.Tensor) -> int:
+    """N of a dense weight [N, K], packed or not."""
+    return w.shape[0] * PACKED_BLOCK if w.dim() == 4 else w.shape[0]
+
+
+def packed_block_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``rows`` [T] of a weight [N, k] packed in blocks of 16 channels with each channel's
+    consecutive k side by side (``[N/16, …, 16, g]``: :func:`pack_dense`'s g = 2, int8's W8A8
+    g = 4), as [T, k] in the packed dtype (a zero-padded K cut back to k)."""
+    block, lane = rows // PACKED_BLOCK, rows % PACKED_BLOCK
+    return packed[block, :, lane, :].reshape(rows.shape[0], -1)[:, :k]
 
 
 def _dense_module(x: torch.Tensor, w: torch.Tensor):
@@ -296,7 +322,7 @@ def dense_linear_chunks(x: torch.Tensor, w: torch.Tensor, chunks: int, *, sum: b
         return None
     lead, k = x.shape[:-1], x.shape[-1]
     out = module.dense_linear_chunks(x.reshape(-1, k), w, chunks, sum)
-    n = w.shape[0]
+    n = out_features(w)
     return out.view(*lead, n) if sum else out.view(chunks, *lead, n)
 
 

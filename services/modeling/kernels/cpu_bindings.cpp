@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "cpu_amx.h"
+#include "cpu_gemm_packed.h"
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, nogil());
   m.def("dense_linear_chunks", &dense_linear_chunks, nogil());
   m.def("dense_linear_vectorized", &dense_linear_vectorized);
+  m.def("dense_pack", &shardline::packed::pack, nogil());
   m.def("amx_ready", &shardline::amx::ready);
   m.def("decode_attention", &decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("tables"), py::arg("context_lens"), py::arg("scale"),

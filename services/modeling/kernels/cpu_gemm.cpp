@@ -19,6 +19,10 @@
 // runs instead (cpu_amx.cpp): batch-invariant in the same way, with other bits than this kernel's,
 // chosen by the machine and the weight's shape alone. At 16 rows it was 5-6x faster here.
 //
+// A weight packed by shardline::packed::pack (4-D: an AVX512-BF16 machine without AMX, see
+// LinearBase.kernel_weight) takes the packed kernel instead (cpu_gemm_packed.cpp), in this file's
+// two entry points alike.
+//
 // Built without AVX512-BF16 but with AVX2 + FMA (an older or AVX2-only machine), the same tiles run
 // on 8 float32 lanes (shardline::dot_tile_bf16_avx2: 16 elements per chunk, 4 rows x 2 channels):
 // batch-invariant in the same way, its own bits. torch's bfloat16 linear there had no fast path
@@ -33,6 +37,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_gemm_packed.h"
 #include "cpu_vec.h"
 
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
@@ -244,14 +249,24 @@ void sum_parts(const c10::BFloat16* parts, int64_t C, int64_t M, int64_t N, c10:
 // The products of x's chunks of K / C columns with w's, into parts [C, M, N] (chunk j: x's and
 // w's columns [j*W, (j+1)*W)), each with the bits dense_linear gives it alone; with y, also their
 // sum (sum_parts), each task summing its own channels while they are in cache. One parallel
-// pass over the channels: a task takes each chunk of its weight rows in turn.
-void chunk_products(const at::Tensor& xc, const uint16_t* wp, int64_t C, c10::BFloat16* parts, int64_t N,
-                    c10::BFloat16* y) {
+// pass over the channels: a task takes each chunk of its weight rows in turn. packed_w: wp is a
+// packed weight's data.
+void chunk_products(const at::Tensor& xc, const uint16_t* wp, bool packed_w, int64_t C, c10::BFloat16* parts,
+                    int64_t N, c10::BFloat16* y) {
   const int64_t M = xc.size(0), K = xc.size(1), width = K / C;
   const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
   auto chunk = [&](int64_t j) {
     return Operands{xp + j * width, K, wp + j * width, K, parts + j * M * N, M, width, N};
   };
+  if (packed_w) {  // chunk j: the packed weight's k-pairs [j * width / 2, (j + 1) * width / 2)
+    at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t j = 0; j < C; ++j)
+        shardline::packed::blocks(xp + j * width, K, M, wp, width * C / 2, j * width / 2, width / 2, parts + j * M * N,
+                                  N, b0, b1);
+      if (y != nullptr) sum_parts(parts, C, M, N, y, b0 * 16, b1 * 16);
+    });
+    return;
+  }
   if (on_amx(width, N)) {
     std::vector<at::Tensor> packed;  // each chunk's activations, packed once for the tiles
     for (int64_t j = 0; j < C; ++j)
@@ -278,17 +293,28 @@ void chunk_products(const at::Tensor& xc, const uint16_t* wp, int64_t C, c10::BF
 // x [M, K] bfloat16 (any strides: made contiguous), w [N, K] bfloat16 contiguous -> y [M, N] bfloat16
 at::Tensor dense_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "dense_linear: CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_linear: x [M, K] and w [N, K], got ",
-              x.sizes(), " and ", w.sizes());
+  const bool packed_w = shardline::packed::is_packed(w);
+  TORCH_CHECK(x.dim() == 2 && (packed_w ? x.size(1) == 2 * w.size(1) : w.dim() == 2 && x.size(1) == w.size(1)),
+              "dense_linear: x [M, K] and w [N, K] (or packed [N / 16, K / 2, 16, 2]), got ", x.sizes(), " and ",
+              w.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "dense_linear: bfloat16 x and w, got ", x.scalar_type(), " and ", w.scalar_type());
   TORCH_CHECK(w.is_contiguous(), "dense_linear: w must be contiguous");
 #ifdef SHARDLINE_GEMM
   const at::Tensor xc = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = shardline::packed::channels(w);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
+  if (packed_w) {
+    const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
+    const uint16_t* wp = static_cast<const uint16_t*>(w.data_ptr());
+    c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+      shardline::packed::blocks(xp, K, M, wp, K / 2, 0, K / 2, yp, N, b0, b1);
+    });
+    return y;
+  }
   const Operands o{static_cast<const uint16_t*>(xc.data_ptr()), K, static_cast<const uint16_t*>(w.data_ptr()), K,
                    y.data_ptr<c10::BFloat16>(), M, K, N};
   if (on_amx(K, N)) {
@@ -326,20 +352,24 @@ at::Tensor sum_chunk_products(const at::Tensor& parts) {
 // rank's and adds them in the same order (services/modeling/parallel/layers.py). So TP1's sum and
 // TP2's gathered sum are the same bits.
 at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool sum) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && chunks > 0 && x.size(1) % chunks == 0,
-              "dense_linear_chunks: x [M, K] and w [N, K] with K a multiple of ", chunks, ", got ", x.sizes(),
-              " and ", w.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), width = K / chunks;
+  const bool packed_w = shardline::packed::is_packed(w);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && (packed_w ? K == 2 * w.size(1) : w.dim() == 2 && K == w.size(1)) && chunks > 0 &&
+              K % (packed_w ? 2 * chunks : chunks) == 0,
+              "dense_linear_chunks: x [M, K] and w [N, K] (or packed, then with even chunks) with K a multiple of ",
+              chunks, ", got ", x.sizes(), " and ", w.sizes());
+  const int64_t M = x.size(0), N = shardline::packed::channels(w), width = K / chunks;
   at::Tensor parts = at::empty({chunks, M, N}, x.options());
 #ifdef SHARDLINE_GEMM
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && K > 0) {
     at::Tensor y = sum ? at::empty({M, N}, x.options()) : at::Tensor();
     if (M > 0 && N > 0)
-      chunk_products(x.contiguous(), static_cast<const uint16_t*>(w.data_ptr()), chunks,
+      chunk_products(x.contiguous(), static_cast<const uint16_t*>(w.data_ptr()), packed_w, chunks,
                      parts.data_ptr<c10::BFloat16>(), N, sum ? y.data_ptr<c10::BFloat16>() : nullptr);
     return sum ? y : parts;
   }
 #endif
+  TORCH_CHECK(!packed_w, "dense_linear_chunks: a packed weight takes bfloat16 x");
   for (int64_t j = 0; j < chunks; ++j)  // other dtypes, or no kernel here: torch's linear, chunk by chunk
     parts.select(0, j).copy_(at::linear(x.narrow(1, j * width, width), w.narrow(1, j * width, width)));
   return sum ? sum_chunk_products(parts) : parts;

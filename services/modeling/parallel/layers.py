@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.modeling.compressed_tensors import QuantizedPiece
-from services.modeling.kernels import dense_linear, dense_linear_chunks
+from services.modeling.kernels import dense_linear, dense_linear_chunks, pack_dense, packed_block_rows
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.quant import (
     QuantScheme,
@@ -140,17 +140,31 @@ class LinearBase(TPLayer):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
-            return dense_linear(x, self.weight)
+            return dense_linear(x, self.kernel_weight())
         return quant_linear(x, self.kernel_weight(), self.weight_scale)
 
     def kernel_weight(self) -> torch.Tensor:
-        """The weight as the matmul kernel takes it: an int8 one repacked for the integer dot
-        products (:func:`~services.modeling.quant.pack_int8`) at the first call after loading, in
-        place: the parameter then holds the packed bytes, one copy (a tied embedding reads its
-        rows from them)."""
-        if self.weight.dtype == torch.int8 and (packed := pack_int8(self.weight.data)) is not self.weight.data:
-            self.weight.data = packed  # once: a packed weight is uint8
+        """The weight as the matmul kernel takes it, repacked at the first call after loading
+        where the kernel has a layout of its own: an int8 one for the integer dot products
+        (:func:`~services.modeling.quant.pack_int8`), a bfloat16 one for the AVX512-BF16 kernel
+        (:func:`~services.modeling.kernels.pack_dense`). In place: the parameter then holds the
+        packed tensor (another shape, so that nothing reads it as [N, K] unawares), one copy; a
+        tied embedding reads its rows from it."""
+        w = self.weight.data
+        if w.dtype == torch.int8:
+            packed = pack_int8(w)
+        elif self.quant is None and w.dim() == 2 and self._packable():
+            packed = pack_dense(w)
+        else:
+            return self.weight
+        if packed is not w:
+            self.weight.data = packed  # once
         return self.weight
+
+    def _packable(self) -> bool:
+        """Whether a dense weight may take the packed layout (a row-parallel layer's chunks may
+        forbid it)."""
+        return True
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -269,7 +283,7 @@ class RowParallelLinear(LinearBase):
         count = self.invariant_chunks // self.tp_degree  # this rank's chunks
         local = self.tp_degree == 1
         # the C++ kernel in one call, where it runs (at TP1 it sums the products too)
-        done = dense_linear_chunks(x, self.weight, count, sum=local) if self.quant is None else None
+        done = dense_linear_chunks(x, self.kernel_weight(), count, sum=local) if self.quant is None else None
         if done is not None and local:
             return done
         if done is None:  # chunk by chunk
@@ -288,6 +302,11 @@ class RowParallelLinear(LinearBase):
         if self.quant is None:
             return F.linear(part, self.weight[:, j * width:(j + 1) * width])
         return quant_linear(part, self.stage_weight()[j], self.weight_scale)
+
+    def _packable(self) -> bool:
+        """A packed dense weight is read in whole k-pairs: each layout-invariant chunk must hold
+        an even number of columns."""
+        return not self.invariant_chunks or (self.in_local // (self.invariant_chunks // self.tp_degree)) % 2 == 0
 
     def stage_weight(self) -> torch.Tensor:
         """The weight as the fused decoder-layer call takes it: the weight itself, or in the
@@ -323,9 +342,12 @@ class VocabParallelEmbedding(LinearBase):
         self._place(target, source[self.vocab_start:self.vocab_start + self.vocab_local], "embedding")
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            return F.embedding(ids, self.weight)
         flat = ids.reshape(-1)
+        if self.quant is None:
+            if self.weight.dim() == 2:
+                return F.embedding(ids, self.weight)
+            # packed by a tied lm_head's first matmul
+            return packed_block_rows(self.weight, flat, self.hidden_size).view(*ids.shape, self.hidden_size)
         if self.weight.dtype == torch.uint8:  # int8, packed by a tied lm_head's first matmul
             rows = packed_rows(self.weight, flat, self.hidden_size)
         else:  # gather the rows as bytes (index_select has no float8 kernel), then dequantize them
