@@ -19,12 +19,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from bench.common import machine, median_time, smollm2_dir, write_results
 from services.common.sampling import SamplingParams
-from services.modeling.kernels import TorchOps
+from services.modeling.kernels import TorchOps, dense_linear
 from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import FinishEvent, TokenEvent
 from services.worker.engine.kv_cache import CacheConfig
@@ -102,14 +101,15 @@ class HFReference:
 
 def floor_loop(model, batch: int, dtype: torch.dtype, context: int):
     """A bare loop over the decode step's matmuls (the kernel floor) at ``batch`` rows: the four
-    weight matmuls of every layer, the attention matmuls (q·kᵀ and p·v over ``context`` cached
+    weight matmuls of every layer (``dense_linear`` on each weight as its layer holds it, packed
+    or not), the attention matmuls (q·kᵀ and p·v over ``context`` cached
     tokens per row, grouped-query shapes, already contiguous: no gather, no softmax) and lm_head."""
     layers = list(model.model.layers.values())
     hidden = model.config.hidden_size
     x = torch.randn(batch, hidden, dtype=dtype)
     mid = torch.randn(batch, layers[0].mlp.down_proj.in_local, dtype=dtype)
     attn = torch.randn(batch, layers[0].self_attn.o_proj.in_local, dtype=dtype)
-    lm_head = model.lm_head.weight
+    lm_head = model.lm_head
     a = layers[0].self_attn
     kv, group, d = a.kv_heads, a.heads // a.kv_heads, a.head_dim
     q = torch.randn(batch, kv, group, d, dtype=dtype)
@@ -120,13 +120,13 @@ def floor_loop(model, batch: int, dtype: torch.dtype, context: int):
     @torch.inference_mode()
     def loop() -> None:
         for layer in layers:
-            F.linear(x, layer.self_attn.qkv_proj.weight)
+            dense_linear(x, layer.self_attn.qkv_proj.kernel_weight())
             torch.matmul(q, keys_t)
             torch.matmul(probs, values)
-            F.linear(attn, layer.self_attn.o_proj.weight)
-            F.linear(x, layer.mlp.gate_up_proj.weight)
-            F.linear(mid, layer.mlp.down_proj.weight)
-        F.linear(x, lm_head)
+            dense_linear(attn, layer.self_attn.o_proj.kernel_weight())
+            dense_linear(x, layer.mlp.gate_up_proj.kernel_weight())
+            dense_linear(mid, layer.mlp.down_proj.kernel_weight())
+        dense_linear(x, lm_head.kernel_weight())
 
     return loop
 
@@ -172,7 +172,7 @@ def read_bandwidth(dtype: torch.dtype, nbytes: int = 512 << 20) -> float:
 def weight_bytes(model) -> int:
     seen, total = set(), 0
     for name, p in model.named_parameters():
-        if p.dim() == 2 and id(p) not in seen and "embed_tokens" not in name:
+        if p.dim() >= 2 and id(p) not in seen and "embed_tokens" not in name:  # a packed weight is 4-D
             seen.add(id(p))
             total += p.numel() * p.element_size()
     if model.lm_head is not None and id(model.lm_head.weight) not in seen:
