@@ -328,8 +328,8 @@ def test_fixed_chunks_sum_to_the_same_bits_at_every_tensor_parallel_degree(gemm,
 def test_the_avx2_build_passes_the_matmul_and_attention_tests():
     """What an AVX2-only machine runs (AMD EPYC before Zen 4, Intel before Cooper Lake): the kernels
     written per instruction set built here with -march=x86-64-v3 and put through this file's
-    dense_linear and attention tests and the quantized matmuls' (test_quant.py, test_w8a8.py) in a
-    subprocess."""
+    dense_linear and attention tests, the packed weights' (test_gemm_packed.py) and the quantized
+    matmuls' (test_quant.py, test_w8a8.py) in a subprocess."""
     with open("/proc/cpuinfo") as f:
         flags = f.read()
     if cpu_arch() != "native" or " avx2" not in flags or " fma" not in flags:
@@ -357,7 +357,8 @@ def test_the_avx2_build_passes_the_matmul_and_attention_tests():
                                                 "test_decode_rows_sharing_cached_blocks_keep_their_own_bits")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-p", "tests.modeling.vector_build", *tests,
-                          *(str(Path(__file__).with_name(name)) for name in ("test_quant.py", "test_w8a8.py"))],
+                          *(str(Path(__file__).with_name(name))
+                            for name in ("test_gemm_packed.py", "test_quant.py", "test_w8a8.py"))],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     # skipped there: test_quant's and test_w8a8's checks of which path is built for this CPU
     assert run.returncode == 0 and " passed, 2 skipped" in run.stdout, run.stdout[-3000:]

@@ -280,10 +280,10 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """bfloat16 weight [N, K] as :func:`dense_linear` takes it best here: packed for the AVX512-BF16
-    kernel (``[N/16, K/2, 16, 2]``: 16 channels' k-pairs side by side, ``cpu_gemm_packed.h``) on a
-    machine with AVX512-BF16 and no AMX, N a multiple of 16 and K even; ``w`` itself otherwise
-    (AMX, AVX2, other dtypes and devices, kernels off). Either way the product's bits do not
+    """bfloat16 weight [N, K] as :func:`dense_linear` takes it best here: packed for the kernel
+    (``[N/16, K/2, 16, 2]``: 16 channels' k-pairs side by side, ``cpu_gemm_packed.h``) on a
+    machine without AMX (AVX512-BF16, or AVX2 + FMA), N a multiple of 16 and K even; ``w`` itself
+    otherwise (AMX tiles, other dtypes and devices, kernels off). Either way the product's bits do not
     depend on the batch."""
     module = _dense_module(w, w) if w.dim() == 2 else None
     return module.dense_pack(w) if module is not None else w

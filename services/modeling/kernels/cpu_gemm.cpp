@@ -19,7 +19,7 @@
 // runs instead (cpu_amx.cpp): batch-invariant in the same way, with other bits than this kernel's,
 // chosen by the machine and the weight's shape alone. At 16 rows it was 5-6x faster here.
 //
-// A weight packed by shardline::packed::pack (4-D: an AVX512-BF16 machine without AMX, see
+// A weight packed by shardline::packed::pack (4-D: a machine without AMX, see
 // LinearBase.kernel_weight) takes the packed kernel instead (cpu_gemm_packed.cpp), in this file's
 // two entry points alike.
 //

@@ -1,14 +1,21 @@
 // The dense bfloat16 matmul on the packed weight (layout and order of summation: cpu_gemm_packed.h).
 //
-// Tiles: 4 rows x 4 blocks (64 channels), 16 accumulators, 4 weight vectors and one broadcast
-// activation pair per k-pair: no horizontal sums, the weight vectors reused by 4 rows. A single
-// row (a decode step at batch 1) takes 8 blocks per tile, 8 weight streams in flight. Rows are
-// taken in blocks of kRowBlock and K in panels of kPanelPairs k-pairs: one panel of a tile's weights
-// (256 KB) stays in L2 while every row tile of the block passes over it, the block's activations stay
-// in L2 across the task's channels. On the 1B-class and SmolLM2 shapes with their lm_heads, 1 to
-// 1,024 rows (bench/gemm_packed.py, 2-core AMD EPYC with AVX512-BF16): 0.99-4.8x oneDNN through
-// torch, and 1.0-1.7x the [N, K] kernel from 4 rows up (0.87-1.15x at one row, where both stream
-// the weights from memory).
+// AVX512-BF16: tiles of 4 rows x 4 blocks (64 channels), 16 accumulators, 4 weight vectors and one
+// broadcast activation pair per k-pair: no horizontal sums, the weight vectors reused by 4 rows. A
+// single row (a decode step at batch 1) takes 8 blocks per tile, 8 weight streams in flight. On the
+// 1B-class and SmolLM2 shapes with their lm_heads, 1 to 1,024 rows (bench/gemm_packed.py, 2-core
+// AMD EPYC): 0.99-4.8x oneDNN through torch, and 1.0-1.7x the [N, K] kernel from 4 rows up
+// (0.87-1.15x at one row, where both stream the weights from memory).
+//
+// AVX2 + FMA (no AVX512-BF16): the same layout, each 16-channel block as two 8-lane float32 halves
+// (a k-pair's even and odd bfloat16 split off by a shift and a mask, as the [N, K] AVX2 kernel does),
+// tiles of 4 rows x 1 block, two fused multiply-adds per k-pair and output, k in order. Its own bits,
+// batch-invariant as above. The whole SmolLM2 / 1B-class weight sequence, cold, in the AVX2 build on
+// the same machine: 1.15x / 1.27x the [N, K] AVX2 kernel at one row, 1.27x / 1.25x at 16.
+//
+// Both: rows are taken in blocks of kRowBlock and K in panels of kPanelPairs k-pairs: one panel of a
+// tile's weights (256 KB) stays in L2 while every row tile of the block passes over it, the block's
+// activations stay in L2 across the task's channels.
 
 #include "cpu_gemm_packed.h"
 
@@ -23,6 +30,9 @@
 
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
 #define SHARDLINE_PACKED 1
+#elif defined(SHARDLINE_GEMM_AVX2)
+#define SHARDLINE_PACKED 1
+#define SHARDLINE_PACKED_AVX2 1
 #endif
 
 namespace shardline::packed {
@@ -31,8 +41,13 @@ namespace shardline::packed {
 namespace {
 
 constexpr int kRows = 4;          // rows per tile
+#ifdef SHARDLINE_PACKED_AVX2
+constexpr int kBlocks = 1;        // AVX2's 16 registers: 4 rows x 16 channels of sums
+constexpr int kRowBlocks = 4;
+#else
 constexpr int kBlocks = 4;        // 16-channel blocks per tile
 constexpr int kRowBlocks = 8;     // blocks per tile when the product has one row
+#endif
 // Rows per block and k-pairs per panel: of 64-512 rows x 256-1,024 pairs, 256 x 1,024 was within a
 // few percent of the best on every 1B-class and SmolLM2 shape from 16 to 1,024 rows (64 x 512 was
 // 0.8-0.9x at 256-1,024 rows of the 1B MLP)
@@ -57,6 +72,49 @@ struct Job {
 // zero (q0 == 0) or from `kept` (float32, rows ld apart), and go back to `kept` or, at the range's
 // last pair (`last`), to y rounded to bfloat16. `fetch`: also ask for the next NB blocks' weights,
 // a line for each one read.
+#ifdef SHARDLINE_PACKED_AVX2
+template <int MB, int NB>
+inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, bool last, float* kept, int64_t ld,
+                 bool fetch = false) {
+  // AVX2 + FMA: a block's 16 channels as two 8-lane halves; a k-pair's 32 bytes of a half hold its
+  // 8 channels' even k in the words' low halves and odd k in the high halves (even_bf16/odd_bf16)
+  __m256 acc[MB][2 * NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 2 * NB; ++j) acc[i][j] = q0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(kept + i * ld + j * 8);
+  const uint16_t* w = o.w + (b * o.kp + o.p0 + q0) * 32;
+  const int64_t stride = o.kp * 32;
+  const uint16_t* x = o.x + m * o.ldx + 2 * q0;
+  for (int64_t q = q0; q < q1; ++q, w += 32, x += 2) {
+    __m256 we[2 * NB], wo[2 * NB];
+    for (int j = 0; j < 2 * NB; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j / 2) * stride + (j % 2) * 16));
+      we[j] = even_bf16(v);
+      wo[j] = odd_bf16(v);
+    }
+    if (fetch)
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * stride), _MM_HINT_T0);
+    for (int i = 0; i < MB; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * o.ldx, 4);
+      const __m256i a = _mm256_set1_epi32(pair);
+      const __m256 xe = even_bf16(a), xo = odd_bf16(a);
+      for (int j = 0; j < 2 * NB; ++j) acc[i][j] = _mm256_fmadd_ps(xo, wo[j], _mm256_fmadd_ps(xe, we[j], acc[i][j]));
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 2 * NB; ++j) {
+      if (!last) {
+        _mm256_storeu_ps(kept + i * ld + j * 8, acc[i][j]);
+        continue;
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, acc[i][j]);
+      c10::BFloat16* out = o.y + (m + i) * o.ldy + b * 16 + j * 8;
+      for (int l = 0; l < 8; ++l) Elem<c10::BFloat16>::store(out + l, sums[l]);
+    }
+}
+
+#else
 template <int MB, int NB>
 inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, bool last, float* kept, int64_t ld,
                  bool fetch = false) {
@@ -86,6 +144,8 @@ inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, boo
         _mm512_storeu_ps(kept + i * ld + j * 16, acc[i][j]);
     }
 }
+
+#endif
 
 // rows [m0, m1) against blocks [b, b + NB): 4-row tiles, then the 1-3 rows left. The first tile
 // reads the weights' panel from memory, the others find it in cache. With `ahead`, one row tile
@@ -167,13 +227,14 @@ at::Tensor pack(const at::Tensor& w) {
   return out;
 }
 
-#else  // no AVX512-BF16: the [N, K] kernels alone
+#else  // neither AVX512-BF16 nor AVX2 + FMA: torch's linear on the [N, K] rows
 
 bool built() { return false; }
 
 void blocks(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t,
             int64_t, int64_t) {
-  TORCH_CHECK(false, "dense_linear: a packed weight, and this build has no packed kernel (no AVX512-BF16)");
+  TORCH_CHECK(false, "dense_linear: a packed weight, and this build has no packed kernel (neither AVX512-BF16 nor "
+                     "AVX2 + FMA)");
 }
 
 at::Tensor pack(const at::Tensor& w) { return w; }

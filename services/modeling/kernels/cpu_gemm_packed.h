@@ -1,13 +1,14 @@
 // The dense bfloat16 matmul on a repacked weight (cpu_gemm_packed.cpp): the layout dense_linear
-// takes on a machine with AVX512-BF16 and no AMX, made once when the model first multiplies by a
-// weight (LinearBase.kernel_weight), in place of the [N, K] rows.
+// takes on a machine without AMX (AVX512-BF16, or AVX2 + FMA), made once when the model first
+// multiplies by a weight (LinearBase.kernel_weight), in place of the [N, K] rows.
 //
 // Layout: [N / 16, K / 2, 16, 2] bfloat16, blocks of 16 output channels with each pair of
 // consecutive k side by side: one vdpbf16ps multiplies a broadcast pair of an activation row's
-// values by the 16 channels' pairs and adds into 16 float32 lanes, one lane per channel.
+// values by the 16 channels' pairs and adds into 16 float32 lanes, one lane per channel (on AVX2,
+// two 8-lane halves and two fused multiply-adds).
 //
 // Order of summation: each output's float32 sum is one chain over its k-pairs in order, each step
-// adding a pair's two products (the instruction's own order), whatever M is, however the rows and
+// adding a pair's two products (vdpbf16ps's own order; on AVX2 the even k's then the odd k's), whatever M is, however the rows and
 // channels are tiled or split across threads and however K is taken in panels (the sums go to
 // memory in float32 between panels and come back unchanged). So a row of a prefill batch gets the
 // bits it would get alone in a decode step, as with the [N, K] kernel (other bits than its own).
@@ -19,7 +20,7 @@
 
 namespace shardline::packed {
 
-// built with AVX512-BF16: the kernel below exists
+// built with AVX512-BF16 or AVX2 + FMA: the kernel below exists
 bool built();
 
 // w [N, K] bfloat16 -> the layout above, where dense_linear takes it here (built, no AMX at run

@@ -146,7 +146,7 @@ class LinearBase(TPLayer):
     def kernel_weight(self) -> torch.Tensor:
         """The weight as the matmul kernel takes it, repacked at the first call after loading
         where the kernel has a layout of its own: an int8 one for the integer dot products
-        (:func:`~services.modeling.quant.pack_int8`), a bfloat16 one for the AVX512-BF16 kernel
+        (:func:`~services.modeling.quant.pack_int8`), a bfloat16 one for the vector kernel
         (:func:`~services.modeling.kernels.pack_dense`). In place: the parameter then holds the
         packed tensor (another shape, so that nothing reads it as [N, K] unawares), one copy; a
         tied embedding reads its rows from it."""
