@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.common.sampling import SamplingParams
 from services.modeling.kernels import (
     cpu_kernels,
     dense_linear,
@@ -20,10 +19,10 @@ from services.modeling.kernels import (
 )
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.worker.engine.bootstrap import build_engine, start_rank
-from services.worker.engine.engine import TokenEvent
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.runtime import RankSpec
 from tests.modeling.test_kernels import close
+from tests.modeling.test_stage_kernel import served
 
 
 @pytest.fixture(scope="module")
@@ -113,26 +112,14 @@ def test_a_served_model_packs_its_weights_and_its_tied_table_still_embeds(packs,
     ids = torch.tensor([3, 77, 500, 3])
     table = model.model.embed_tokens(ids).clone()
 
-    def serve(prompts):
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-        handles = [engine.submit(p, params) for p in prompts]
-        engine.run_until_done()
-        out = []
-        for handle in handles:
-            events = []
-            while not handle.events.empty():
-                events.append(handle.events.get_nowait())
-            out.append([(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)])
-        return out
-
     try:
         prompt = [5, 9, 200, 31, 7]
-        first = serve([prompt])[0]
+        first = served(engine, [prompt], 6)[0]
         layer = next(iter(model.model.layers.values()))
         assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dim() == 4
         assert all(p.dim() == 4 for p in (layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight))
         assert torch.equal(model.model.embed_tokens(ids), table)
-        assert serve([prompt])[0] == first
-        assert serve([[8, 8, 8], prompt, list(range(40, 90))])[1] == first
+        assert served(engine, [prompt], 6)[0] == first
+        assert served(engine, [[8, 8, 8], prompt, list(range(40, 90))], 6)[1] == first
     finally:
         engine.shutdown()
