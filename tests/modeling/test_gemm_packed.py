@@ -1,7 +1,7 @@
 """The dense bfloat16 kernel on a packed weight (cpu_gemm_packed.cpp), where this machine packs
 (AVX512-BF16, no AMX): its products against float32, the same bits for a row in any batch, any
 thread count and through K's panels, the layout-invariant chunks, and the rows a tied embedding
-reads back from the packed table; and a served model that packs its own."""
+reads back from the packed table (a served model's: test_stage_kernel.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,7 @@ from services.modeling.kernels import (
     pack_dense,
     packed_block_rows,
 )
-from services.modeling.tiny import TinyModelSpec, write_tiny_model
-from services.worker.engine.bootstrap import build_engine, start_rank
-from services.worker.engine.kv_cache import CacheConfig
-from services.worker.runtime import RankSpec
 from tests.modeling.test_kernels import close
-from tests.modeling.test_stage_kernel import served
 
 
 @pytest.fixture(scope="module")
@@ -99,27 +94,3 @@ def test_packed_rows_read_back_the_weight(packs):
     ids = torch.tensor([0, 95, 17, 17, 40])
     assert torch.equal(packed_block_rows(pack_dense(w), ids, 70), w[ids])
 
-
-def test_a_served_model_packs_its_weights_and_its_tied_table_still_embeds(packs, tmp_path):
-    """A bfloat16 engine on a tiny model with a tied lm_head: after the first step every linear
-    weight and the shared table are packed, a lookup reads the same rows as before, and a prompt
-    served again (now alone, then in a batch) gets the same tokens and logprobs."""
-    write_tiny_model(TinyModelSpec(tie_embeddings=True), tmp_path)
-    spec = RankSpec(str(tmp_path), dtype="bfloat16", cache=CacheConfig(kv_cache_bytes=16 << 20))
-    runner, layout = start_rank(spec, 0)
-    engine = build_engine(spec, runner, layout)
-    model = runner.rt.model
-    ids = torch.tensor([3, 77, 500, 3])
-    table = model.model.embed_tokens(ids).clone()
-
-    try:
-        prompt = [5, 9, 200, 31, 7]
-        first = served(engine, [prompt], 6)[0]
-        layer = next(iter(model.model.layers.values()))
-        assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dim() == 4
-        assert all(p.dim() == 4 for p in (layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight))
-        assert torch.equal(model.model.embed_tokens(ids), table)
-        assert served(engine, [prompt], 6)[0] == first
-        assert served(engine, [[8, 8, 8], prompt, list(range(40, 90))], 6)[1] == first
-    finally:
-        engine.shutdown()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.modeling.kernels import cpu_kernels
+from services.modeling.kernels import cpu_kernels, pack_dense
+from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.worker.engine.bootstrap import build_engine, start_rank
 from services.worker.engine.engine import FinishEvent, TokenEvent
 from services.worker.engine.kv_cache import CacheConfig
@@ -54,3 +55,32 @@ def test_the_stage_kernel_serves_the_bits_of_the_python_loop(tiny_model_dir, dty
         engine.shutdown()
     assert all(len(tokens) == 12 for tokens in fused)
     assert fused == loop
+
+
+def test_a_served_model_packs_its_weights_and_its_tied_table_still_embeds(tmp_path):
+    """A bfloat16 engine on a tiny model with a tied lm_head, where weights pack (the kernel:
+    test_gemm_packed.py): after the first step every linear weight and the shared table are
+    packed, a lookup reads the same rows as before, and a prompt served again (now alone, then in
+    a batch) gets the same tokens and logprobs."""
+    probe = torch.ones(16, 2, dtype=torch.bfloat16)
+    if pack_dense(probe) is probe:
+        pytest.skip("this machine keeps dense weights as [N, K] (AMX tiles)")
+    write_tiny_model(TinyModelSpec(tie_embeddings=True), tmp_path)
+    spec = RankSpec(str(tmp_path), dtype="bfloat16", cache=CacheConfig(kv_cache_bytes=16 << 20))
+    runner, layout = start_rank(spec, 0)
+    engine = build_engine(spec, runner, layout)
+    model = runner.rt.model
+    ids = torch.tensor([3, 77, 500, 3])
+    table = model.model.embed_tokens(ids).clone()
+
+    try:
+        prompt = [5, 9, 200, 31, 7]
+        first = served(engine, [prompt], 6)[0]
+        layer = next(iter(model.model.layers.values()))
+        assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dim() == 4
+        assert all(p.dim() == 4 for p in (layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight))
+        assert torch.equal(model.model.embed_tokens(ids), table)
+        assert served(engine, [prompt], 6)[0] == first
+        assert served(engine, [[8, 8, 8], prompt, list(range(40, 90))], 6)[1] == first
+    finally:
+        engine.shutdown()
