@@ -1,7 +1,7 @@
 """Engine benchmark: our engine vs HF transformers on the same weights, the bare-matmul floor and
 the memory roofline, plus TP/PP step times with the share spent in collectives.
 
-    python -m bench.engine [--quick] [--dtypes bfloat16,float32]   (also: shardline bench engine)
+    python -m bench.engine [--quick] [--dtypes bfloat16,float32] [--name NAME]   (also: shardline bench engine)
 
 Writes bench/results/engine.json (top-level ratios for bfloat16: tpot_vs_hf_bs1,
 throughput_vs_hf_sequential, throughput_vs_hf_batched, step_vs_floor) and engine.md.
@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M from the wheel)")
     parser.add_argument("--no-layouts", action="store_true", help="skip the TP/PP comparison")
+    parser.add_argument("--name", default=None,
+                        help="results: bench/results/NAME.{json,md} (default engine, or engine-quick with "
+                             "--quick; name another machine's run apart)")
     args = parser.parse_args(argv)
 
     model_dir = args.model or smollm2_dir()
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         payload[key] = main_dtype[key]
     if not args.quick and not args.no_layouts:
         payload["layouts"] = bench_layouts(model_dir, tokenizer, "bfloat16")
-    name = "engine-quick" if args.quick else "engine"
+    name = args.name or ("engine-quick" if args.quick else "engine")
     json_path, md_path = write_results(name, payload, markdown(payload))
     print(markdown(payload))
     print(f"wrote {json_path} and {md_path}")

@@ -1,6 +1,7 @@
 """Quantized weights against the bfloat16 plan: memory, decode speed, quality, replica density.
 
-    python -m bench.quant [--quick] [--rounds 3] [--chunks 32] [--engine-only]   (also: shardline bench quant)
+    python -m bench.quant [--quick] [--rounds 3] [--chunks 32] [--engine-only] [--name NAME]
+    (also: shardline bench quant)
 
 SmolLM2-135M, TP1, one run: for bfloat16, int8 and fp8 (activations bfloat16) the weight bytes a
 rank holds (from its loaded tensors, scales included), TPOT at batch 1 and tokens/s at 16
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=32, help="golden-set chunks of 512 tokens (default 32)")
     parser.add_argument("--engine-only", action="store_true",
                         help="bytes and speed only, no golden set: writes bench/results/quant-engine.*")
+    parser.add_argument("--name", default=None,
+                        help="results: bench/results/NAME.{json,md} (default quant, or quant-engine with "
+                             "--engine-only; name another machine's run apart)")
     args = parser.parse_args(argv)
     model_dir = smollm2_dir()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"machine": machine(), "command": "python -m bench.quant " + " ".join(argv or sys.argv[1:]),
                    "engine": bench_engines(model_dir, tokenizer, rounds=rounds, max_tokens=32, streams=16)}
         text = engine_markdown(payload)
-        json_path, md_path = write_results("quant-engine", payload, text)
+        json_path, md_path = write_results(args.name or "quant-engine", payload, text)
         print(text)
         print(f"wrote {json_path} and {md_path}")
         return 0
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         payload[f"tpot_{dtype}_vs_bf16"] = payload["engine"][dtype]["tpot_vs_bf16"]
         payload[f"tok_s_{dtype}_vs_bf16"] = payload["engine"][dtype]["tok_s_vs_bf16"]
         payload[f"ppl_delta_{dtype}_vs_bf16_pct"] = payload["quality"][dtype]["ppl_delta_vs_bf16_pct"]
-    json_path, md_path = write_results("quant", payload, markdown(payload))
+    json_path, md_path = write_results(args.name or "quant", payload, markdown(payload))
     print(markdown(payload))
     print(f"wrote {json_path} and {md_path}")
     return 0
