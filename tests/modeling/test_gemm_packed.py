@@ -24,7 +24,8 @@ from tests.modeling.test_kernels import close
 def packs():
     w = torch.ones(16, 2, dtype=torch.bfloat16)
     if cpu_kernels() is None or pack_dense(w) is w:
-        pytest.skip("this machine keeps dense weights as [N, K] (no AVX512-BF16, or AMX tiles)")
+        pytest.skip("this machine keeps dense weights as [N, K]: it has AMX tiles, or neither AVX512-BF16 nor "
+                    "AVX2 + FMA, or no C++ toolchain")
 
 
 def _operands(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,7 +64,8 @@ def test_a_served_model_packs_its_weights_and_its_tied_table_still_embeds(tmp_pa
     a batch) gets the same tokens and logprobs."""
     probe = torch.ones(16, 2, dtype=torch.bfloat16)
     if pack_dense(probe) is probe:
-        pytest.skip("this machine keeps dense weights as [N, K] (AMX tiles)")
+        pytest.skip("this machine keeps dense weights as [N, K]: it has AMX tiles, or neither AVX512-BF16 nor "
+                    "AVX2 + FMA")
     write_tiny_model(TinyModelSpec(tie_embeddings=True), tmp_path)
     spec = RankSpec(str(tmp_path), dtype="bfloat16", cache=CacheConfig(kv_cache_bytes=16 << 20))
     runner, layout = start_rank(spec, 0)

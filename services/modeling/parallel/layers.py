@@ -104,6 +104,7 @@ class LinearBase(TPLayer):
     def _weights(self, out_local: int, in_local: int, *, dtype: torch.dtype, device: torch.device | str | None,
                  quant: QuantScheme | None) -> None:
         self.quant = quant
+        self._repacked = False  # kernel_weight has given the weight the kernel's layout (or kept it)
         self.weight = self._param(out_local, in_local, dtype=quant.weight_dtype if quant else dtype, device=device)
         self.weight_scale = self._param(out_local, dtype=quant.scale_dtype, device=device) if quant else None
 
@@ -149,16 +150,20 @@ class LinearBase(TPLayer):
         (:func:`~services.modeling.quant.pack_int8`), a bfloat16 one for the vector kernel
         (:func:`~services.modeling.kernels.pack_dense`). In place: the parameter then holds the
         packed tensor (another shape, so that nothing reads it as [N, K] unawares), one copy; a
-        tied embedding reads its rows from it."""
+        tied embedding reads its rows from it. Decided once: every later call (each matmul of a
+        decode step) only returns the weight."""
+        if self._repacked:
+            return self.weight
+        self._repacked = True
         w = self.weight.data
         if w.dtype == torch.int8:
             packed = pack_int8(w)
-        elif self.quant is None and w.dim() == 2 and self._packable():
+        elif self.quant is None and self._packable():
             packed = pack_dense(w)
         else:
             return self.weight
         if packed is not w:
-            self.weight.data = packed  # once
+            self.weight.data = packed
         return self.weight
 
     def _packable(self) -> bool:
