@@ -169,6 +169,24 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return out if x.dim() == 2 else out.view(*x.shape[:-1], scale.shape[0])
 
 
+def quant_linear_chunks(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunks: int, *,
+                        sum: bool) -> torch.Tensor | None:
+    """The layout-invariant numerics' row-parallel product of a quantized weight in one C++ call
+    (``quant_linear_chunks``): ``x``'s K in ``chunks`` fixed chunks, ``q`` as
+    ``RowParallelLinear.stage_weight`` holds it (int8 packed whole by :func:`pack_int8`, or each
+    chunk's weight ``[chunks, N, W]``, int8 packed per chunk or fp8), each chunk's product the bits
+    of :func:`quant_linear` on that chunk alone; summed in float32 in chunk order to ``x``'s shape
+    with ``sum``, else ``[chunks, ..., N]``. None where the kernels do not run (the caller takes
+    the chunks one by one)."""
+    module = kernels_for(x)
+    if module is None:
+        return None
+    k = x.shape[-1]
+    out = module.quant_linear_chunks(x.reshape(-1, k), q, scale, chunks, sum)
+    n = scale.shape[0]
+    return out.view(*x.shape[:-1], n) if sum else out.view(chunks, *x.shape[:-1], n)
+
+
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 weight [N, K] as :func:`quant_linear` takes it best on its device: the C++ W8A8
     kernel's layout (uint8 ``[⌈N/16⌉, ⌈K/32⌉·8, 16, 4]``: 16 channels' 4 consecutive bytes side by

@@ -69,7 +69,11 @@ def test_a_row_has_the_same_bits_in_any_batch(packs, threads, n, k):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("rows,n,k,chunks", [(1, 576, 1536, 4), (7, 64, 768, 8), (70, 48, 2048 * 2, 2)])
+# the sum is made in the kernel as each chunk ends: one row (a chunk per tile call), 1-3 rows left
+# after 4-row tiles, two 256-row blocks, chunks longer than a 1,024-pair panel, 32 chunks of 32 pairs
+@pytest.mark.parametrize("rows,n,k,chunks", [(1, 576, 1536, 4), (7, 64, 768, 8), (70, 48, 2048 * 2, 2),
+                                             (1, 2048, 2048, 32), (3, 576, 1152, 6), (300, 80, 4400, 2),
+                                             (6, 1024, 2048, 32)])
 def test_packed_chunks_are_each_chunk_alone_at_every_tensor_parallel_degree(packs, rows, n, k, chunks):
     """Chunk j of the packed [N, K] weight gives the bits of chunk j's own columns packed alone,
     as a TP rank holding only them does; the sum is the chunks' float32 sum in order."""

@@ -132,6 +132,33 @@ def test_kernel_matches_the_float_product(kernels, scheme, dtype, rows, shape):
     check(quant_linear_torch(x, q, scale), x, q, scale)
 
 
+# (rows, N, chunk width, chunks): one row, a few (float32 path), 8 (fp8's bfloat16 block path), a
+# width of whole 16s only, N not a multiple of 4 (the portable tail)
+CHUNKED = [(1, 96, 192, 3), (3, 40, 48, 2), (8, 64, 256, 4), (17, 22, 96, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CHUNKED, ids=str)
+def test_chunks_in_one_call_are_each_chunk_alone_and_their_float32_sum(kernels, dtype, case):
+    """The layout-invariant numerics' row-parallel product of a quantized weight, as the layer holds
+    it (fp8 [C, N, W], int8 packed per chunk): each chunk's product the bits of quant_linear on that
+    chunk alone, the sum their float32 sum in chunk order."""
+    rows, n, width, chunks = case
+    x = torch.randn(rows, width * chunks, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    for scheme in (FP8, INT8):
+        q, scale = quantize(weights(n, width * chunks, seed=chunks), scheme)
+        pieces = q.view(n, chunks, width).transpose(0, 1).contiguous()
+        held = pieces if scheme is FP8 else torch.stack([quant.pack_int8(p) for p in pieces])
+        alone = [kernels.quant_linear(x[:, j * width:(j + 1) * width].contiguous(), pieces[j], scale)
+                 for j in range(chunks)]
+        parts = kernels.quant_linear_chunks(x, held, scale, chunks, False)
+        assert all(torch.equal(parts[j], alone[j]) for j in range(chunks)), scheme.name
+        total = alone[0].float().clone()
+        for part in alone[1:]:
+            total += part
+        assert torch.equal(kernels.quant_linear_chunks(x, held, scale, chunks, True), total.to(dtype)), scheme.name
+
+
 def test_kernel_is_vectorised_on_this_machine(kernels):
     # -march=native: the AVX-512 path is compiled in wherever the CPU has it
     if cpu_arch() != "native":

@@ -76,6 +76,34 @@ def test_a_row_has_the_same_bits_in_any_batch(kernels):
         assert torch.equal(kernels.w8a8_linear(x[rows], packed, scale), whole[rows]), rows
 
 
+# (M, N, K, chunks): one row (8-block tiles), rows left after 4-row tiles, N tails, 2-8 chunks
+CHUNKED = [(1, 576, 576, 3), (1, 160, 1024, 8), (6, 40, 384, 2), (7, 96, 1536, 3), (70, 48, 512, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", CHUNKED, ids=str)
+def test_chunks_are_each_chunk_alone_and_their_float32_sum(kernels, dtype, shape):
+    """The layout-invariant numerics' row-parallel product in one call: each fixed k-chunk's
+    product has the bits of that chunk's columns packed and multiplied alone (what a TP rank
+    holding only them computes), and the sum is their float32 sum in chunk order."""
+    m, n, k, chunks = shape
+    x, q, scale = case(m, n, k, dtype, seed=k + chunks)
+    packed, width = kernels.w8a8_pack(q), k // chunks
+    alone = [kernels.w8a8_linear(x[:, j * width:(j + 1) * width].contiguous(),
+                                 kernels.w8a8_pack(q[:, j * width:(j + 1) * width].contiguous()), scale)
+             for j in range(chunks)]
+    for vectorized in (True, False):
+        parts = kernels.w8a8_linear_chunks(x, packed, scale, chunks, False, vectorized=vectorized)
+        assert parts.shape == (chunks, m, n) and all(torch.equal(parts[j], alone[j]) for j in range(chunks))
+        total = alone[0].float().clone()  # float32: .float() alone would be alone[0] itself
+        for part in alone[1:]:
+            total += part
+        summed = kernels.w8a8_linear_chunks(x, packed, scale, chunks, True, vectorized=vectorized)
+        assert torch.equal(summed, total.to(dtype)), vectorized
+    with pytest.raises(RuntimeError, match="chunks of whole groups"):
+        kernels.w8a8_linear_chunks(x[:, :k - 32], kernels.w8a8_pack(q[:, :k - 32]), scale, chunks * 2 + 1, True)
+
+
 def test_quant_linear_takes_int8_packed_or_not(kernels):
     x, q, scale = case(6, 64, 100, torch.bfloat16)
     packed = pack_int8(q)  # K padded to 128

@@ -16,10 +16,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // would cost more than they take.
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("quant_linear", &quant_linear, nogil());
+  m.def("quant_linear_chunks", &quant_linear_chunks, nogil());
   m.def("quant_linear_vectorized", &quant_linear_vectorized);
   m.def("w8a8_pack", &w8a8_pack, nogil());
   m.def("w8a8_linear", &w8a8_linear, py::arg("x"), py::arg("packed"), py::arg("wscale"),
         py::arg("vectorized") = true, nogil());
+  m.def("w8a8_linear_chunks", &w8a8_linear_chunks, py::arg("x"), py::arg("packed"), py::arg("wscale"),
+        py::arg("chunks"), py::arg("sum"), py::arg("vectorized") = true, nogil());
   m.def("w8a8_path", &w8a8_path);
   m.def("dense_linear", &dense_linear, nogil());
   m.def("dense_linear_chunks", &dense_linear_chunks, nogil());

@@ -224,33 +224,12 @@ void amx_end() {
 #endif
 }
 
-// y[m, n] for n in [n0, n1) = the parts' [C, M, N] products at (m, n) added in float32 in order 0,
-// 1, ..., C - 1 (bfloat16 widens exactly), rounded to bfloat16 once
-void sum_parts(const c10::BFloat16* parts, int64_t C, int64_t M, int64_t N, c10::BFloat16* y, int64_t n0,
-               int64_t n1) {
-  using E = shardline::Elem<c10::BFloat16>;
-  std::vector<float> acc(static_cast<size_t>(n1 - n0));
-  float* a = acc.data();
-  for (int64_t m = 0; m < M; ++m) {
-    const c10::BFloat16* row = parts + m * N + n0;
-    SHARDLINE_SIMD
-    for (int64_t n = 0; n < n1 - n0; ++n) a[n] = E::load(row + n);
-    for (int64_t c = 1; c < C; ++c) {
-      const c10::BFloat16* part = row + c * M * N;
-      SHARDLINE_SIMD
-      for (int64_t n = 0; n < n1 - n0; ++n) a[n] += E::load(part + n);
-    }
-    c10::BFloat16* out = y + m * N + n0;
-    SHARDLINE_SIMD
-    for (int64_t n = 0; n < n1 - n0; ++n) E::store(out + n, a[n]);
-  }
-}
-
 // The products of x's chunks of K / C columns with w's, into parts [C, M, N] (chunk j: x's and
 // w's columns [j*W, (j+1)*W)), each with the bits dense_linear gives it alone; with y, also their
 // sum (sum_parts), each task summing its own channels while they are in cache. One parallel
 // pass over the channels: a task takes each chunk of its weight rows in turn. packed_w: wp is a
-// packed weight's data.
+// packed weight's data; its sum (y) is made in the kernel, chunk after chunk of each tile, and
+// parts is not written.
 void chunk_products(const at::Tensor& xc, const uint16_t* wp, bool packed_w, int64_t C, c10::BFloat16* parts,
                     int64_t N, c10::BFloat16* y) {
   const int64_t M = xc.size(0), K = xc.size(1), width = K / C;
@@ -260,10 +239,13 @@ void chunk_products(const at::Tensor& xc, const uint16_t* wp, bool packed_w, int
   };
   if (packed_w) {  // chunk j: the packed weight's k-pairs [j * width / 2, (j + 1) * width / 2)
     at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+      if (y != nullptr) {  // the sum in the kernel, chunk by chunk: no product written out
+        shardline::packed::blocks(xp, K, M, wp, K / 2, 0, K / 2, y, N, b0, b1, width / 2);
+        return;
+      }
       for (int64_t j = 0; j < C; ++j)
-        shardline::packed::blocks(xp + j * width, K, M, wp, width * C / 2, j * width / 2, width / 2, parts + j * M * N,
-                                  N, b0, b1);
-      if (y != nullptr) sum_parts(parts, C, M, N, y, b0 * 16, b1 * 16);
+        shardline::packed::blocks(xp + j * width, K, M, wp, K / 2, j * width / 2, width / 2, parts + j * M * N, N,
+                                  b0, b1);
     });
     return;
   }
@@ -275,7 +257,7 @@ void chunk_products(const at::Tensor& xc, const uint16_t* wp, bool packed_w, int
       for (int64_t j = 0; j < C; ++j)
         amx_channels(chunk(j), static_cast<const uint16_t*>(packed[j].data_ptr()), b0, b1);
       amx_end();
-      if (y != nullptr) sum_parts(parts, C, M, N, y, b0 * 16, b1 * 16);
+      if (y != nullptr) shardline::sum_parts(parts, C, M, N, y, b0 * 16, b1 * 16);
     });
     return;
   }
@@ -283,7 +265,7 @@ void chunk_products(const at::Tensor& xc, const uint16_t* wp, bool packed_w, int
   at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * kGroup, n1 = std::min(N, g1 * kGroup);
     for (int64_t j = 0; j < C; ++j) channels(chunk(j), n0, n1);
-    if (y != nullptr) sum_parts(parts, C, M, N, y, n0, n1);
+    if (y != nullptr) shardline::sum_parts(parts, C, M, N, y, n0, n1);
   });
 }
 #endif  // SHARDLINE_GEMM
@@ -359,16 +341,18 @@ at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool 
               "dense_linear_chunks: x [M, K] and w [N, K] (or packed, then with even chunks) with K a multiple of ",
               chunks, ", got ", x.sizes(), " and ", w.sizes());
   const int64_t M = x.size(0), N = shardline::packed::channels(w), width = K / chunks;
-  at::Tensor parts = at::empty({chunks, M, N}, x.options());
 #ifdef SHARDLINE_GEMM
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && K > 0) {
     at::Tensor y = sum ? at::empty({M, N}, x.options()) : at::Tensor();
+    // a packed weight's sum needs no products: the kernel adds each chunk's as it ends
+    at::Tensor parts = at::empty(sum && packed_w ? at::IntArrayRef{0} : at::IntArrayRef{chunks, M, N}, x.options());
     if (M > 0 && N > 0)
       chunk_products(x.contiguous(), static_cast<const uint16_t*>(w.data_ptr()), packed_w, chunks,
                      parts.data_ptr<c10::BFloat16>(), N, sum ? y.data_ptr<c10::BFloat16>() : nullptr);
     return sum ? y : parts;
   }
 #endif
+  at::Tensor parts = at::empty({chunks, M, N}, x.options());
   TORCH_CHECK(!packed_w, "dense_linear_chunks: a packed weight takes bfloat16 x");
   for (int64_t j = 0; j < chunks; ++j)  // other dtypes, or no kernel here: torch's linear, chunk by chunk
     parts.select(0, j).copy_(at::linear(x.narrow(1, j * width, width), w.narrow(1, j * width, width)));

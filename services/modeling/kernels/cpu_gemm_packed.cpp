@@ -68,19 +68,28 @@ struct Job {
   int64_t ldy;
 };
 
-// rows [m, m + MB) x blocks [b, b + NB), k-pairs [q0, q1) of the call's range. The sums start at
-// zero (q0 == 0) or from `kept` (float32, rows ld apart), and go back to `kept` or, at the range's
-// last pair (`last`), to y rounded to bfloat16. `fetch`: also ask for the next NB blocks' weights,
-// a line for each one read.
+// Where a tile's sums start and where they go. A call's k-pairs are one chunk, or (the
+// layout-invariant sum, see blocks) several: each chunk's sums rounded to bfloat16 are that chunk's
+// product, and the products are added in float32 in chunk order into `total`.
+struct Span {
+  bool fresh;  // the tile's first pair starts a chunk: the sums start at zero (else from `kept`)
+  bool end;    // its last pair ends the chunk (else the sums go back to `kept`, float32)
+  bool first;  // the call's first chunk: `total` takes its product (else adds it)
+  bool last;   // the call's last chunk: the total goes to y rounded to bfloat16 (else back to `total`)
+};
+
+// rows [m, m + MB) x blocks [b, b + NB), k-pairs [q0, q1) of the call's range; `kept` and `total`
+// float32, rows ld apart (see Span). `fetch`: also ask for the next NB blocks' weights, a line for
+// each one read.
 #ifdef SHARDLINE_PACKED_AVX2
 template <int MB, int NB>
-inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, bool last, float* kept, int64_t ld,
-                 bool fetch = false) {
+inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
+                 int64_t ld, bool fetch = false) {
   // AVX2 + FMA: a block's 16 channels as two 8-lane halves; a k-pair's 32 bytes of a half hold its
   // 8 channels' even k in the words' low halves and odd k in the high halves (even_bf16/odd_bf16)
   __m256 acc[MB][2 * NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 2 * NB; ++j) acc[i][j] = q0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(kept + i * ld + j * 8);
+    for (int j = 0; j < 2 * NB; ++j) acc[i][j] = s.fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(kept + i * ld + j * 8);
   const uint16_t* w = o.w + (b * o.kp + o.p0 + q0) * 32;
   const int64_t stride = o.kp * 32;
   const uint16_t* x = o.x + m * o.ldx + 2 * q0;
@@ -101,26 +110,38 @@ inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, boo
       for (int j = 0; j < 2 * NB; ++j) acc[i][j] = _mm256_fmadd_ps(xo, wo[j], _mm256_fmadd_ps(xe, we[j], acc[i][j]));
     }
   }
+  using E = Elem<c10::BFloat16>;
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 2 * NB; ++j) {
-      if (!last) {
+      if (!s.end) {
         _mm256_storeu_ps(kept + i * ld + j * 8, acc[i][j]);
         continue;
       }
       alignas(32) float sums[8];
       _mm256_store_ps(sums, acc[i][j]);
       c10::BFloat16* out = o.y + (m + i) * o.ldy + b * 16 + j * 8;
-      for (int l = 0; l < 8; ++l) Elem<c10::BFloat16>::store(out + l, sums[l]);
+      if (s.first && s.last) {
+        for (int l = 0; l < 8; ++l) E::store(out + l, sums[l]);
+        continue;
+      }
+      float* t = total + i * ld + j * 8;
+      for (int l = 0; l < 8; ++l) {
+        const float v = s.first ? round_to<c10::BFloat16>(sums[l]) : t[l] + round_to<c10::BFloat16>(sums[l]);
+        if (s.last)
+          E::store(out + l, v);
+        else
+          t[l] = v;
+      }
     }
 }
 
 #else
 template <int MB, int NB>
-inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, bool last, float* kept, int64_t ld,
-                 bool fetch = false) {
+inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
+                 int64_t ld, bool fetch = false) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = q0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(kept + i * ld + j * 16);
+    for (int j = 0; j < NB; ++j) acc[i][j] = s.fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(kept + i * ld + j * 16);
   const uint16_t* w = o.w + (b * o.kp + o.p0 + q0) * 32;
   const int64_t stride = o.kp * 32;  // one block to the next
   const uint16_t* x = o.x + m * o.ldx + 2 * q0;
@@ -138,10 +159,19 @@ inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, boo
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) {
-      if (last)
-        store_bf16(reinterpret_cast<uint16_t*>(o.y + (m + i) * o.ldy + (b + j) * 16), acc[i][j]);
-      else
+      uint16_t* out = reinterpret_cast<uint16_t*>(o.y + (m + i) * o.ldy + (b + j) * 16);
+      if (!s.end) {
         _mm512_storeu_ps(kept + i * ld + j * 16, acc[i][j]);
+      } else if (s.first && s.last) {
+        store_bf16(out, acc[i][j]);
+      } else {  // a chunk's product, rounded to bfloat16, into the float32 total in chunk order
+        float* t = total + i * ld + j * 16;
+        const __m512 v = s.first ? round_bf16(acc[i][j]) : _mm512_add_ps(_mm512_loadu_ps(t), round_bf16(acc[i][j]));
+        if (s.last)
+          store_bf16(out, v);
+        else
+          _mm512_storeu_ps(t, v);
+      }
     }
 }
 
@@ -153,18 +183,19 @@ inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, boo
 // where a block's stream is short and the matrix comes from memory (SmolLM2's lm_head, K = 576:
 // 1.1-1.2x at 2-8 rows); elsewhere the hardware prefetcher alone was 1.1-1.6x faster at 2-16 rows.
 template <int NB>
-inline void column(const Job& o, int64_t m0, int64_t m1, int64_t b, int64_t q0, int64_t q1, bool last, float* kept,
-                   int64_t ld, bool ahead) {
+inline void column(const Job& o, int64_t m0, int64_t m1, int64_t b, int64_t q0, int64_t q1, Span s, float* kept,
+                   float* total, int64_t ld, bool ahead) {
   const int64_t fetcher = ahead ? (m1 - m0 > kRows ? m0 + kRows : m0) : -1;
   int64_t m = m0;
   for (; m + kRows <= m1; m += kRows)
-    tile<kRows, NB>(o, m, b, q0, q1, last, kept + (m - m0) * ld, ld, m == fetcher);
+    tile<kRows, NB>(o, m, b, q0, q1, s, kept + (m - m0) * ld, total + (m - m0) * ld, ld, m == fetcher);
   float* rest = kept + (m - m0) * ld;
+  float* rest_total = total + (m - m0) * ld;
   const bool fetch = m == fetcher;
   switch (m1 - m) {
-    case 3: tile<3, NB>(o, m, b, q0, q1, last, rest, ld, fetch); break;
-    case 2: tile<2, NB>(o, m, b, q0, q1, last, rest, ld, fetch); break;
-    case 1: tile<1, NB>(o, m, b, q0, q1, last, rest, ld, fetch); break;
+    case 3: tile<3, NB>(o, m, b, q0, q1, s, rest, rest_total, ld, fetch); break;
+    case 2: tile<2, NB>(o, m, b, q0, q1, s, rest, rest_total, ld, fetch); break;
+    case 1: tile<1, NB>(o, m, b, q0, q1, s, rest, rest_total, ld, fetch); break;
     default: break;
   }
 }
@@ -174,36 +205,48 @@ inline void column(const Job& o, int64_t m0, int64_t m1, int64_t b, int64_t q0, 
 bool built() { return true; }
 
 void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
-            c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1) {
+            c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs) {
   const Job o{x, ldx, w, kp, p0, y, ldy};
-  if (M == 1) {  // the whole of K in registers: 8 weight streams per tile, nothing to reuse
+  const int64_t chunk = chunk_pairs > 0 ? chunk_pairs : pairs;
+  TORCH_CHECK(pairs % chunk == 0, "packed blocks: ", pairs, " k-pairs in chunks of ", chunk);
+  // the sums between panels and the chunks' total, [rows, 16 * (b1 - b0)] float32 each
+  const int64_t ld = 16 * (b1 - b0), rows = std::min(M, kRowBlock);
+  thread_local std::vector<float> kept_sums, totals;
+  if (chunk < pairs) totals.resize(static_cast<size_t>(rows * ld));
+  float* total = totals.data();
+  if (M == 1) {  // a chunk in registers: 8 weight streams per tile, nothing to reuse
     int64_t b = b0;
-    for (; b + kRowBlocks <= b1; b += kRowBlocks) tile<1, kRowBlocks>(o, 0, b, 0, pairs, true, nullptr, 0);
-    for (; b < b1; ++b) tile<1, 1>(o, 0, b, 0, pairs, true, nullptr, 0);
+    for (; b + kRowBlocks <= b1; b += kRowBlocks)
+      for (int64_t c = 0; c < pairs; c += chunk)
+        tile<1, kRowBlocks>(o, 0, b, c, c + chunk, Span{true, true, c == 0, c + chunk == pairs}, nullptr,
+                            total + (b - b0) * 16, ld);
+    for (; b < b1; ++b)
+      for (int64_t c = 0; c < pairs; c += chunk)
+        tile<1, 1>(o, 0, b, c, c + chunk, Span{true, true, c == 0, c + chunk == pairs}, nullptr,
+                   total + (b - b0) * 16, ld);
     return;
   }
-  // the sums of a row block's tiles between panels: [rows, 16 * (b1 - b0)] float32
-  const int64_t ld = 16 * (b1 - b0);
-  thread_local std::vector<float> scratch;
-  if (pairs > kPanelPairs) scratch.resize(static_cast<size_t>(std::min(M, kRowBlock) * ld));
-  float* kept = scratch.data();
+  if (chunk > kPanelPairs) kept_sums.resize(static_cast<size_t>(rows * ld));
+  float* kept = kept_sums.data();
   const bool ahead = pairs <= kPanelPairs && (b1 - b0) * pairs * 64 > kFetchBytes;
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
-    for (int64_t q0 = 0; q0 < pairs; q0 += kPanelPairs) {
-      const int64_t q1 = std::min(pairs, q0 + kPanelPairs);
-      const bool last = q1 == pairs;
-      int64_t b = b0;
-      for (; b + kBlocks <= b1; b += kBlocks)
-        column<kBlocks>(o, m0, m1, b, q0, q1, last, kept + (b - b0) * 16, ld, ahead);
-      float* rest = kept + (b - b0) * 16;
-      switch (b1 - b) {
-        case 3: column<3>(o, m0, m1, b, q0, q1, last, rest, ld, ahead); break;
-        case 2: column<2>(o, m0, m1, b, q0, q1, last, rest, ld, ahead); break;
-        case 1: column<1>(o, m0, m1, b, q0, q1, last, rest, ld, ahead); break;
-        default: break;
+    for (int64_t c = 0; c < pairs; c += chunk)
+      for (int64_t q0 = c; q0 < c + chunk; q0 += kPanelPairs) {
+        const int64_t q1 = std::min(c + chunk, q0 + kPanelPairs);
+        const Span s{q0 == c, q1 == c + chunk, c == 0, c + chunk == pairs};
+        int64_t b = b0;
+        for (; b + kBlocks <= b1; b += kBlocks)
+          column<kBlocks>(o, m0, m1, b, q0, q1, s, kept + (b - b0) * 16, total + (b - b0) * 16, ld, ahead);
+        float* rest = kept + (b - b0) * 16;
+        float* rest_total = total + (b - b0) * 16;
+        switch (b1 - b) {
+          case 3: column<3>(o, m0, m1, b, q0, q1, s, rest, rest_total, ld, ahead); break;
+          case 2: column<2>(o, m0, m1, b, q0, q1, s, rest, rest_total, ld, ahead); break;
+          case 1: column<1>(o, m0, m1, b, q0, q1, s, rest, rest_total, ld, ahead); break;
+          default: break;
+        }
       }
-    }
   }
 }
 
@@ -232,7 +275,7 @@ at::Tensor pack(const at::Tensor& w) {
 bool built() { return false; }
 
 void blocks(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t,
-            int64_t, int64_t) {
+            int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "dense_linear: a packed weight, and this build has no packed kernel (neither AVX512-BF16 nor "
                      "AVX2 + FMA)");
 }

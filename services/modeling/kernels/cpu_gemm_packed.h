@@ -34,7 +34,11 @@ inline int64_t channels(const at::Tensor& w) { return is_packed(w) ? w.size(0) *
 // y [M, ldy >= 16 * b1] rows = x [M, 2 * pairs] (rows ldx apart) times the packed weight's k-pairs
 // [p0, p0 + pairs), for its 16-channel blocks [b0, b1), rounded to bfloat16. w: the packed
 // weight's data, kp its k-pairs per block (size(1)). Called inside a parallel task.
+// With chunk_pairs (dividing pairs): the layout-invariant sum of fixed k-chunks instead, each
+// chunk's product (its own chain, rounded to bfloat16) added in float32 in chunk order and the
+// total rounded to bfloat16: the bits of each chunk multiplied alone and summed so, with no
+// chunk's product written out.
 void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
-            c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1);
+            c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs = 0);
 
 }  // namespace shardline::packed

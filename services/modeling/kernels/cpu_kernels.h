@@ -19,6 +19,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
 std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits);
 void mask_tokens_(at::Tensor logits, at::Tensor masks);
 at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale);
+at::Tensor quant_linear_chunks(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t chunks, bool sum);
 bool quant_linear_vectorized();
 at::Tensor dense_linear(at::Tensor x, at::Tensor w);
 at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool sum);
@@ -27,6 +28,8 @@ bool dense_linear_vectorized();
 // cpu_w8a8.cpp
 at::Tensor w8a8_pack(at::Tensor q);
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor wscale, bool vectorized);
+at::Tensor w8a8_linear_chunks(at::Tensor x, at::Tensor packed, at::Tensor wscale, int64_t chunks, bool sum,
+                              bool vectorized);
 std::string w8a8_path();
 // cpu_layers.cpp
 std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const std::vector<at::Tensor>& weights,

@@ -13,8 +13,8 @@
 //
 // In the layout-invariant numerics (`chunks` > 0) the row-parallel products (o and down) are
 // summed over that many fixed k-chunks, as RowParallelLinear does at TP1: a dense weight through
-// dense_linear_chunks, a quantized one (then [chunks, N, W], each chunk's rows contiguous) chunk by
-// chunk through quant_linear, the products added in float32 in chunk order.
+// dense_linear_chunks, a quantized one through quant_linear_chunks (int8 packed whole, or a
+// [chunks, N, W] weight), the products added in float32 in chunk order.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/linear.h>
@@ -57,14 +57,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, at::Tensor residual, const 
   auto row_parallel = [chunks](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
     if (chunks == 0) return linear(x, w, scale);
     if (scale.numel() == 0) return dense_linear_chunks(x, w, chunks, true);
-    TORCH_CHECK(w.size(0) == chunks && (w.dim() == 3 || (w.dim() == 5 && w.scalar_type() == at::kByte)),
-                "decoder_layers: a quantized row-parallel weight in the layout-invariant numerics comes as [",
-                chunks, ", N, W] (or int8 packed per chunk), got ", w.sizes());
-    const int64_t width = x.size(1) / chunks;
-    std::vector<at::Tensor> parts;
-    for (int64_t j = 0; j < chunks; ++j)
-      parts.push_back(quant_linear(x.narrow(1, j * width, width).contiguous(), w.select(0, j), scale));
-    return sum_chunk_products(at::stack(parts));
+    return quant_linear_chunks(x, w, scale, chunks, true);
   };
   const int64_t n = h.size(0);
   bool first = !residual.defined() || residual.numel() == 0;

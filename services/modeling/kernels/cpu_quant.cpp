@@ -21,6 +21,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
@@ -308,56 +309,109 @@ void blocks_amx(const uint16_t* xp, const uint8_t* q, const float* scale, c10::B
 // to bfloat16 costs more than the faster dot product saves until a few rows share it.
 constexpr int64_t kBf16MinRows = 4;
 
+// One call's activations, made ready once for every task: packed for the AMX tiles where they run
+// (bfloat16, a few rows, a shape they take), else as float32 for the float32 and portable paths
 template <typename T>
-void run(const at::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N) {
+struct Activations {
+  at::Tensor x;         // [M, K], contiguous
+  at::Tensor amx;       // packed for the tiles, where the AMX path runs
+  at::Tensor f32;       // float32 copy (bfloat16 x), else undefined
+  const float* xf = nullptr;
+};
+
+template <typename T>
+Activations<T> prepare(const at::Tensor& x, int64_t M, int64_t K, int64_t N) {
+  Activations<T> a{x};
 #ifdef SHARDLINE_QUANT_BF16DOT
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (M >= kBf16MinRows && shardline::amx::ready() && shardline::amx::fits(K, N)) {
-      const at::Tensor packed = shardline::amx::pack(x);
-      const uint16_t* pp = static_cast<const uint16_t*>(packed.data_ptr());
-      at::parallel_for(0, N / kBlockRows, kRowsPerTask / kBlockRows, [&](int64_t b0, int64_t b1) {
-        blocks_amx(pp, qp, sp, yp, M, K, N, b0, b1);
-      });
+      a.amx = shardline::amx::pack(x);
+      return a;
+    }
+  }
+#endif
+  // a tensor (64-byte aligned, whole cache lines), not a std::vector: every thread reads it at
+  // every step, and with a malloc'd buffer 3072x576 ran 3x slower than at neighbouring shapes
+  // (measured; likely a line shared with memory another thread writes)
+  if constexpr (std::is_same_v<T, float>) {
+    a.xf = x.data_ptr<float>();
+  } else {
+    a.f32 = at::empty({M * K + 16}, x.options().dtype(at::kFloat));
+    float* dst = static_cast<float*>(a.f32.data_ptr());
+    const T* xs = x.data_ptr<T>();
+SHARDLINE_SIMD
+    for (int64_t i = 0; i < M * K; ++i) dst[i] = Elem<T>::load(xs + i);
+    a.xf = dst;
+  }
+  return a;
+}
+
+// y's channels [n0, n1) (multiples of kBlockRows on the AMX path), inside a parallel task
+template <typename T>
+void channels(const Activations<T>& a, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+#ifdef SHARDLINE_QUANT_BF16DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (a.amx.defined()) {
+      blocks_amx(static_cast<const uint16_t*>(a.amx.data_ptr()), qp, sp, yp, M, K, N, n0 / kBlockRows,
+                 n1 / kBlockRows);
       return;
     }
   }
 #endif
-  // activations as float32 for the float32 and portable paths (small: M x K). A tensor (64-byte
-  // aligned, whole cache lines), not a std::vector: every thread reads it at every step, and with
-  // a malloc'd buffer 3072x576 ran 3x slower than at neighbouring shapes (measured; likely a
-  // line shared with memory another thread writes)
-  at::Tensor xf_store;
-  const float* xf = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
-    xf = x.data_ptr<float>();
-  } else {
-    xf_store = at::empty({M * K + 16}, x.options().dtype(at::kFloat));
-    float* dst = xf_store.data_ptr<float>();
-    const T* xs = x.data_ptr<T>();
-SHARDLINE_SIMD
-    for (int64_t i = 0; i < M * K; ++i) dst[i] = Elem<T>::load(xs + i);
-    xf = dst;
-  }
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+  const float* xf = a.xf;
 #ifdef SHARDLINE_QUANT_AVX512
-    if (K % 16 == 0) {
-      const int64_t vec_end = n0 + (n1 - n0) / 4 * 4;
+  if (K % 16 == 0) {
+    const int64_t vec_end = n0 + (n1 - n0) / 4 * 4;
 #ifdef SHARDLINE_QUANT_BF16DOT
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (M >= kBf16MinRows && K % 32 == 0) {
-          const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
-          rows_bf16(xb, qp, sp, yp, M, K, N, n0, vec_end);
-          n0 = vec_end;
-        }
-      }
-#endif
-      if (n0 < vec_end) {
-        rows_f32(xf, qp, sp, yp, M, K, N, n0, vec_end);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (M >= kBf16MinRows && K % 32 == 0) {
+        const uint16_t* xb = static_cast<const uint16_t*>(a.x.data_ptr());
+        rows_bf16(xb, qp, sp, yp, M, K, N, n0, vec_end);
         n0 = vec_end;
       }
     }
 #endif
-    if (n0 < n1) rows_portable(xf, qp, sp, yp, M, K, N, n0, n1);
+    if (n0 < vec_end) {
+      rows_f32(xf, qp, sp, yp, M, K, N, n0, vec_end);
+      n0 = vec_end;
+    }
+  }
+#endif
+  if (n0 < n1) rows_portable(xf, qp, sp, yp, M, K, N, n0, n1);
+}
+
+// every task's channels: blocks of kBlockRows on the AMX path, else any range (kRowsPerTask a task)
+template <typename T, typename F>
+void each_task(const Activations<T>& a, int64_t N, const F& task) {
+#ifdef SHARDLINE_QUANT_BF16DOT
+  if (a.amx.defined()) {
+    at::parallel_for(0, N / kBlockRows, kRowsPerTask / kBlockRows,
+                     [&](int64_t b0, int64_t b1) { task(b0 * kBlockRows, b1 * kBlockRows); });
+    return;
+  }
+#endif
+  at::parallel_for(0, N, kRowsPerTask, task);
+}
+
+template <typename T>
+void run(const at::Tensor& x, const uint8_t* qp, const float* sp, T* yp, int64_t M, int64_t K, int64_t N) {
+  const Activations<T> a = prepare<T>(x, M, K, N);
+  each_task(a, N, [&](int64_t n0, int64_t n1) { channels(a, qp, sp, yp, M, K, N, n0, n1); });
+}
+
+// The layout-invariant numerics' fixed k-chunks of x times q [C, N, W] (chunk c's weights, each
+// contiguous): every chunk's product as quant_linear gives it for that chunk alone, into parts
+// [C, M, N]; with y, also their sum (sum_parts). One parallel pass: a task takes each chunk of its
+// channels in turn, then sums them while in cache.
+template <typename T>
+void run_chunks(const at::Tensor& x, const uint8_t* qp, const float* sp, T* parts, T* y, int64_t M, int64_t C,
+                int64_t W, int64_t N) {
+  std::vector<Activations<T>> chunks;
+  for (int64_t c = 0; c < C; ++c) chunks.push_back(prepare<T>(x.narrow(1, c * W, W).contiguous(), M, W, N));
+  each_task(chunks[0], N, [&](int64_t n0, int64_t n1) {
+    for (int64_t c = 0; c < C; ++c) channels(chunks[c], qp + c * N * W, sp, parts + c * M * N, M, W, N, n0, n1);
+    if (y != nullptr) shardline::sum_parts(parts, C, M, N, y, n0, n1);
   });
 }
 
@@ -385,6 +439,42 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor scale) {
   const float* sp = scale.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) run<float>(xc, qp, sp, y.data_ptr<float>(), M, K, N);
   else run<c10::BFloat16>(xc, qp, sp, y.data_ptr<c10::BFloat16>(), M, K, N);
+  return y;
+}
+
+// The layout-invariant numerics' row-parallel product of a quantized weight: x [M, C * W] times
+// the fixed k-chunks of a weight, in one call. q: fp8 [C, N, W] (each chunk's rows contiguous),
+// int8 packed whole by w8a8_pack (W a multiple of 32: w8a8_linear_chunks), or int8 packed per
+// chunk [C, ...]. Each chunk's product has the bits quant_linear gives that chunk alone; with sum,
+// their float32 sum in chunk order -> y [M, N], else [C, M, N].
+at::Tensor quant_linear_chunks(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t chunks, bool sum) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && x.dim() == 2 && chunks > 0 && x.size(1) % chunks == 0,
+              "quant_linear_chunks: a CPU x [M, K] with K a multiple of ", chunks, ", got ", x.sizes());
+  if (q.scalar_type() == at::kByte && q.dim() == 4) return w8a8_linear_chunks(x, q, scale, chunks, sum, true);
+  TORCH_CHECK(q.dim() >= 3 && q.size(0) == chunks && q.is_contiguous(),
+              "quant_linear_chunks: q as [", chunks, ", ...] (each chunk's weight), got ", q.sizes());
+  const int64_t M = x.size(0), W = x.size(1) / chunks, N = scale.size(0);
+  if (q.scalar_type() == at::kByte || x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16 ||
+      q.scalar_type() != at::kFloat8_e4m3fn) {  // int8 packed per chunk (or what quant_linear refuses)
+    std::vector<at::Tensor> parts;
+    for (int64_t c = 0; c < chunks; ++c) parts.push_back(quant_linear(x.narrow(1, c * W, W).contiguous(), q[c], scale));
+    const at::Tensor all = at::stack(parts);
+    return sum ? sum_chunk_products(all) : all;
+  }
+  TORCH_CHECK(q.dim() == 3 && q.size(1) == N && q.size(2) == W && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous(),
+              "quant_linear_chunks: fp8 q [", chunks, ", N, ", W, "] and a float32 scale [N], got ", q.sizes(), " and ",
+              scale.sizes());
+  at::Tensor parts = at::empty({chunks, M, N}, x.options());
+  at::Tensor y = sum ? at::empty({M, N}, x.options()) : parts;
+  if (M == 0) return y;
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat)
+    run_chunks<float>(x, qp, sp, parts.data_ptr<float>(), sum ? y.data_ptr<float>() : nullptr, M, chunks, W, N);
+  else
+    run_chunks<c10::BFloat16>(x, qp, sp, parts.data_ptr<c10::BFloat16>(),
+                              sum ? y.data_ptr<c10::BFloat16>() : nullptr, M, chunks, W, N);
   return y;
 }
 

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -54,6 +55,29 @@ template <> struct Elem<c10::BFloat16> {
   }
   static inline void store(c10::BFloat16* p, float v) { const uint16_t h = bits(v); std::memcpy(p, &h, 2); }
 };
+
+// y[m, n] for n in [n0, n1) = the parts' [C, M, N] products at (m, n) added in float32 in order 0,
+// 1, ..., C - 1 (bfloat16 widens exactly), rounded to T once: the layout-invariant numerics' sum of
+// a row-parallel layer's fixed k-chunks, each task summing its own channels while in cache
+template <typename T>
+inline void sum_parts(const T* parts, int64_t C, int64_t M, int64_t N, T* y, int64_t n0, int64_t n1) {
+  using E = Elem<T>;
+  std::vector<float> acc(static_cast<size_t>(n1 - n0));
+  float* a = acc.data();
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = parts + m * N + n0;
+    SHARDLINE_SIMD
+    for (int64_t n = 0; n < n1 - n0; ++n) a[n] = E::load(row + n);
+    for (int64_t c = 1; c < C; ++c) {
+      const T* part = row + c * M * N;
+      SHARDLINE_SIMD
+      for (int64_t n = 0; n < n1 - n0; ++n) a[n] += E::load(part + n);
+    }
+    T* out = y + m * N + n0;
+    SHARDLINE_SIMD
+    for (int64_t n = 0; n < n1 - n0; ++n) E::store(out + n, a[n]);
+  }
+}
 
 // v rounded to T and back: the value the reference holds after an op in dtype T
 template <typename T> inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }

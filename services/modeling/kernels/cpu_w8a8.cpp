@@ -19,6 +19,12 @@
 // the bytes back to signed and uses vpmaddubsw on |xq| and the weights with xq's signs (so no
 // pair of products overflows int16: 2 * 127 * 127 < 2^15). N is padded to 16 and K to 32 with
 // zero weights (byte 128); padded activations are zero.
+//
+// In chunks (w8a8_linear_chunks, the layout-invariant numerics' row-parallel sum): K cut into C
+// equal chunks of whole groups; each chunk's product is its own groups' sum times wscale, rounded
+// to the output dtype, as w8a8_linear gives for the chunk alone (the activations' groups are the
+// same ones); the products are written out, or added in float32 in chunk order as each chunk ends
+// and the total rounded to the output dtype.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +45,32 @@ constexpr int64_t kBlockCols = 16;  // output channels per packed block
 constexpr int64_t kGroupSteps = kGroup / 4;  // 4-byte k-steps per group
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// A call's k-chunks: gpc groups each (all G groups: one chunk). With parts, chunk c's product goes
+// to parts + c * M * N; without, the chunks' products are summed into y.
+template <typename T>
+struct Chunks {
+  int64_t gpc;
+  T* parts;
+  int64_t M;
+  bool ends(int64_t g, int64_t G) const { return gpc < G && (g + 1) % gpc == 0; }
+};
+
+// a chunk's product at its end (fa * wscale rounded to T) goes to its part, or into the total
+// (first chunk: taken; then added in float32); the last chunk's total goes to y rounded to T
+template <typename T>
+inline void chunk_end_lanes(const float* fa, const float* wscale, float* total, T* y, const Chunks<T>& c,
+                            int64_t chunk, bool last, int64_t m, int64_t N, int64_t n0, int64_t count) {
+  for (int64_t l = 0; l < count; ++l) {
+    const float v = shardline::round_to<T>(fa[l] * wscale[n0 + l]);
+    if (c.parts != nullptr) {
+      Elem<T>::store(c.parts + chunk * c.M * N + m * N + n0 + l, v);
+      continue;
+    }
+    total[l] = chunk == 0 ? v : total[l] + v;
+    if (last) Elem<T>::store(y + m * N + n0 + l, total[l]);
+  }
+}
 
 #ifdef SHARDLINE_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -154,12 +186,13 @@ inline void store_lanes(const float* fa, const float* wscale, T* y, int64_t n0, 
 // The portable path: the packed bytes read back as signed int8, the same sums in the same order.
 template <typename T>
 void blocks_portable(const int8_t* xq, const float* d, const uint8_t* w, const float* wscale, T* y, int64_t M,
-                     int64_t Kp, int64_t N, int64_t b0, int64_t b1) {
+                     int64_t Kp, int64_t N, int64_t b0, int64_t b1, const Chunks<T>& ch) {
   const int64_t G = Kp / kGroup;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = w + b * kBlockCols * Kp;
+    const int64_t n0 = b * kBlockCols, count = std::min(kBlockCols, N - n0);
     for (int64_t m = 0; m < M; ++m) {
-      float fa[kBlockCols] = {};
+      float fa[kBlockCols] = {}, total[kBlockCols];
       const int8_t* xm = xq + m * Kp;
       for (int64_t g = 0; g < G; ++g) {
         int32_t acc[kBlockCols] = {};
@@ -169,9 +202,12 @@ void blocks_portable(const int8_t* xq, const float* d, const uint8_t* w, const f
               acc[c] += static_cast<int32_t>(xm[s * 4 + j]) * (static_cast<int32_t>(wb[s * 64 + c * 4 + j]) - 128);
         const float dg = d[m * G + g];
         for (int64_t c = 0; c < kBlockCols; ++c) fa[c] = std::fma(static_cast<float>(acc[c]), dg, fa[c]);
+        if (ch.ends(g, G)) {
+          chunk_end_lanes(fa, wscale, total, y, ch, g / ch.gpc, g + 1 == G, m, N, n0, count);
+          std::fill(fa, fa + kBlockCols, 0.0f);
+        }
       }
-      const int64_t n0 = b * kBlockCols;
-      store_lanes(fa, wscale, y + m * N + n0, n0, std::min(kBlockCols, N - n0));
+      if (ch.gpc == G) store_lanes(fa, wscale, y + m * N + n0, n0, count);
     }
   }
 }
@@ -179,10 +215,12 @@ void blocks_portable(const int8_t* xq, const float* d, const uint8_t* w, const f
 #if defined(SHARDLINE_AVX512) && defined(__AVX512VNNI__)
 #define SHARDLINE_W8A8_VNNI 1
 
+inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+
+// y[0, count) = r rounded to T
 template <typename T>
-inline void store16(const __m512 v, const float* wscale, T* y, int64_t n0, int64_t count) {
-  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-  const __m512 r = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, wscale + n0));
+inline void store16_raw(const __m512 r, T* y, int64_t count) {
+  const __mmask16 mask = lanes(count);
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(r));
@@ -198,13 +236,36 @@ inline void store16(const __m512 v, const float* wscale, T* y, int64_t n0, int64
   }
 }
 
+template <typename T>
+inline void store16(const __m512 v, const float* wscale, T* y, int64_t n0, int64_t count) {
+  store16_raw(_mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes(count), wscale + n0)), y, count);
+}
+
+// a chunk's product on 16 lanes: v * wscale rounded to T, as float32 (lanes past count: 0)
+template <typename T>
+inline __m512 product16(const __m512 v, const float* wscale, int64_t n0, int64_t count) {
+  const __m512 r = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes(count), wscale + n0));
+  if constexpr (std::is_same_v<T, float>) {
+    return r;
+  } else {
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, c10::BFloat16>) return shardline::round_bf16(r);
+#endif
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, r);
+    for (int l = 0; l < 16; ++l) tmp[l] = shardline::round_to<T>(tmp[l]);
+    return _mm512_load_ps(tmp);
+  }
+}
+
 // rows [m0, m0 + MB) x blocks [b, b + NB): int32 group sums by vpdpbusd (weights unsigned, the
 // activations' 4 bytes broadcast), then the group's float32 fused multiply-add
 template <int MB, int NB, typename T>
 inline void tile_vnni(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale,
-                      T* y, int64_t Kp, int64_t N, int64_t m0, int64_t b) {
+                      T* y, int64_t Kp, int64_t N, int64_t m0, int64_t b, const Chunks<T>& ch) {
   const int64_t G = Kp / kGroup, stride = kBlockCols * Kp;
   const uint8_t* wb = w + b * stride;
+  __m512 total[MB][NB];  // the chunks' sum so far (in chunks only)
   __m512 fa[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) fa[i][j] = _mm512_setzero_ps();
@@ -231,7 +292,23 @@ inline void tile_vnni(const int8_t* xq, const float* d, const int32_t* bias, con
       const __m512 dg = _mm512_set1_ps(d[(m0 + i) * G + g]);
       for (int j = 0; j < NB; ++j) fa[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), dg, fa[i][j]);
     }
+    if (ch.ends(g, G)) {  // as chunk_end_lanes, on 16 lanes
+      const int64_t c = g / ch.gpc;
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j) {
+          const int64_t n0 = (b + j) * kBlockCols, count = std::min(kBlockCols, N - n0);
+          const __m512 v = product16<T>(fa[i][j], wscale, n0, count);
+          fa[i][j] = _mm512_setzero_ps();
+          if (ch.parts != nullptr) {
+            store16_raw(v, ch.parts + c * ch.M * N + (m0 + i) * N + n0, count);
+            continue;
+          }
+          total[i][j] = c == 0 ? v : _mm512_add_ps(total[i][j], v);
+          if (g + 1 == G) store16_raw(total[i][j], y + (m0 + i) * N + n0, count);
+        }
+    }
   }
+  if (ch.gpc < G) return;
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) {
       const int64_t n0 = (b + j) * kBlockCols;
@@ -246,26 +323,27 @@ constexpr int kTileBlocks = 3;
 
 template <int NB, typename T>
 inline void column_vnni(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale,
-                        T* y, int64_t M, int64_t Kp, int64_t N, int64_t b) {
+                        T* y, int64_t M, int64_t Kp, int64_t N, int64_t b, const Chunks<T>& ch) {
   int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) tile_vnni<kTileRows, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b);
+  for (; m + kTileRows <= M; m += kTileRows) tile_vnni<kTileRows, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch);
   switch (M - m) {
-    case 3: tile_vnni<3, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b); break;
-    case 2: tile_vnni<2, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b); break;
-    case 1: tile_vnni<1, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b); break;
+    case 3: tile_vnni<3, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch); break;
+    case 2: tile_vnni<2, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch); break;
+    case 1: tile_vnni<1, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch); break;
     default: break;
   }
 }
 
 template <typename T>
 void blocks_vnni(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale, T* y,
-                 int64_t M, int64_t Kp, int64_t N, int64_t b0, int64_t b1) {
+                 int64_t M, int64_t Kp, int64_t N, int64_t b0, int64_t b1, const Chunks<T>& ch) {
   int64_t b = b0;
   if (M == 1) {  // one row: 8 blocks per tile, 8 weight streams and 8 chains in flight
-    for (; b + 8 <= b1; b += 8) tile_vnni<1, 8>(xq, d, bias, w, wscale, y, Kp, N, 0, b);
+    for (; b + 8 <= b1; b += 8) tile_vnni<1, 8>(xq, d, bias, w, wscale, y, Kp, N, 0, b, ch);
   }
-  for (; b + kTileBlocks <= b1; b += kTileBlocks) column_vnni<kTileBlocks>(xq, d, bias, w, wscale, y, M, Kp, N, b);
-  for (; b < b1; ++b) column_vnni<1>(xq, d, bias, w, wscale, y, M, Kp, N, b);
+  for (; b + kTileBlocks <= b1; b += kTileBlocks)
+    column_vnni<kTileBlocks>(xq, d, bias, w, wscale, y, M, Kp, N, b, ch);
+  for (; b < b1; ++b) column_vnni<1>(xq, d, bias, w, wscale, y, M, Kp, N, b, ch);
 }
 #endif  // SHARDLINE_W8A8_VNNI
 
@@ -276,9 +354,10 @@ void blocks_vnni(const int8_t* xq, const float* d, const int32_t* bias, const ui
 // weights with xq's signs, pairs widened to int32 by vpmaddwd; the same group sums
 template <int MB, int NH, typename T>
 inline void tile_avx2(const int8_t* xq, const float* d, const uint8_t* w, const float* wscale, T* y, int64_t Kp,
-                      int64_t N, int64_t m0, int64_t h) {
+                      int64_t N, int64_t m0, int64_t h, const Chunks<T>& ch) {
   const int64_t G = Kp / kGroup, stride = kBlockCols * Kp;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  alignas(32) float total[MB][NH][8];  // the chunks' sum so far (in chunks only)
   __m256 fa[MB][NH];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NH; ++j) fa[i][j] = _mm256_setzero_ps();
@@ -310,7 +389,19 @@ inline void tile_avx2(const int8_t* xq, const float* d, const uint8_t* w, const 
       const __m256 dg = _mm256_set1_ps(d[(m0 + i) * G + g]);
       for (int j = 0; j < NH; ++j) fa[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), dg, fa[i][j]);
     }
+    if (ch.ends(g, G)) {
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NH; ++j) {
+          alignas(32) float sums[8];
+          _mm256_store_ps(sums, fa[i][j]);
+          const int64_t n0 = (h + j) * 8;
+          chunk_end_lanes(sums, wscale, total[i][j], y, ch, g / ch.gpc, g + 1 == G, m0 + i, N, n0,
+                          std::max<int64_t>(0, std::min<int64_t>(8, N - n0)));
+          fa[i][j] = _mm256_setzero_ps();
+        }
+    }
   }
+  if (ch.gpc < G) return;
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NH; ++j) {
       alignas(32) float tmp[8];
@@ -322,11 +413,11 @@ inline void tile_avx2(const int8_t* xq, const float* d, const uint8_t* w, const 
 
 template <typename T>
 void blocks_avx2(const int8_t* xq, const float* d, const uint8_t* w, const float* wscale, T* y, int64_t M,
-                 int64_t Kp, int64_t N, int64_t b0, int64_t b1) {
+                 int64_t Kp, int64_t N, int64_t b0, int64_t b1, const Chunks<T>& ch) {
   for (int64_t h = 2 * b0; h < 2 * b1; h += 2) {
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) tile_avx2<2, 2>(xq, d, w, wscale, y, Kp, N, m, h);
-    if (m < M) tile_avx2<1, 2>(xq, d, w, wscale, y, Kp, N, m, h);
+    for (; m + 2 <= M; m += 2) tile_avx2<2, 2>(xq, d, w, wscale, y, Kp, N, m, h, ch);
+    if (m < M) tile_avx2<1, 2>(xq, d, w, wscale, y, Kp, N, m, h, ch);
   }
 }
 #endif  // SHARDLINE_W8A8_AVX2
@@ -335,7 +426,7 @@ constexpr int64_t kBlocksPerTask = 4;
 
 template <typename T>
 void run(const at::Tensor& x, const uint8_t* w, const float* wscale, T* y, int64_t M, int64_t K, int64_t Kp,
-         int64_t N, bool vectorized) {
+         int64_t N, bool vectorized, const Chunks<T>& ch) {
   const int64_t G = Kp / kGroup;
   const at::Tensor xq_t = at::empty({M * Kp}, x.options().dtype(at::kChar));  // quantize_rows writes it all
   const at::Tensor d_t = at::empty({M * G}, x.options().dtype(at::kFloat));
@@ -345,13 +436,13 @@ void run(const at::Tensor& x, const uint8_t* w, const float* wscale, T* y, int64
   int32_t* bias = bias_t.data_ptr<int32_t>();
   quantize_rows(x.data_ptr<T>(), M, K, Kp, xq, d, bias);
   at::parallel_for(0, round_up(N, kBlockCols) / kBlockCols, kBlocksPerTask, [&](int64_t b0, int64_t b1) {
-    if (!vectorized) return blocks_portable(xq, d, w, wscale, y, M, Kp, N, b0, b1);
+    if (!vectorized) return blocks_portable(xq, d, w, wscale, y, M, Kp, N, b0, b1, ch);
 #if defined(SHARDLINE_W8A8_VNNI)
-    blocks_vnni(xq, d, bias, w, wscale, y, M, Kp, N, b0, b1);
+    blocks_vnni(xq, d, bias, w, wscale, y, M, Kp, N, b0, b1, ch);
 #elif defined(SHARDLINE_W8A8_AVX2)
-    blocks_avx2(xq, d, w, wscale, y, M, Kp, N, b0, b1);
+    blocks_avx2(xq, d, w, wscale, y, M, Kp, N, b0, b1, ch);
 #else
-    blocks_portable(xq, d, w, wscale, y, M, Kp, N, b0, b1);
+    blocks_portable(xq, d, w, wscale, y, M, Kp, N, b0, b1, ch);
 #endif
   });
 }
@@ -382,9 +473,11 @@ at::Tensor w8a8_pack(at::Tensor q) {
   return packed;
 }
 
-// x [M, K] float32 or bfloat16; packed from w8a8_pack of an [N, K] weight; wscale float32 [N]
-// -> y [M, N] in x's dtype; vectorized = false: the portable path (the same bits, for tests)
-at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor wscale, bool vectorized) {
+namespace {
+
+// y (or the parts) of x times the packed weight in `chunks` k-chunks (1: the plain product)
+at::Tensor w8a8_product(at::Tensor x, at::Tensor packed, at::Tensor wscale, bool vectorized, int64_t chunks,
+                        bool sum) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "w8a8_linear: x must be a CPU [M, K], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "w8a8_linear: x must be float32 or bfloat16, got ", x.scalar_type());
@@ -395,14 +488,38 @@ at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor wscale, bool 
                   packed.size(0) == round_up(N, kBlockCols) / kBlockCols && packed.size(1) == Kp / 4 &&
                   packed.size(2) == kBlockCols && packed.size(3) == 4,
               "w8a8_linear: packed ", packed.sizes(), " is not w8a8_pack of an [", N, ", ", K, "] weight");
+  TORCH_CHECK(chunks == 1 || (chunks > 1 && K % (kGroup * chunks) == 0),
+              "w8a8_linear_chunks: K = ", K, " in ", chunks, " chunks of whole groups of ", kGroup);
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = sum ? at::empty({M, N}, x.options()) : at::empty({chunks, M, N}, x.options());
   if (M == 0) return y;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* s = wscale.data_ptr<float>();
-  if (x.scalar_type() == at::kFloat) run<float>(xc, w, s, y.data_ptr<float>(), M, K, Kp, N, vectorized);
-  else run<c10::BFloat16>(xc, w, s, y.data_ptr<c10::BFloat16>(), M, K, Kp, N, vectorized);
+  const int64_t gpc = Kp / kGroup / chunks;
+  if (x.scalar_type() == at::kFloat) {
+    float* out = y.data_ptr<float>();
+    run<float>(xc, w, s, out, M, K, Kp, N, vectorized, Chunks<float>{gpc, sum ? nullptr : out, M});
+  } else {
+    c10::BFloat16* out = y.data_ptr<c10::BFloat16>();
+    run<c10::BFloat16>(xc, w, s, out, M, K, Kp, N, vectorized, Chunks<c10::BFloat16>{gpc, sum ? nullptr : out, M});
+  }
   return y;
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16; packed from w8a8_pack of an [N, K] weight; wscale float32 [N]
+// -> y [M, N] in x's dtype; vectorized = false: the portable path (the same bits, for tests)
+at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor wscale, bool vectorized) {
+  return w8a8_product(x, packed, wscale, vectorized, 1, true);
+}
+
+// The layout-invariant numerics' row-parallel product (see the top): K (a multiple of 32 *
+// chunks) in `chunks` fixed k-chunks; with sum, their float32 sum in chunk order -> y [M, N], else
+// each chunk's product -> [chunks, M, N]; the bits of each chunk multiplied alone by w8a8_linear.
+at::Tensor w8a8_linear_chunks(at::Tensor x, at::Tensor packed, at::Tensor wscale, int64_t chunks, bool sum,
+                              bool vectorized) {
+  return w8a8_product(x, packed, wscale, vectorized, chunks, sum);
 }
 
 // which path this build runs: "avx512-vnni", "avx2" or "portable"

@@ -38,14 +38,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.modeling.compressed_tensors import QuantizedPiece
-from services.modeling.kernels import dense_linear, dense_linear_chunks, pack_dense, packed_block_rows
+from services.modeling.kernels import dense_linear, dense_linear_chunks, kernels_for, pack_dense, packed_block_rows
 from services.modeling.parallel.coordinator import Coordinator
 from services.modeling.quant import (
+    ACTIVATION_GROUP,
     QuantScheme,
     channel_scales,
     pack_int8,
     packed_rows,
     quant_linear,
+    quant_linear_chunks,
     quantize_with_scales,
 )
 
@@ -288,7 +290,10 @@ class RowParallelLinear(LinearBase):
         count = self.invariant_chunks // self.tp_degree  # this rank's chunks
         local = self.tp_degree == 1
         # the C++ kernel in one call, where it runs (at TP1 it sums the products too)
-        done = dense_linear_chunks(x, self.kernel_weight(), count, sum=local) if self.quant is None else None
+        if self.quant is None:
+            done = dense_linear_chunks(x, self.kernel_weight(), count, sum=local)
+        else:
+            done = quant_linear_chunks(x, self.stage_weight(), self.weight_scale, count, sum=local)
         if done is not None and local:
             return done
         if done is None:  # chunk by chunk
@@ -313,11 +318,20 @@ class RowParallelLinear(LinearBase):
         an even number of columns."""
         return not self.invariant_chunks or (self.in_local // (self.invariant_chunks // self.tp_degree)) % 2 == 0
 
+    def _whole_int8(self) -> bool:
+        """int8 in the layout-invariant numerics where the W8A8 kernel sums the chunks in one call
+        on the weight packed whole (:func:`quant_linear_chunks`): its kernel runs here and each
+        chunk is whole activation groups."""
+        width = self.in_local // (self.invariant_chunks // self.tp_degree)
+        return (self.weight.dtype in (torch.int8, torch.uint8) and kernels_for(self.weight) is not None
+                and width % ACTIVATION_GROUP == 0)
+
     def stage_weight(self) -> torch.Tensor:
-        """The weight as the fused decoder-layer call takes it: the weight itself, or in the
-        layout-invariant numerics a quantized one as [chunks, out, W], each chunk's rows contiguous
-        (the quantized kernel reads a weight as one block), made at the first call after loading."""
-        if not (self.invariant_chunks and self.quant is not None):
+        """The weight as the fused decoder-layer call takes it: the weight itself (int8 packed
+        whole where :meth:`_whole_int8`), or in the layout-invariant numerics another quantized one
+        as [chunks, out, W], each chunk's rows contiguous (the quantized kernel reads a weight as
+        one block), made at the first call after loading."""
+        if not (self.invariant_chunks and self.quant is not None) or self._whole_int8():
             return self.kernel_weight()
         if self._chunk_weights is None:
             count = self.invariant_chunks // self.tp_degree
