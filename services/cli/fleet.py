@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from services.cli import fleet_render
+from services.common.numerics import DEFAULT_NUMERICS
 from services.common.proto import worker_pb2, worker_pb2_grpc
 from services.common.registry import IN_ROTATION, FleetNotFound, ReplicaGroup, ShardRegistry
 from services.common.transport_security import open_channel
@@ -51,9 +52,9 @@ def _requests(endpoint: str | None) -> int | None:
 def group_status(registry: ShardRegistry, g: ReplicaGroup) -> dict[str, Any]:
     ratio = registry_utilization(registry, [g]).get(g.name or "")
     util = None if ratio is None else 100.0 * ratio
-    invariant = " layout-invariant" if g.numerics != "default" else ""
+    numerics = f" {g.numerics}" if g.numerics != DEFAULT_NUMERICS else ""
     return {"id": g.name or str(g.replica_group_id),
-            "plan": f"TP{g.tp_degree} x PP{g.pp_degree} {g.project_dtype}{invariant}",
+            "plan": f"TP{g.tp_degree} x PP{g.pp_degree} {g.project_dtype}{numerics}",
             "revision": g.fleet_revision, "status": g.status, "reason": g.status_reason or "",
             "kv_utilization_pct": None if util is None else round(util, 1), "endpoint": g.endpoint or "",
             "requests": _requests(g.endpoint) if g.status != "dead" else None, "checkpoint": g.manifest_uri or ""}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.common.numerics import DEFAULT_NUMERICS
 from services.fleet.spec import GroupPlan
 
 
@@ -40,7 +41,7 @@ class GroupLaunch:
             flags += ["--collective-timeout", f"{plan.collective_timeout_s:g}"]
         if not plan.prefix_caching:
             flags.append("--no-prefix-caching")
-        if plan.numerics != "default":
+        if plan.numerics != DEFAULT_NUMERICS:
             flags += ["--numerics", plan.numerics]
         if self.served_model_name:
             flags += ["--served-model-name", self.served_model_name]

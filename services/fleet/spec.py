@@ -11,7 +11,7 @@
       max_concurrent_sequences: 64
       collective_timeout_s: 2        # a collective slower than this fails the group (it is healed)
       prefix_caching: true           # reuse the KV blocks of cached prompt prefixes (the default)
-      numerics: default              # or layout-invariant: the same bits at every TP/PP degree
+      numerics: layout-invariant     # the default: the same bits at every TP (up to 8) and PP degree; or per-layout
       checkpoint:
         manifest_uri: s3://models/smollm2/bf16/manifest.json   # or model_dir: .models/smollm2-135m-instruct
       env: {}                        # extra environment of the group's processes
@@ -48,7 +48,7 @@ import yaml
 
 from services.common.dtypes import canonical_dtype
 from services.common.errors import InvalidArgument
-from services.common.numerics import NUMERICS
+from services.common.numerics import DEFAULT_NUMERICS, NUMERICS
 from services.quality.golden_set import DEFAULT_CHUNK_TOKENS
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")  # a DNS label: it names Kubernetes objects
@@ -104,7 +104,7 @@ class GroupPlan:
     env: tuple[tuple[str, str], ...] = ()
     collective_timeout_s: float | None = None  # None: the worker's default
     prefix_caching: bool = True
-    numerics: str = "default"  # ParallelPlan's: "default" | "layout-invariant"
+    numerics: str = DEFAULT_NUMERICS  # ParallelPlan's (services/common/numerics.py)
 
     @property
     def world_size(self) -> int:
@@ -116,8 +116,8 @@ class GroupPlan:
         return self.manifest_uri or self.model_dir or ""
 
     def describe(self) -> str:
-        invariant = " layout-invariant" if self.numerics != "default" else ""
-        return f"TP{self.tp_degree} x PP{self.pp_degree} {self.dtype}{invariant}"
+        numerics = f" {self.numerics}" if self.numerics != DEFAULT_NUMERICS else ""
+        return f"TP{self.tp_degree} x PP{self.pp_degree} {self.dtype}{numerics}"
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class FleetSpec:
             group["collective_timeout_s"] = g.collective_timeout_s
         if not g.prefix_caching:
             group["prefix_caching"] = False
-        if g.numerics != "default":
+        if g.numerics != DEFAULT_NUMERICS:
             group["numerics"] = g.numerics
         if g.env:
             group["env"] = dict(g.env)
@@ -265,7 +265,7 @@ def _group_plan(group: dict[str, Any], base_dir: Path | None) -> GroupPlan:
     if collective_timeout is not None:
         _positive(collective_timeout, "replica_group.collective_timeout_s")
     prefix_caching = _take(group, "prefix_caching", bool, True, w)
-    numerics = _take(group, "numerics", str, "default", w)
+    numerics = _take(group, "numerics", str, DEFAULT_NUMERICS, w)
     if numerics not in NUMERICS:
         raise InvalidFleetSpec(f"replica_group.numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     group.pop("gpus_per_replica", None)  # the seed's shape names it; it is tp x pp here

@@ -22,6 +22,7 @@ import grpc
 
 from services.common.dtypes import lookup_dtype
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.numerics import DEFAULT_NUMERICS, LAYOUT_INVARIANT, PER_LAYOUT
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import DTYPE_FROM_PB
 from services.common.registry import NotFound as RegistryNotFound
@@ -73,7 +74,7 @@ def plan_spec(model_dir: str | None, text: str, *,
                     dtype=plan.get("dtype"), checkpoint=checkpoint, collective_timeout_s=collective_timeout_s,
                     replica_group_id=f"golden-{text}",
                     quantize_lm_head=None if lm_head is None else lm_head == "quantized",
-                    numerics=plan.get("numerics", "default"))
+                    numerics=plan.get("numerics", DEFAULT_NUMERICS))
 
 
 def dtype_family(dtype: str) -> str:
@@ -97,7 +98,7 @@ class PlanScores:
     # its sums, a local plan's or a live group's (its worker says). Two layout-invariant plans of
     # the same weights and dtype must give the same bits: the gate then asks for equality (run_gate)
     source: str = ""
-    numerics: str = "default"
+    numerics: str = DEFAULT_NUMERICS
     lm_head: bool = True
 
 
@@ -188,7 +189,8 @@ def score_live_group(text: str, golden: GoldenSet, *, registry_url: str | None =
             raise Unavailable(f"worker {address}: {exc.code().name}: {exc.details()}") from None
     return PlanScores(text.strip(), stats.model_name, DTYPE_FROM_PB.get(stats.layout.dtype, ""),
                       results, time.perf_counter() - start, source=stats.model_fingerprint,
-                      numerics=stats.numerics or "default", lm_head=stats.quantize_lm_head)
+                      numerics=stats.numerics or PER_LAYOUT,  # a worker that does not say: before the mode
+                      lm_head=stats.quantize_lm_head)
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,7 @@ def run_gate(reference: PlanScores, candidate: PlanScores, golden: GoldenSet, *,
 def layout_only(a: PlanScores, b: PlanScores) -> bool:
     """Two plans (local or live) in the layout-invariant numerics that differ in nothing but
     their layout: the same weights (a known fingerprint), dtype and lm_head."""
-    return (a.numerics == b.numerics == "layout-invariant" and bool(a.source) and a.source == b.source
+    return (a.numerics == b.numerics == LAYOUT_INVARIANT and bool(a.source) and a.source == b.source
             and a.dtype == b.dtype and a.lm_head == b.lm_head)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.numerics import NUMERICS
+from services.common.numerics import DEFAULT_NUMERICS, NUMERICS
 from services.modeling.parallel.groups import DEVICES, resolve_device
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.scheduler import SchedulerConfig
@@ -29,10 +29,10 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
                              "dtype); int8/fp8 quantize the linear weights on load from --model")
     parser.add_argument("--activation-dtype", default=None,
                         help="activations and KV cache of an int8/fp8 plan: bfloat16 (default) | float32")
-    parser.add_argument("--numerics", choices=NUMERICS, default="default",
-                        help="layout-invariant: every layout-dependent sum in one fixed order, so a TP degree "
-                             "gives the same bits as any other (row-parallel layers in fixed k-chunks; default: "
-                             "the backend's all-reduce order)")
+    parser.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                        help="layout-invariant (default): every layout-dependent sum in one fixed order, so a TP "
+                             "degree up to 8 gives the same bits as any other (row-parallel layers in fixed "
+                             "k-chunks); per-layout: the backend's all-reduce order (needed above TP 8)")
     parser.add_argument("--collective-timeout", type=float, default=2.0,
                         help="seconds before a hung collective fails the group (default 2)")
     parser.add_argument("--replica-group-id", default="local", help="name of this replica group")
@@ -70,7 +70,7 @@ def rank_spec(args: argparse.Namespace, **engine: object) -> RankSpec:
                     activation_dtype=getattr(args, "activation_dtype", None),
                     replica_group_id=args.replica_group_id, collective_timeout_s=args.collective_timeout,
                     checkpoint=args.checkpoint, device=getattr(args, "device", "auto"),
-                    numerics=getattr(args, "numerics", "default"), **engine)
+                    numerics=getattr(args, "numerics", DEFAULT_NUMERICS), **engine)
 
 
 def engine_spec(args: argparse.Namespace) -> RankSpec:

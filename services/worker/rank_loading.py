@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.dtypes import canonical_dtype
+from services.common.numerics import DEFAULT_NUMERICS
 from services.loader.errors import ObjectNotFound, ShardLayoutError
 from services.loader.layout import RankLayout, unique_parameters
 from services.loader.manifest import Manifest
@@ -60,7 +61,7 @@ def load_rank_shard(model: LlamaForCausalLM, manifest: Manifest, shard_path: str
 
 def plan_for_checkpoint(checkpoint_uri: str | Path, *, tp_degree: int, pp_degree: int, dtype: str | None = None,
                         activation_dtype: str | None = None, endpoint_url: str | None = None,
-                        numerics: str = "default") -> ParallelPlan:
+                        numerics: str = DEFAULT_NUMERICS) -> ParallelPlan:
     """The plan a worker runs when the checkpoint is its only source of the model's shape.
 
     ``dtype`` and ``activation_dtype`` default to the checkpoint's, and so does whether the

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.collective_events import EventSink, RingBufferSink
+from services.common.numerics import DEFAULT_NUMERICS
 from services.loader.layout import model_fingerprint
 from services.loader.staging import stage_model_files
 from services.loader.verify import read_manifest
@@ -47,7 +48,7 @@ class RankSpec:
     activation_dtype: str | None = field(default=None, kw_only=True)  # int8/fp8 plans: None is bfloat16
     # int8/fp8 plans from an HF directory; None: the plan's default (services.modeling.parallel.plan)
     quantize_lm_head: bool | None = field(default=None, kw_only=True)
-    numerics: str = field(default="default", kw_only=True)  # ParallelPlan's: "default" | "layout-invariant"
+    numerics: str = field(default=DEFAULT_NUMERICS, kw_only=True)  # ParallelPlan's (services/common/numerics.py)
     replica_group_id: str = field(default="local", kw_only=True)
     collective_timeout_s: float = field(default=DEFAULT_TIMEOUT_S, kw_only=True)
     checkpoint: str | None = field(default=None, kw_only=True)  # manifest URI of a pre-sharded checkpoint

@@ -89,7 +89,7 @@ def _walk(registry: ShardRegistry, group_id: uuid.UUID, target: str) -> None:
 def test_migration_creates_seed_tables_constraints_and_index(db_url: str) -> None:
     assert migrate.current_revision(db_url) is None
     migrate.upgrade(db_url)
-    assert migrate.current_revision(db_url) == migrate.head_revision() == "0005"
+    assert migrate.current_revision(db_url) == migrate.head_revision() == "0006"
     engine = make_engine(db_url)
     try:
         inspector = sa.inspect(engine)
@@ -149,7 +149,7 @@ def test_cli_db_upgrade(db_url: str, capsys: pytest.CaptureFixture[str]) -> None
     assert cli_main(["db", "current", "--url", db_url]) == 1
     assert "revision none" in capsys.readouterr().out
     assert cli_main(["db", "upgrade", "--url", db_url]) == 0
-    assert "schema at revision 0005 (head)" in capsys.readouterr().out
+    assert "schema at revision 0006 (head)" in capsys.readouterr().out
     assert cli_main(["db", "current", "--url", db_url]) == 0
 
 

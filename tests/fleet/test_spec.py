@@ -71,16 +71,18 @@ def test_prefix_caching_is_on_unless_the_spec_turns_it_off() -> None:
 
 def test_the_numerics_reach_the_workers_flags_and_tell_two_plans_apart() -> None:
     default = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"}}})
-    invariant = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
-                                                       "numerics": "layout-invariant"}})
+    per_layout = FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
+                                                        "numerics": "per-layout"}})
+    assert default.group.numerics == "layout-invariant"
     assert "--numerics" not in GroupLaunch("smol-1", "smol", 1, default.group).worker_flags()
-    flags = GroupLaunch("smol-1", "smol", 1, invariant.group).worker_flags()
-    assert flags[flags.index("--numerics") + 1] == "layout-invariant"
-    assert FleetSpec.from_json(invariant.to_json()) == invariant and invariant.plan_key() != default.plan_key()
-    assert invariant.group.describe() == "TP1 x PP1 bfloat16 layout-invariant"
-    with pytest.raises(InvalidFleetSpec, match="numerics must be one of default, layout-invariant"):
+    flags = GroupLaunch("smol-1", "smol", 1, per_layout.group).worker_flags()
+    assert flags[flags.index("--numerics") + 1] == "per-layout"
+    assert FleetSpec.from_json(per_layout.to_json()) == per_layout and per_layout.plan_key() != default.plan_key()
+    assert per_layout.group.describe() == "TP1 x PP1 bfloat16 per-layout"
+    assert default.group.describe() == "TP1 x PP1 bfloat16"
+    with pytest.raises(InvalidFleetSpec, match="numerics must be one of layout-invariant, per-layout"):
         FleetSpec.from_dict({"replica_group": {"name": "smol", "checkpoint": {"model_dir": "/m"},
-                                               "numerics": "exact"}})
+                                               "numerics": "default"}})
 
 
 def test_a_relative_model_dir_is_the_yaml_folders(tmp_path: Path) -> None:

@@ -150,8 +150,9 @@ def test_gate_asks_two_layout_invariant_plans_of_the_same_weights_for_equality(t
     assert exact.returncode == 0, exact.stdout + exact.stderr
     verdict = json.loads(exact.stdout)
     assert verdict["passed"] and verdict["exact"] and verdict["perplexity_delta_pct"] == 0.0
-    # the default numerics at TP2 is not owed the same bits: judged by the figures
-    figures_only = gate(tiny_model_dir, invariant, "tp=2,dtype=bfloat16", registry, "--json", "--no-record")
+    # the per-layout numerics at TP2 is not owed the same bits: judged by the figures
+    figures_only = gate(tiny_model_dir, invariant, "tp=2,dtype=bfloat16,numerics=per-layout", registry, "--json",
+                        "--no-record")
     assert figures_only.returncode == 0 and not json.loads(figures_only.stdout)["exact"]
 
 
@@ -173,9 +174,9 @@ def test_a_serving_layout_invariant_group_is_gated_for_equality(tiny_model_dir: 
         assert result.returncode == 0, result.stdout + result.stderr
         verdict = json.loads(result.stdout)
         assert verdict["passed"] and verdict["exact"] and verdict["max_abs_logprob_delta"] == 0.0
-        # the default numerics locally: other bits are allowed, so the figures judge
-        figures_only = json.loads(gate(tiny_model_dir, "dtype=bfloat16", f"worker={address}", registry, "--json",
-                                       "--no-record").stdout)
+        # the per-layout numerics locally: other bits are allowed, so the figures judge
+        figures_only = json.loads(gate(tiny_model_dir, "dtype=bfloat16,numerics=per-layout", f"worker={address}",
+                                       registry, "--json", "--no-record").stdout)
         assert not figures_only["exact"]
     finally:
         stop(worker)

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
+from services.modeling.config import ModelConfig, ModelConfigError
+from services.modeling.parallel.plan import ParallelPlan, invariant_chunks, invariant_tp_degrees, supported_tp_degrees
 from services.worker.engine.bootstrap import generate_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.launch import run_replica_group
@@ -49,6 +51,22 @@ def test_a_mixed_batch_generates_the_same_tokens_and_logprobs_at_every_pipeline_
 
 # ---- tensor parallelism, layout-invariant numerics ----------------------------------------------
 
+def test_plans_are_layout_invariant_by_default_up_to_tp8():
+    """The default numerics; a 1B-class Llama (32 heads, 8 KV heads) also allows TP 16 and 32, which
+    would cut its o_proj into 32 chunks of 64 columns: the family stops at TP 8 (8 chunks), and a
+    plan above it must say per-layout."""
+    config = ModelConfig.from_dict({"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+                                    "num_key_value_heads": 8, "num_hidden_layers": 2, "vocab_size": 49152})
+    assert supported_tp_degrees(config) == [1, 2, 4, 8, 16, 32]
+    assert invariant_tp_degrees(config) == [1, 2, 4, 8] and invariant_chunks(config) == 8
+    assert ParallelPlan(config, 4, 1, "bfloat16").invariant_chunks == 8
+    assert ParallelPlan(config, 16, 1, "bfloat16", numerics="per-layout").invariant_chunks == 0
+    with pytest.raises(ModelConfigError, match="tp_degree=16 is beyond the layout-invariant numerics, which give "
+                                               "this model the same bits at TP 1, 2, 4, 8: serve it with numerics "
+                                               "per-layout"):
+        ParallelPlan(config, 16, 1, "bfloat16")
+
+
 INVARIANT = "layout-invariant"
 TP_LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2)]
 
@@ -68,7 +86,7 @@ def test_scoring_is_bit_identical_at_every_tensor_parallel_degree_in_the_invaria
     base = logprobs[(1, 1)]
     for layout, got in logprobs.items():
         assert torch.equal(got, base), (layout, int((got != base).sum()), (got - base).abs().max().item())
-    # still the model: as close to transformers' bfloat16 as the default numerics
+    # still the model: as close to transformers' bfloat16 as the per-layout numerics
     assert (base - reference_logprobs(model_dir, ids, dtype="bfloat16")).abs().max().item() <= 5e-2
 
 

@@ -16,6 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from services.common.numerics import DEFAULT_NUMERICS
+
 from . import errors
 from .dtypes import to_registry_dtype
 from .engine import retry_on_disconnect
@@ -90,7 +92,7 @@ class FleetRecords:
     @retry_on_disconnect
     def adopt_provisioning_group(self, group_id: uuid.UUID, *, model_name: str, tp_degree: int, pp_degree: int,
                                  dtype: str, kv_cache_cap_bytes: int, endpoint: str | None,
-                                 numerics: str = "default") -> ReplicaGroup | None:
+                                 numerics: str = DEFAULT_NUMERICS) -> ReplicaGroup | None:
         """A group a controller created in ``provisioning`` is taken over by its driver: the
         model name, capacity, endpoint and numerics it runs are recorded. None when there is no such row;
         Conflict when the row is not provisioning or describes another layout. ``dtype`` in project

@@ -42,7 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from services.common.numerics import NUMERICS
+from services.common.numerics import DEFAULT_NUMERICS, NUMERICS
 
 from .dtypes import REGISTRY_DTYPES
 from .lifecycle import GROUP_STATUSES, SHARD_STATUSES
@@ -118,7 +118,7 @@ class ReplicaGroupRow(Base):
     fleet_revision: Mapped[int | None] = mapped_column(Integer)
     manifest_uri: Mapped[str | None] = mapped_column(Text)
     # how the group orders its layout-dependent sums (services/common/numerics.py)
-    numerics: Mapped[str] = mapped_column(Text, server_default=text("'default'"))
+    numerics: Mapped[str] = mapped_column(Text, server_default=text(f"'{DEFAULT_NUMERICS}'"))
 
     __table_args__ = (
         CheckConstraint(DTYPE_CHECK, name="dtype"),

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Self
 
+from services.common.numerics import DEFAULT_NUMERICS
+
 from .dtypes import to_project_dtype
 from .models import Base
 
@@ -40,7 +42,7 @@ class ReplicaGroup(_FromRow):
     fleet_name: str | None = None
     fleet_revision: int | None = None
     manifest_uri: str | None = None
-    numerics: str = "default"
+    numerics: str = DEFAULT_NUMERICS
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,7 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from services.common.numerics import NUMERICS
+from services.common.numerics import DEFAULT_NUMERICS, NUMERICS
 
 from . import errors, migrate
 from .dtypes import to_registry_dtype
@@ -149,7 +149,7 @@ class ShardRegistry(FleetRecords, LeaseRecords):
                              endpoint: str | None = None,
                              replica_group_id: GroupId | None = None, fleet_name: str | None = None,
                              fleet_revision: int | None = None, manifest_uri: str | None = None,
-                             numerics: str = "default") -> ReplicaGroup:
+                             numerics: str = DEFAULT_NUMERICS) -> ReplicaGroup:
         """A new group in status ``provisioning``. ``dtype`` in project or registry naming; the
         fleet fields say what a fleet controller builds it from; ``numerics`` how it orders its
         layout-dependent sums (services/common/numerics.py)."""
