@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from services.common.collective_events import communicator_members
 from services.telemetry.effects import EffectWorker, GroupStatusEffects
 from services.telemetry.rules import RAISED_KINDS, Alert, AlertKind, RuleConfig, RuleEngine
+from services.telemetry.sketch import LogHistogram
 from services.telemetry.windows import EventLike, Series, SeriesTotals, WindowConfig, WindowStore, WindowSummary
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class TelemetryPipeline:
     def tick(self, now_ms: int | None = None) -> list[Alert]:
         """Judge every window that ended at least ``close_grace_s`` ago; returns new alerts."""
         now = self._clock_ms() if now_ms is None else now_ms
-        op = self.config.rules.slow_op
+        ops = self.config.rules.slow_ops
         alerts: list[Alert] = []
         with self.lock:
             store = self.store
@@ -177,11 +178,10 @@ class TelemetryPipeline:
                 if last is None:
                     last = self._first_index(store.series_of(group)) - 1
                 for index in range(last + 1, closable + 1):
-                    stats = store.stats_at(group, op, index)
-                    if not stats:
+                    durations = self._durations(store, group, ops, index)
+                    if not durations:
                         continue
-                    alert = self.rules.on_window_closed(group, store.bounds(index)[1],
-                                                        {gpu: w.durations for gpu, w in stats.items()})
+                    alert = self.rules.on_window_closed(group, store.bounds(index)[1], durations)
                     if alert is not None:
                         alerts.append(alert)
                 self._judged[group] = max(last, closable)
@@ -191,6 +191,22 @@ class TelemetryPipeline:
         for alert in alerts:
             self._publish(alert)
         return alerts
+
+    @staticmethod
+    def _durations(store: WindowStore, group: str, ops: tuple[str, ...], index: int) -> dict[str, LogHistogram]:
+        """Each rank's durations of ``ops`` in window ``index``, one histogram per rank (merged into
+        a copy where it ran more than one of them)."""
+        out: dict[str, LogHistogram] = {}
+        for op in ops:
+            for gpu, w in store.stats_at(group, op, index).items():
+                if gpu not in out:
+                    out[gpu] = w.durations
+                    continue
+                merged = LogHistogram(w.durations.alpha)
+                merged.merge(out[gpu])
+                merged.merge(w.durations)
+                out[gpu] = merged
+        return out
 
     def _first_index(self, members: list[Series]) -> int:
         indices = [i for s in members for i in s.windows]

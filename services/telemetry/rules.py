@@ -98,10 +98,18 @@ class RuleConfig:
     slow_k: float = 3.0
     sustain_windows: int = 3
     baseline_windows: int = 3
-    min_events: int = 10  # a rank's all-reduces in a window before its p99 counts
+    min_events: int = 10  # a rank's TP collectives in a window before its p99 counts
     min_excess_ms: float = 0.5  # p99 - baseline must also exceed this (CPU scheduling noise)
     baseline_ewma: float = 0.1
-    slow_op: str = "all_reduce"
+    # the collectives a TP group runs at every layer, whose waits give a slow rank away: the
+    # row-parallel layers' all-gathers of their fixed k-chunks in the layout-invariant numerics
+    # (and the logits'), their all-reduces per-layout (and the embedding's)
+    slow_ops: tuple[str, ...] = ("all_reduce", "all_gather")
+
+    @property
+    def slow_op(self) -> str:
+        """The slow ops as one name, for alerts and their messages."""
+        return "/".join(self.slow_ops)
 
     def __post_init__(self) -> None:
         if self.slow_k <= 1.0:
@@ -239,7 +247,7 @@ class RuleEngine:
     # -- slow ranks ----------------------------------------------------------------------------
     def on_window_closed(self, replica_group_id: str, window_end_ms: int,
                          stats: Mapping[str, LogHistogram]) -> Alert | None:
-        """Evaluate one closed window: ``stats`` maps gpu_id to its ``slow_op`` durations."""
+        """Evaluate one closed window: ``stats`` maps gpu_id to its ``slow_ops`` durations."""
         cfg = self.config
         hists = {gpu: h for gpu, h in stats.items() if h.count >= cfg.min_events}
         if not hists or self.has_failed(replica_group_id):

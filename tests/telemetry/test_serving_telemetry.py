@@ -37,7 +37,8 @@ def expected_step_events(plan: ParallelPlan, rank: int) -> collections.Counter:
     last = plan.pp_degree - 1
     counts: collections.Counter[str] = collections.Counter(broadcast=2)  # the plan: size, then payload
     if plan.tp_degree > 1:
-        counts["all_reduce"] += 2 * len(plan.stage_layers(stage))  # o_proj and down_proj per layer
+        # o_proj and down_proj per layer: gathered chunks in the layout-invariant numerics (the default)
+        counts["all_gather" if plan.invariant_chunks else "all_reduce"] += 2 * len(plan.stage_layers(stage))
         if stage == 0:
             counts["all_reduce"] += 1  # vocab-parallel embedding
         if stage == last:
@@ -219,10 +220,10 @@ def test_a_planted_slow_rank_is_named_in_a_degraded_alert(tiny_model_dir, tmp_pa
     telemetry = start_service("telemetry", tmp_path / "telemetry.log", "--window-s", "1", "--sustain-windows", "3",
                               "--min-events", "8", "--min-excess-ms", "10", "--registry-url", registry_url,
                               metrics=False)
-    # global rank 1 = pp0-tp1 sleeps 60 ms before each of its all-reduces (after its first 40)
+    # global rank 1 = pp0-tp1 sleeps 60 ms before each of its all-gathers (after its first 40)
     worker = start_service("worker", tmp_path / "worker.log", "--model", str(tiny_model_dir),
                            *worker_flags(group, telemetry.address, 2, 2, "--registry-url", registry_url),
-                           env={"SHARDLINE_FAULTS": "rank=1,op=all_reduce,after=40,action=sleep:0.06"},
+                           env={"SHARDLINE_FAULTS": "rank=1,op=all_gather,after=40,action=sleep:0.06"},
                            metrics=False)
     alerts, _, channel = alerts_reader(telemetry.address, group)
     stop = threading.Event()
@@ -267,7 +268,7 @@ def test_a_sigstopped_rank_times_out_alerts_and_is_unhealthy_in_redis(tiny_model
     # the worker itself writes no health (no --redis-url): what Redis shows comes from telemetry
     worker = start_service("worker", tmp_path / "worker.log", "--model", str(tiny_model_dir),
                            *worker_flags(group, telemetry.address, 2, 1, "--collective-timeout", "1.5"),
-                           env={"SHARDLINE_FAULTS": "rank=1,op=all_reduce,after=60,action=stop"}, metrics=False)
+                           env={"SHARDLINE_FAULTS": "rank=1,op=all_gather,after=60,action=stop"}, metrics=False)
     health = make_health_store(redis_url)
     alerts, _, channel = alerts_reader(telemetry.address, group)
     stop = threading.Event()
@@ -284,7 +285,7 @@ def test_a_sigstopped_rank_times_out_alerts_and_is_unhealthy_in_redis(tiny_model
         assert results[-1][1] == grpc.StatusCode.UNAVAILABLE
         tstub_channel, tstub = telemetry_stub(telemetry.address)
         with tstub_channel:
-            windows = tstub.Query(telemetry_pb2.QueryRequest(replica_group_id=group, op_type="all_reduce")).windows
+            windows = tstub.Query(telemetry_pb2.QueryRequest(replica_group_id=group, op_type="all_gather")).windows
         assert sum(w.timeouts for w in windows) >= 1
     finally:
         stop.set()

@@ -134,9 +134,10 @@ def test_router_metrics_count_the_collectives_the_requests_needed(stack):
     steps = sum(max_tokens for _, max_tokens in REQUESTS)  # a prefill step, then one per further token
     totals = expected_totals(plan, steps)
     expected = {op: totals.get(op, 0) for op in EXACT_OPS}
-    # 13 steps: all_reduce 13 x (4 ranks x 2 layers x 2 + 2 embedding on stage 0) = 234, all_gather
-    # 13 x 2 = 26, send 13 x 2 hidden + 12 results = 38, recv 13 x 2 hidden + 13 x 2 on the driver = 52
-    assert expected == {"all_reduce": 18 * steps, "all_gather": 2 * steps, "send": 3 * steps - 1,
+    # 13 steps: all_gather 13 x (4 ranks x 2 layers x 2 row-parallel chunk gathers + 2 logits) = 234,
+    # all_reduce 13 x 2 embedding on stage 0 = 26, send 13 x 2 hidden + 12 results = 38, recv 13 x 2
+    # hidden + 13 x 2 on the driver = 52
+    assert expected == {"all_gather": 18 * steps, "all_reduce": 2 * steps, "send": 3 * steps - 1,
                         "recv": 4 * steps, "barrier": 8}
 
     def exact() -> dict[str, int]:

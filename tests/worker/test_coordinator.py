@@ -38,7 +38,9 @@ def expected_events(plan: ParallelPlan, rank: int) -> dict[str, int]:
     counts["barrier"] += 1  # after loading
     counts["broadcast"] += 2  # the driver's token ids: size, then payload
     if plan.tp_degree > 1:
-        counts["all_reduce"] += 2 * layers  # o_proj and down_proj of every layer
+        # o_proj and down_proj of every layer: the fixed k-chunks' products gathered in the
+        # layout-invariant numerics (the default), summed by the backend's all-reduce per-layout
+        counts["all_gather" if plan.invariant_chunks else "all_reduce"] += 2 * layers
         if stage == 0:
             counts["all_reduce"] += 1  # vocab-parallel embedding
         if stage == plan.pp_degree - 1:
@@ -93,10 +95,11 @@ SCHEDULING_SLACK_S = 3.0
 
 
 def test_sigkilled_rank_fails_the_group_fast(tiny_model_dir):
-    proc, _ = _score_with_fault(str(tiny_model_dir), "rank=1,op=all_reduce,after=2,action=kill")
+    # its third row-parallel gather
+    proc, _ = _score_with_fault(str(tiny_model_dir), "rank=1,op=all_gather,after=2,action=kill")
     assert proc.returncode == 1, proc.stderr
     assert "rank 1: process died from signal SIGKILL" in proc.stderr
-    assert "ShardGroupUnhealthy: replica group rg-test is unhealthy: all_reduce on rg-test:pp0-tp0" in proc.stderr
+    assert "ShardGroupUnhealthy: replica group rg-test is unhealthy: all_gather on rg-test:pp0-tp0" in proc.stderr
     waits = _waits(proc.stderr)
     assert waits and max(waits) <= 2.0 + SCHEDULING_SLACK_S, proc.stderr
 

@@ -203,9 +203,9 @@ def test_drain_stops_admission(tiny_model_dir, tmp_path):
 
 
 def test_dead_rank_fails_streams_with_unavailable_and_the_tokens_so_far(tiny_model_dir, tmp_path):
-    # rank 1 dies at its 200th all-reduce: mid-stream
+    # rank 1 dies at its 200th all-gather (8 row-parallel, 1 logits a step): mid-stream
     proc, address = start_worker(tiny_model_dir, tmp_path / "w.log", "--tp", "2", "--kv-cache-gb", "0.01",
-                                 env={"SHARDLINE_FAULTS": "rank=1,op=all_reduce,after=200,action=kill"})
+                                 env={"SHARDLINE_FAULTS": "rank=1,op=all_gather,after=200,action=kill"})
     try:
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
