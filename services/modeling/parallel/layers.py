@@ -296,8 +296,8 @@ class RowParallelLinear(LinearBase):
             done = quant_linear_chunks(x, self.stage_weight(), self.weight_scale, count, sum=local)
         if done is not None and local:
             return done
-        if done is None:  # chunk by chunk
-            done = torch.stack([self._chunk_product(x, j, count) for j in range(count)])
+        if done is None:  # no C++ kernel here (CUDA, SHARDLINE_CPU_KERNELS=0): torch's ops
+            done = self._chunk_products(x, count)
         if not local:
             done = self.coordinator.all_gather(done, dim=0)  # rank order = chunk order
         out = done[0].float()  # the products in chunk order, in float32 (widening is exact)
@@ -305,13 +305,18 @@ class RowParallelLinear(LinearBase):
             out += partial
         return out.to(x.dtype)
 
-    def _chunk_product(self, x: torch.Tensor, j: int, count: int) -> torch.Tensor:
-        """Chunk j's product alone: x's and the weight's k-range [j·W, (j+1)·W)."""
+    def _chunk_products(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        """Each chunk's product alone, ``[count, ..., out]``: x's and the weight's k-range [j·W,
+        (j+1)·W) for chunk j; a dense weight's in one batched matmul (as the C++ fallback does)."""
         width = self.in_local // count
-        part = x[..., j * width:(j + 1) * width]
+        rows = x.reshape(-1, self.in_local)
         if self.quant is None:
-            return F.linear(part, self.weight[:, j * width:(j + 1) * width])
-        return quant_linear(part, self.stage_weight()[j], self.weight_scale)
+            parts = torch.bmm(rows.reshape(-1, count, width).transpose(0, 1),
+                              self.weight.view(self.out_features, count, width).permute(1, 2, 0))
+        else:
+            parts = torch.stack([quant_linear(rows[:, j * width:(j + 1) * width], self.stage_weight()[j],
+                                              self.weight_scale) for j in range(count)])
+        return parts.view(count, *x.shape[:-1], self.out_features)
 
     def _packable(self) -> bool:
         """A packed dense weight is read in whole k-pairs: each layout-invariant chunk must hold

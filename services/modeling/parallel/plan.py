@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.dtypes import DENSE_DTYPES, DTYPES, canonical_dtype
-from services.common.numerics import DEFAULT_NUMERICS, LAYOUT_INVARIANT, NUMERICS, PER_LAYOUT
+from services.common.numerics import DEFAULT_NUMERICS, INVARIANT_MAX_TP, LAYOUT_INVARIANT, NUMERICS, PER_LAYOUT
 from services.modeling.compressed_tensors import CompressedTensorsError, compressed_format
 from services.modeling.config import CALIBRATION_KEY, ModelConfig, ModelConfigError, torch_dtype
 from services.modeling.quant import QuantScheme, scheme_for, scheme_record
@@ -36,13 +36,6 @@ def tp_problem(config: ModelConfig, tp: int) -> str | None:
 def supported_tp_degrees(config: ModelConfig) -> list[int]:
     """Every tensor-parallel degree the model's shape allows."""
     return [tp for tp in range(1, config.num_attention_heads + 1) if tp_problem(config, tp) is None]
-
-
-# The TP degrees the layout-invariant numerics makes agree: up to one node's accelerators. Each
-# further degree multiplies the k-chunks (a 1B-class Llama also allows TP 16 and 32: its o_proj in
-# 32 chunks of 64 columns took 1.3-1.45x the time of 8 chunks at 16-512 rows on a 2-core AMD EPYC),
-# and a tensor-parallel group rarely spans more than a node (pipeline stages do).
-INVARIANT_MAX_TP = 8
 
 
 def invariant_tp_degrees(config: ModelConfig) -> list[int]:
