@@ -133,6 +133,30 @@ def test_models_agree_with_migration(db_url: str) -> None:
         engine.dispose()
 
 
+def test_a_group_recorded_in_the_old_default_numerics_reads_per_layout(db_url: str) -> None:
+    """0006: the layout-invariant numerics became the default; a row written before it in the
+    then-default (the backend's all-reduce order) is per-layout, and back on a downgrade."""
+    migrate.upgrade(db_url, "0005")
+    engine = make_engine(db_url)
+    group = uuid.uuid4()
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO replica_groups (replica_group_id, model_name, tp_degree, pp_degree, "
+                                 "dtype, kv_cache_cap_bytes, status) VALUES (:id, 'm', 2, 1, 'bf16', 1, 'healthy')"),
+                         {"id": group if engine.dialect.name == "postgresql" else str(group)})
+        numerics = sa.text("SELECT numerics FROM replica_groups")
+        with engine.connect() as conn:
+            assert conn.execute(numerics).scalar_one() == "default"
+        migrate.upgrade(db_url)
+        with engine.connect() as conn:
+            assert conn.execute(numerics).scalar_one() == "per-layout"
+        migrate.downgrade(db_url, "0005")
+        with engine.connect() as conn:
+            assert conn.execute(numerics).scalar_one() == "default"
+    finally:
+        engine.dispose()
+
+
 def test_upgrade_is_idempotent_and_downgrade_drops_tables(db_url: str) -> None:
     migrate.upgrade(db_url)
     migrate.upgrade(db_url)

@@ -25,19 +25,19 @@ OLD_CHECK = "numerics IN ('default', 'layout-invariant')"
 NEW_CHECK = "numerics IN ('layout-invariant', 'per-layout')"
 
 
-def upgrade() -> None:
+def _rename(old: str, new: str, server_default: str, check: str) -> None:
+    """Rows saying ``old`` say ``new``; the column's default and check follow."""
     with op.batch_alter_table("replica_groups") as batch:
         batch.drop_constraint(op.f("ck_replica_groups_numerics"), type_="check")
-    op.execute("UPDATE replica_groups SET numerics = 'per-layout' WHERE numerics = 'default'")
+    op.execute(sa.text("UPDATE replica_groups SET numerics = :new WHERE numerics = :old").bindparams(old=old, new=new))
     with op.batch_alter_table("replica_groups") as batch:
-        batch.alter_column("numerics", existing_type=sa.Text(), server_default=sa.text("'layout-invariant'"))
-        batch.create_check_constraint(op.f("ck_replica_groups_numerics"), NEW_CHECK)
+        batch.alter_column("numerics", existing_type=sa.Text(), server_default=sa.text(f"'{server_default}'"))
+        batch.create_check_constraint(op.f("ck_replica_groups_numerics"), check)
+
+
+def upgrade() -> None:
+    _rename("default", "per-layout", "layout-invariant", NEW_CHECK)
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("replica_groups") as batch:
-        batch.drop_constraint(op.f("ck_replica_groups_numerics"), type_="check")
-    op.execute("UPDATE replica_groups SET numerics = 'default' WHERE numerics = 'per-layout'")
-    with op.batch_alter_table("replica_groups") as batch:
-        batch.alter_column("numerics", existing_type=sa.Text(), server_default=sa.text("'default'"))
-        batch.create_check_constraint(op.f("ck_replica_groups_numerics"), OLD_CHECK)
+    _rename("per-layout", "default", "default", OLD_CHECK)
