@@ -135,15 +135,20 @@ def test_models_agree_with_migration(db_url: str) -> None:
 
 def test_a_group_recorded_in_the_old_default_numerics_reads_per_layout(db_url: str) -> None:
     """0006: the layout-invariant numerics became the default; a row written before it in the
-    then-default (the backend's all-reduce order) is per-layout, and back on a downgrade."""
+    then-default (the backend's all-reduce order) is per-layout, and back on a downgrade. The
+    group has a shard: SQLite rebuilds the table to change its check, which its foreign key must
+    survive."""
     migrate.upgrade(db_url, "0005")
     engine = make_engine(db_url)
     group = uuid.uuid4()
+    key = group if engine.dialect.name == "postgresql" else group.hex  # SQLite keeps a uuid as 32 hex digits
     try:
         with engine.begin() as conn:
             conn.execute(sa.text("INSERT INTO replica_groups (replica_group_id, model_name, tp_degree, pp_degree, "
                                  "dtype, kv_cache_cap_bytes, status) VALUES (:id, 'm', 2, 1, 'bf16', 1, 'healthy')"),
-                         {"id": group if engine.dialect.name == "postgresql" else str(group)})
+                         {"id": key})
+            conn.execute(sa.text("INSERT INTO gpu_shards (gpu_id, replica_group_id, node_id, tp_rank, pp_stage, "
+                                 "weight_bytes) VALUES ('g0', :id, 'n0', 0, 0, 1)"), {"id": key})
         numerics = sa.text("SELECT numerics FROM replica_groups")
         with engine.connect() as conn:
             assert conn.execute(numerics).scalar_one() == "default"

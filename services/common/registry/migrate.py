@@ -35,10 +35,26 @@ def _run(target: str | Engine, action: str, revision: str) -> None:
 
     engine = make_engine(target) if isinstance(target, str) else target
     try:
-        with engine.begin() as connection:
-            config = alembic_config()
-            config.attributes["connection"] = connection
-            getattr(command, action)(config, revision)
+        with engine.connect() as connection:
+            sqlite = connection.dialect.name == "sqlite"
+            if sqlite:
+                # SQLite changes a table's checks or columns by rebuilding it (copy, drop, rename:
+                # Alembic's batch mode), and with foreign keys on, dropping a table other rows refer
+                # to fails (replica groups with shards). Its own procedure: foreign keys off outside
+                # the transaction, every reference checked before the commit, then on again.
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
+            try:
+                with connection.begin():
+                    config = alembic_config()
+                    config.attributes["connection"] = connection
+                    getattr(command, action)(config, revision)
+                    if sqlite and (broken := connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
+                        raise RuntimeError(f"registry {action} to {revision} would break references: {broken}")
+            finally:
+                if sqlite:
+                    connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                    connection.commit()
     finally:
         if isinstance(target, str):
             engine.dispose()
