@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from services.common.registry import InvalidValue, ShardRegistry
-from tests.common.test_registry import db_url  # noqa: F401, F811 (the fixture: PostgreSQL and SQLite)
 
 
 def test_gate_results_are_recorded_and_listed_newest_first(db_url: str) -> None:
