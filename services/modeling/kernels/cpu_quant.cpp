@@ -454,17 +454,16 @@ at::Tensor quant_linear_chunks(at::Tensor x, at::Tensor q, at::Tensor scale, int
   TORCH_CHECK(q.dim() >= 3 && q.size(0) == chunks && q.is_contiguous(),
               "quant_linear_chunks: q as [", chunks, ", ...] (each chunk's weight), got ", q.sizes());
   const int64_t M = x.size(0), W = x.size(1) / chunks, N = scale.size(0);
-  if (q.scalar_type() == at::kByte || x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16 ||
-      q.scalar_type() != at::kFloat8_e4m3fn) {  // int8 packed per chunk (or what quant_linear refuses)
+  if (q.scalar_type() != at::kFloat8_e4m3fn) {  // int8 packed per chunk: quant_linear on each
     std::vector<at::Tensor> parts;
     for (int64_t c = 0; c < chunks; ++c) parts.push_back(quant_linear(x.narrow(1, c * W, W).contiguous(), q[c], scale));
     const at::Tensor all = at::stack(parts);
     return sum ? sum_chunk_products(all) : all;
   }
   TORCH_CHECK(q.dim() == 3 && q.size(1) == N && q.size(2) == W && scale.scalar_type() == at::kFloat &&
-                  scale.is_contiguous(),
-              "quant_linear_chunks: fp8 q [", chunks, ", N, ", W, "] and a float32 scale [N], got ", q.sizes(), " and ",
-              scale.sizes());
+                  scale.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear_chunks: fp8 q [", chunks, ", N, ", W, "], a float32 scale [N] and float32 or bfloat16 x, "
+              "got ", q.sizes(), ", ", scale.sizes(), " and ", x.scalar_type());
   at::Tensor parts = at::empty({chunks, M, N}, x.options());
   at::Tensor y = sum ? at::empty({M, N}, x.options()) : parts;
   if (M == 0) return y;

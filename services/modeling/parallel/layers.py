@@ -267,7 +267,9 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"{invariant_chunks} layout-invariant chunks split neither tp_degree={self.tp_degree} "
                              f"nor in_features={in_features} evenly")
         self.invariant_chunks = invariant_chunks
-        self._chunk_weights: torch.Tensor | None = None  # stage_weight's chunked copy, made after loading
+        # stage_weight's quantized weight in the layout-invariant numerics (int8 packed whole, or the
+        # chunks), made at its first call after loading
+        self._chunk_weights: torch.Tensor | None = None
         self._weights(out_features, self.in_local, dtype=dtype, device=device, quant=quant)
 
     def weight_loader(self, target: torch.Tensor, source: WeightSource, shard_id: Any = None) -> None:
@@ -336,12 +338,15 @@ class RowParallelLinear(LinearBase):
         whole where :meth:`_whole_int8`), or in the layout-invariant numerics another quantized one
         as [chunks, out, W], each chunk's rows contiguous (the quantized kernel reads a weight as
         one block), made at the first call after loading."""
-        if not (self.invariant_chunks and self.quant is not None) or self._whole_int8():
+        if not (self.invariant_chunks and self.quant is not None):
             return self.kernel_weight()
-        if self._chunk_weights is None:
-            count = self.invariant_chunks // self.tp_degree
-            chunks = self.weight.view(self.out_features, count, self.in_local // count).transpose(0, 1).contiguous()
-            self._chunk_weights = torch.stack([pack_int8(chunk) for chunk in chunks])  # int8: each chunk on its own
+        if self._chunk_weights is None:  # decided once, at the first call after loading
+            if self._whole_int8():
+                self._chunk_weights = self.kernel_weight()
+            else:
+                count = self.invariant_chunks // self.tp_degree
+                chunks = self.weight.view(self.out_features, count, self.in_local // count).transpose(0, 1).contiguous()
+                self._chunk_weights = torch.stack([pack_int8(chunk) for chunk in chunks])  # int8: each on its own
         return self._chunk_weights
 
 
