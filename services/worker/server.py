@@ -4,7 +4,8 @@ Served by the group's driver (global rank 0). A thin servicer: protobuf in, a ca
 engine, protobuf out; domain errors become statuses in ``services.common.grpc_server``. The
 driver process also launches the group's other ranks (``services.worker.driver``). ``Relay``
 multiplexes many generations on one stream, one message per engine step
-(``services.worker.relay``); a thread per stream reads its submits and cancels.
+(``services.worker.relay``); a thread per stream reads its submits and cancels. ``Generate``
+streams one generation on a relay session of its own, so both RPCs take one path into the engine.
 """
 
 from __future__ import annotations
@@ -39,11 +40,6 @@ from services.worker.relay import RelaySession
 
 SERVICE = "worker"
 log = logging.getLogger(__name__)
-
-# Trailing metadata of a stream that failed mid-way: the ids already streamed, so a router can
-# continue the request on another group.
-GENERATED_IDS_KEY = "shardline-generated-token-ids"
-
 
 def finished_pb(event) -> common_pb2.GenerationFinished:
     """An engine FinishEvent as the final message's payload."""
@@ -110,24 +106,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @traced_stream("shardline.worker/Generate")
     def Generate(self, request: worker_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[worker_pb2.GenerateResponse]:
-        engine = self.engine
+        """One generation on a Relay session of its own: the engine path the router's streams
+        take, one message per token. A refusal or a failed group ends the call with its status."""
         ids = self._prompt_ids(request, "prompt")
-        handle = engine.submit(ids, sampling_from_pb(request.sampling), request_id=request.request_id,
-                               reserve_kv=request.reserve_kv)
-        context.add_callback(handle.cancel)  # client cancel or disconnect frees the blocks at once
-        rid = handle.request_id
+        params = sampling_from_pb(request.sampling)
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        session = RelaySession(self.engine)
+        context.add_callback(session.close)  # client cancel or disconnect frees the blocks at once
+        session.submit(0, ids, params, request_id=rid, reserve_kv=request.reserve_kv)
+        session.end_input()
         index = 0
-        for event in handle:
-            if isinstance(event, FinishEvent):
-                yield worker_pb2.GenerateResponse(request_id=rid, finished=finished_pb(event))
-                return
-            if isinstance(event, ErrorEvent):
-                context.set_trailing_metadata(((GENERATED_IDS_KEY, ",".join(map(str, event.token_ids))),))
-                raise event.error
-            yield worker_pb2.GenerateResponse(request_id=rid, token=common_pb2.GeneratedToken(
-                index=index, token_id=event.token_id, text=event.text, logprob=event.logprob,
-                top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in event.top_logprobs]))
-            index += 1
+        try:
+            for batch in session.batches():
+                for _, event in batch:
+                    kind = event.__class__
+                    if kind is FinishEvent:
+                        yield worker_pb2.GenerateResponse(request_id=rid, finished=finished_pb(event))
+                        return
+                    if kind is not TokenEvent:  # Rejected, or ErrorEvent (the group failed)
+                        raise event.error
+                    yield worker_pb2.GenerateResponse(request_id=rid, token=common_pb2.GeneratedToken(
+                        index=index, token_id=event.token_id, text=event.text, logprob=event.logprob,
+                        top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp)
+                                      for t, lp in event.top_logprobs]))
+                    index += 1
+        finally:
+            session.close()
 
     def Relay(self, request_iterator: Iterable[worker_pb2.RelayRequest],
               context: grpc.ServicerContext) -> Iterator[worker_pb2.RelayResponse]:
