@@ -5,8 +5,9 @@ Decoding token by token breaks characters whose UTF-8 bytes span several byte-le
 vLLM does, decode the window of tokens already shown and the window including the new one, and
 emit the difference unless it ends in an incomplete character (U+FFFD): two decodes per token.
 
-For a byte-level BPE tokenizer (the Llama-3 / SmolLM2 / GPT-2 family) most tokens do not need it: the decoder maps each token to its bytes (a skipped special token to none) and decodes
-the concatenation as UTF-8 with U+FFFD for invalid sequences, so when a token's bytes are valid
+For a byte-level BPE tokenizer (the Llama-3 / SmolLM2 / GPT-2 family) most tokens do not need it:
+the decoder maps each token to its bytes (a skipped special token to none) and decodes the
+concatenation as UTF-8 with U+FFFD for invalid sequences, so when a token's bytes are valid
 UTF-8 on their own (they then start at a character boundary), decoding ``window + token`` gives
 ``decode(window)`` followed by the token's own text, whatever the window ends with. So while no
 token with bytes is held back (the last delta did not stop inside a character):
@@ -57,8 +58,8 @@ class Detokenizer:
     """Text deltas of a token stream that never split a multi-byte character, with the request's
     stop strings applied (see the module docstring)."""
 
-    __slots__ = ("tokenizer", "stop", "texts", "ids", "prefix_offset", "read_offset", "_held", "_prefix",
-                 "_pieces", "_max_stop")
+    __slots__ = ("tokenizer", "stop", "texts", "ids", "prefix_offset", "read_offset", "stopped_by", "_held",
+                 "_prefix", "_pieces", "_max_stop")
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, texts: TokenTexts | None = None) -> None:
         self.tokenizer = tokenizer
@@ -67,6 +68,7 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        self.stopped_by: str | None = None  # the stop string that ended the text (the earliest found)
         self._held = False  # ids[read_offset:] may hold bytes of an unfinished character
         self._prefix: tuple[int, int, str] = (0, 0, "")  # the decoded prefix window, by its offsets
         self._pieces: list[str] = []  # the text so far, joined when asked (no O(n) copy per token)
@@ -110,9 +112,9 @@ class Detokenizer:
         text = self.text
         start = max(0, len(text) - self._max_stop + 1)
         candidate = text + delta
-        hits = [i for i in (candidate.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := candidate.find(s, start)) >= 0]
         if hits:
-            cut = min(hits)
+            cut, self.stopped_by = min(hits, key=lambda hit: hit[0])
             delta = candidate[len(text):cut] if cut >= len(text) else ""
             candidate = candidate[:cut]
         self._pieces = [candidate]

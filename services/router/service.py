@@ -15,9 +15,11 @@ seeded request's sampler resumes its random stream where the failed group left i
 continued tokens are those of a fault-free run), and the client sees one unbroken stream
 (``replica_group_id`` changes on the messages that follow: it always names the group that
 produced the token at hand; ``replica_group_ids`` lists every group that produced some). Stop
-strings are matched by the router's own detokenizer over every generated token (a new group sees
-the earlier ones only as prompt), so a stop string that straddles the failure point still ends
-the request, and a request already complete when its group fails is not continued. A request
+strings are matched only here, by the router's own detokenizer over every generated token (a new
+group sees the earlier ones only as prompt), so a stop string that straddles the failure point
+still ends the request, and a request already complete when its group fails is not continued. The
+workers get no stop strings and make no text; a match ends the stream at that token and cancels
+the upstream request with reason stop. A request
 that cannot continue (no healthy group left, or ``max_continuations`` spent) raises the failure
 (UNAVAILABLE), which each front door turns into its error: a gRPC status, an SSE error event
 before ``[DONE]``.
@@ -313,7 +315,10 @@ class Generation:
         reservation = self.reservation
         assert reservation is not None
         self.replica_group_id = reservation.group.replica_group_id
-        self._upstream = self.core.open_upstream(reservation.group.address, self.request_id, prompt_ids, sampling,
+        # stop strings are matched here, over the tokens of every group (a continuation's group
+        # sees the earlier ones only as prompt), so the worker gets none and makes no text
+        self._upstream = self.core.open_upstream(reservation.group.address, self.request_id, prompt_ids,
+                                                 replace(sampling, stop=()) if sampling.stop else sampling,
                                                  self.prepared.trace_context)
         if self.core.metrics is not None:
             self._running_on = self.replica_group_id
@@ -378,8 +383,8 @@ class Generation:
             push = detok.push if detok is not None else None
             generated: list[int] = []
             first_ns = last_ns = 0
-            stop_hit = False
             failovers = 0
+            continued_from = 0
             want_texts = p.token_texts
             token_text = model.token_text
             monotonic_ns = time.monotonic_ns
@@ -387,6 +392,21 @@ class Generation:
             metrics = self.core.metrics
             token_ns: list[int] = []  # when each token came (the inter-token latencies)
             stamp = token_ns.append if metrics is not None else None
+
+            def finish(reason: FinishReason) -> Finished:
+                """The stream's last event: counted, and offered to the shadow mirror."""
+                self._finished = True
+                finished = Finished(reason, len(p.prompt_ids), len(generated), self._timings(first_ns, last_ns),
+                                    detok.stopped_by if detok is not None else None, detok.text if detok else "")
+                if metrics is not None:
+                    metrics.request_finished(model.name, finished, replica_group=self.replica_group_id,
+                                             max_tokens=p.sampling.max_tokens, token_ns=token_ns)
+                if shadow_logprobs and not continued_from and reason in MIRRORED_REASONS:
+                    self._shadow_job = ShadowJob(
+                        self.request_id, model.name, self.replica_group_id, tuple(p.prompt_ids),
+                        tuple(generated), tuple(shadow_logprobs), p.sampling.temperature == 0)
+                return finished
+
             while True:
                 upstream, reservation = self._upstream, self.reservation
                 assert upstream is not None and reservation is not None
@@ -396,29 +416,9 @@ class Generation:
                     while True:
                         event = await next_event()
                         if event.__class__ is UpstreamFinished:
-                            reason = FinishReason.STOP_SEQUENCE if stop_hit else event.reason
-                            if reason is FinishReason.CANCELLED and self.cancelled.is_set():
+                            if event.reason is FinishReason.CANCELLED and self.cancelled.is_set():
                                 raise RequestCancelled(f"request {self.request_id} cancelled")
-                            self._finished = True
-                            finished = Finished(reason, len(p.prompt_ids), len(generated),
-                                                self._timings(first_ns, last_ns), event.stop_sequence,
-                                                detok.text if detok else "")
-                            if metrics is not None:
-                                metrics.request_finished(model.name, finished, replica_group=self.replica_group_id,
-                                                         max_tokens=p.sampling.max_tokens, token_ns=token_ns)
-                            if shadow_logprobs and not continued_from and reason in MIRRORED_REASONS:
-                                self._shadow_job = ShadowJob(
-                                    self.request_id, model.name, self.replica_group_id, tuple(p.prompt_ids),
-                                    tuple(generated), tuple(shadow_logprobs), p.sampling.temperature == 0)
-                            yield finished
-                            return
-                        if stop_hit:
-                            # only after a continuation: the new worker did not see the text before
-                            # its prompt, so the router's detokenizer found the stop string first
-                            upstream.cancel()
-                            self._finished = True
-                            yield Finished(FinishReason.STOP_SEQUENCE, len(p.prompt_ids), len(generated),
-                                           text=detok.text if detok else "")
+                            yield finish(event.reason)
                             return
                         last_ns = monotonic_ns()
                         if stamp is not None:
@@ -443,17 +443,19 @@ class Generation:
                                            tuple([TokenAlternative(t, "", lp) for t, lp in event.top_logprobs]))
                         else:
                             yield TokenOut(index, token_id, text, event.logprob)
+                        if stop_hit:  # the router matches stop strings (the worker got none): end it there
+                            upstream.cancel(stop=True)
+                            yield finish(FinishReason.STOP_SEQUENCE)
+                            return
                 except (WorkerFailed, WorkerRejected) as exc:
                     if self.cancelled.is_set():
                         raise RequestCancelled(f"request {self.request_id} cancelled") from None
                     remaining = p.sampling.max_tokens - len(generated)
                     if isinstance(exc, WorkerFull):  # refused before its first token: admitted again, no failover
                         self._refused(reservation, exc)
-                    elif stop_hit or remaining <= 0:  # the request is complete: nothing to continue
+                    elif remaining <= 0:  # the request is complete: nothing to continue
                         self._fail_over(reservation, exc, failovers=0)  # marks the group, never raises
-                        self._finished = True
-                        yield Finished(FinishReason.STOP_SEQUENCE if stop_hit else FinishReason.LENGTH,
-                                       len(p.prompt_ids), len(generated), text=detok.text if detok else "")
+                        yield finish(FinishReason.LENGTH)
                         return
                     else:
                         failovers += 1

@@ -149,13 +149,15 @@ class UpstreamStream:
             return event
         raise event
 
-    def cancel(self) -> None:
+    def cancel(self, *, stop: bool = False) -> None:
+        """``stop``: the router matched one of the request's stop strings (the worker records the
+        request as finished by one), rather than the client going away."""
         self._failure = RequestCancelled(f"the request on worker {self.address} was cancelled")
         self._events.clear()
         self._wake()
         if not self._ended:
             self._ended = True
-            self.relay.cancel(self.relay_id)
+            self.relay.cancel(self.relay_id, stop=stop)
 
     def _deliver(self, event: UpstreamToken | UpstreamFinished | ShardlineError) -> None:
         self._events.append(event)
@@ -207,9 +209,11 @@ class WorkerRelay:
             relay_id=relay_id, request=request, trace_context=dict(trace_context))))
         return stream
 
-    def cancel(self, relay_id: int) -> None:
+    def cancel(self, relay_id: int, *, stop: bool = False) -> None:
         if self._streams.pop(relay_id, None) is not None and not self.closed:
-            self._outbox.put_nowait(worker_pb2.RelayRequest(cancel=worker_pb2.RelayCancel(relay_id=relay_id)))
+            reason = common_pb2.FINISH_REASON_STOP_SEQUENCE if stop else common_pb2.FINISH_REASON_CANCELLED
+            self._outbox.put_nowait(worker_pb2.RelayRequest(cancel=worker_pb2.RelayCancel(relay_id=relay_id,
+                                                                                          reason=reason)))
 
     async def aclose(self) -> None:
         """Half-close, cancel the call and wait for the reader (live requests fail)."""

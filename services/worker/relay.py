@@ -27,7 +27,7 @@ from typing import Any
 from opentelemetry.trace import use_span
 
 from services.common.errors import InvalidArgument, ShardlineError
-from services.common.sampling import SamplingParams
+from services.common.sampling import FinishReason, SamplingParams
 from services.telemetry.tracing import start_server_span
 from services.worker.engine.engine import LLMEngine, RequestHandle, TokenEvent
 
@@ -88,9 +88,12 @@ class RelaySession:
         return len(self._live)
 
     def submit(self, relay_id: int, prompt_ids: list[int], params: SamplingParams, *, request_id: str = "",
-               trace_context: Mapping[str, str] | None = None, reserve_kv: bool = False) -> None:
+               trace_context: Mapping[str, str] | None = None, reserve_kv: bool = False,
+               texts: bool = False) -> None:
         """Start a request; a refusal by the engine becomes its :class:`Rejected` event. Raises
-        RelayProtocolError if ``relay_id`` is live."""
+        RelayProtocolError if ``relay_id`` is live. ``texts``: the token events carry text (a
+        Relay stream sends ids only, and the engine detokenizes its requests only for their stop
+        strings)."""
         with self._lock:  # only this (the reader's) thread adds ids: check, then add below
             if self._closed:
                 return
@@ -106,7 +109,7 @@ class RelaySession:
             with use_span(relayed.span) if relayed.span is not None else nullcontext():
                 # (the engine's step tracer binds the current span to the sequence)
                 relayed.handle = self.engine.submit(prompt_ids, params, request_id=request_id, events=relayed,
-                                                    reserve_kv=reserve_kv)
+                                                    reserve_kv=reserve_kv, texts=texts)
         except ShardlineError as exc:
             self._forget(relay_id)
             self._out.put([(relay_id, Rejected(exc))])
@@ -120,13 +123,14 @@ class RelaySession:
             self._check_new(relay_id)
         self._out.put([(relay_id, Rejected(error))])
 
-    def cancel(self, relay_id: int) -> None:
-        """Stop a live request and free its blocks; no event follows. Unknown ids are ignored."""
+    def cancel(self, relay_id: int, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """Stop a live request and free its blocks; no event follows. Unknown ids are ignored.
+        ``reason``: STOP_SEQUENCE when the client matched a stop string (the engine records it so)."""
         relayed = self._forget(relay_id)
         if relayed is not None:
             relayed.cancelled = True
             if relayed.handle is not None:
-                relayed.handle.cancel()
+                relayed.handle.cancel(reason)
 
     def end_input(self) -> None:
         """The client half-closed: the batches end once the live requests have."""

@@ -26,6 +26,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Shardlin
 from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service, status_for
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.proto_convert import FINISH_REASON_TO_PB, dtype_to_pb, sampling_from_pb
+from services.common.sampling import FinishReason
 from services.common.transport_security import TransportSecurity
 from services.modeling.parallel.placement import PlacementError
 from services.telemetry.client import ShipperConfig
@@ -113,7 +114,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
         session = RelaySession(self.engine)
         context.add_callback(session.close)  # client cancel or disconnect frees the blocks at once
-        session.submit(0, ids, params, request_id=rid, reserve_kv=request.reserve_kv)
+        session.submit(0, ids, params, request_id=rid, reserve_kv=request.reserve_kv, texts=True)
         session.end_input()
         index = 0
         try:
@@ -161,7 +162,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     session.submit(submit.relay_id, ids, params, request_id=submit.request.request_id,
                                    trace_context=dict(submit.trace_context), reserve_kv=submit.request.reserve_kv)
                 elif command == "cancel":
-                    session.cancel(message.cancel.relay_id)
+                    cancel = message.cancel
+                    stopped = cancel.reason == common_pb2.FINISH_REASON_STOP_SEQUENCE  # else: the client gave up
+                    session.cancel(cancel.relay_id, FinishReason.STOP_SEQUENCE if stopped else FinishReason.CANCELLED)
                 else:
                     raise InvalidArgument("Relay: a message without a command (submit or cancel)")
         except ShardlineError as exc:  # the client broke the protocol: fail the stream

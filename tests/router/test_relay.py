@@ -35,6 +35,7 @@ class Script:
         self.hold_after = hold_after
         self.sent = 0
         self.cancelled = asyncio.Event()
+        self.stopped = False  # cancelled because the router matched a stop string
 
     async def next(self):
         if self.cancelled.is_set():
@@ -49,7 +50,8 @@ class Script:
         self.sent += 1
         return UpstreamToken(100 + len(self.prompt_ids) + self.sent, -0.25)
 
-    def cancel(self) -> None:
+    def cancel(self, *, stop: bool = False) -> None:
+        self.stopped = stop
         self.cancelled.set()
 
 
@@ -207,28 +209,47 @@ def test_a_stop_string_straddling_the_failure_point_ends_the_request(catalog):
     workers = Workers(**{"a:1": {"fail_after": 3}})
     events = run(workers)
     assert events[:4] == [(104, "d"), (105, "e"), (106, "f"), (107, "")]
-    assert events[4][:2] == (FinishReason.STOP_SEQUENCE, 4) and len(events) == 5
+    assert events[4] == (FinishReason.STOP_SEQUENCE, 4, "de") and len(events) == 5
     assert events == run(Workers())
     assert [address for address, *_ in workers.opened] == ["a:1", "b:1"]
-    assert workers.opened[1][2].stop == ("fg",) and workers.streams[1].cancelled.is_set()
+    # the workers get no stop strings (the router matches them); the one that produced the last
+    # token is told the request stopped there
+    assert [opened[2].stop for opened in workers.opened] == [(), ()]
+    assert workers.streams[1].cancelled.is_set() and workers.streams[1].stopped
 
 
-@pytest.mark.parametrize(("stop", "max_tokens", "reason"), [
-    (("ef",), 20, FinishReason.STOP_SEQUENCE),  # the stop string ended on the failed group's last token
-    ((), 3, FinishReason.LENGTH),  # the failed group streamed the whole budget
-])
-def test_a_request_complete_when_its_group_fails_is_not_continued(catalog, stop, max_tokens, reason):
-    workers = Workers(**{"a:1": {"fail_after": 3}})
-    a = view("a")
-    core = core_over(catalog, workers, a, view("b", used_tokens=10))
-    sampling = SamplingParams(max_tokens=max_tokens, stop=stop)
+def test_a_stop_string_ends_the_request_at_its_token_and_names_itself(catalog):
+    """The router ends the stream on the token that completes a stop string (without waiting for
+    the worker), tells the worker why, and says which stop string it was."""
+    workers = Workers()
+    core = core_over(catalog, workers)
+    sampling = SamplingParams(max_tokens=20, stop=("zz", "ef"))
 
     async def run() -> list:
         generation = await core.generate(GenerationRequest(model="m", prompt_ids=(5, 6, 7), sampling=sampling))
         return [event async for event in generation]
 
     events = asyncio.run(run())
-    assert (events[-1].reason, events[-1].completion_tokens) == (reason, 3)
+    final = events[-1]
+    assert [t.text for t in events[:-1]] == ["d", "e", ""]
+    assert (final.reason, final.completion_tokens, final.stop_sequence, final.text) == \
+        (FinishReason.STOP_SEQUENCE, 3, "ef", "d")
+    assert workers.streams[0].sent == 3 and workers.streams[0].stopped and reserved(core) == 0
+
+
+def test_a_request_complete_when_its_group_fails_is_not_continued(catalog):
+    """The failed group streamed the whole budget before it failed."""
+    workers = Workers(**{"a:1": {"fail_after": 3}})
+    a = view("a")
+    core = core_over(catalog, workers, a, view("b", used_tokens=10))
+
+    async def run() -> list:
+        generation = await core.generate(GenerationRequest(model="m", prompt_ids=(5, 6, 7),
+                                                           sampling=SamplingParams(max_tokens=3)))
+        return [event async for event in generation]
+
+    events = asyncio.run(run())
+    assert (events[-1].reason, events[-1].completion_tokens) == (FinishReason.LENGTH, 3)
     assert [address for address, *_ in workers.opened] == ["a:1"] and a.failed and reserved(core) == 0
 
 

@@ -246,6 +246,32 @@ def test_the_router_and_the_worker_serve_vllms_metrics_with_the_requests_figures
 
     assert wait_until(router_sees_idle_group, 5)
 
+@pytest.mark.slow
+def test_a_stop_string_counts_as_stop_on_the_router_that_matched_it_and_on_the_worker(stack):
+    """The router matches stop strings (the worker gets none) and tells the worker, which counts
+    the request as finished by a stop string, not as an abort."""
+    ports, _model_dir, _log = stack
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="none", max_retries=0)
+    with grpc.insecure_channel(f"127.0.0.1:{ports['router']}") as channel:
+        (info,) = router_pb2_grpc.RouterServiceStub(channel).ListReplicaGroups(
+            router_pb2.ListReplicaGroupsRequest(), timeout=5).groups
+    with grpc.insecure_channel(info.address) as channel:
+        stats = worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
+    urls = {"router": f"http://127.0.0.1:{ports['http']}/metrics",
+            "worker": f"http://{info.address.rsplit(':', 1)[0]}:{stats.metrics_port}/metrics"}
+    before = {where: value(vllm_families(url), "vllm:request_success_total", finished_reason="stop")
+              for where, url in urls.items()}
+    text = complete(client, [5, 6, 7, 8, 9], 24).choices[0].text
+    stop = next(c for c in text if c.isalnum())  # a character the greedy text reaches
+    done = client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 8, 9], max_tokens=24, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True}, timeout=60)
+    assert done.choices[0].finish_reason == "stop" and stop not in done.choices[0].text
+    assert text.startswith(done.choices[0].text)
+    for where, url in urls.items():
+        assert wait_until(lambda url=url, where=where: value(vllm_families(url), "vllm:request_success_total",
+                                                             finished_reason="stop") == before[where] + 1, 10), where
+    assert value(vllm_families(urls["worker"]), "vllm:num_requests_running") == 0
+
 
 OBSERVABILITY = REPO / "deploy" / "observability"
 

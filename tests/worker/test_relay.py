@@ -161,6 +161,23 @@ def test_a_cancel_frees_the_blocks_and_silences_the_request(worker):
     relay.call.cancel()
 
 
+def test_a_relayed_request_stops_at_the_stop_strings_its_client_sent(worker):
+    """A Relay stream sends token ids only, and the worker still ends a request at a stop string
+    its client sent (a router matches them itself and sends none)."""
+    prompt = common_pb2.TokenIds(ids=[5, 6, 7, 8, 9])
+    free = worker.Generate(worker_pb2.GenerateRequest(token_ids=prompt, sampling=sampling(
+        temperature=0, max_tokens=24, ignore_eos=True)))
+    texts = [r.token.text for r in free if r.HasField("token")]
+    stop = next(c for c in "".join(texts) if c.isalnum())
+    relay = Relay(worker)
+    relay.submit(1, token_ids=prompt, sampling=sampling(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    relay.until_done(1)
+    outcome = relay.outcomes[1]
+    assert outcome.final.finished.finish_reason == common_pb2.FINISH_REASON_STOP_SEQUENCE
+    assert len(outcome.tokens) == next(i for i in range(1, 25) if stop in "".join(texts[:i]))
+    relay.call.cancel()
+
+
 def test_the_end_of_the_stream_cancels_its_requests(worker):
     relay = Relay(worker)
     for relay_id in (1, 2):

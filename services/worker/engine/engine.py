@@ -108,8 +108,10 @@ class RequestHandle:
     def seq_id(self) -> int:
         return self.seq.seq_id
 
-    def cancel(self) -> None:
-        self.engine.abort(self.seq_id)
+    def cancel(self, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """End the request now and free its blocks; no further event comes. ``reason``:
+        STOP_SEQUENCE when the client matched one of its stop strings itself (a router does)."""
+        self.engine.abort(self.seq_id, reason)
 
     def __iter__(self):
         while True:
@@ -156,11 +158,13 @@ class LLMEngine:
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
-               events: EventSink | None = None, reserve_kv: bool = False) -> RequestHandle:
+               events: EventSink | None = None, reserve_kv: bool = False, texts: bool = True) -> RequestHandle:
         """Validate and queue a request. Raises InvalidRequest (bad field, too long),
         Unavailable (group failed, draining) or, with ``reserve_kv``, KVBudgetFull (its KV claim
         does not fit beside the admitted ones: ``kv_budget.py``) at once; nothing is queued then.
-        ``events``: where its events go (default: a queue of the handle's own)."""
+        ``events``: where its events go (default: a queue of the handle's own). ``texts=False``:
+        the events carry no text (the caller makes its own), so the request is detokenized only
+        to match its stop strings, if it has any."""
         if self.failure is not None:
             raise Unavailable(f"replica group {self.coordinator.replica_group_id} is unhealthy: {self.failure}")
         if self.draining or self.stopped:
@@ -178,7 +182,7 @@ class LLMEngine:
             generated = seq.prompt_token_ids[len(seq.prompt_token_ids) - params.first_step:]
             seq.matcher = self.guides.matcher(params.guide, generated)
         detok = (Detokenizer(self.tokenizer, params.stop, texts=self._token_texts)
-                 if self.tokenizer is not None else None)
+                 if self.tokenizer is not None and (texts or params.stop) else None)
         handle = RequestHandle(self, seq, request_id or f"req-{seq.seq_id}", detok, events=events)
         self.kv_budget.admit(seq.seq_id, seq.num_prompt_tokens + params.max_tokens, reserve=reserve_kv)
         with self._lock:
@@ -213,8 +217,8 @@ class LLMEngine:
             raise outcome
         return outcome
 
-    def abort(self, seq_id: int) -> None:
-        self._commands.put(("abort", seq_id))
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        self._commands.put(("abort", (seq_id, reason)))
         self._wakeup.set()
 
     def stats(self) -> dict:
@@ -335,8 +339,9 @@ class LLMEngine:
                 if alive:
                     self.scheduler.add(arg)
             elif kind == "abort":
-                self.scheduler.abort(arg)
-                self._remove(arg)
+                seq_id, reason = arg
+                self.scheduler.finish(seq_id, reason)
+                self._remove(seq_id)
             elif kind == "score":
                 self._score(*arg)
 
