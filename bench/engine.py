@@ -25,9 +25,10 @@ from bench.common import machine, median_time, smollm2_dir, write_results
 from services.common.sampling import SamplingParams
 from services.modeling.kernels import TorchOps, dense_linear
 from services.worker.engine.bootstrap import build_engine, start_rank
-from services.worker.engine.engine import FinishEvent, TokenEvent
+from services.worker.engine.engine import FinishEvent
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.runner import follower_loop
+from services.worker.engine.step import TokenEvent
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 

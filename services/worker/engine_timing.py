@@ -14,8 +14,9 @@ from typing import Any
 
 from services.common.sampling import SamplingParams
 from services.worker.engine.bootstrap import build_engine, start_rank
-from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
+from services.worker.engine.engine import ErrorEvent, FinishEvent
 from services.worker.engine.kv_cache import CacheConfig
+from services.worker.engine.step import TokenEvent
 from services.worker.runtime import RankSpec
 
 

@@ -29,7 +29,8 @@ from opentelemetry.trace import use_span
 from services.common.errors import InvalidArgument, ShardlineError
 from services.common.sampling import FinishReason, SamplingParams
 from services.telemetry.tracing import start_server_span
-from services.worker.engine.engine import LLMEngine, RequestHandle, TokenEvent
+from services.worker.engine.engine import LLMEngine, RequestHandle
+from services.worker.engine.step import TokenEvent
 
 SPAN_NAME = "shardline.worker/Relay"
 _END = object()  # no more batches: the input ended and no request is live, or the session closed

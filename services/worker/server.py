@@ -35,7 +35,8 @@ from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
 from services.worker import multinode
 from services.worker.driver import ReplicaDriver, ServingOptions, start_followers
-from services.worker.engine.engine import ErrorEvent, FinishEvent, TokenEvent
+from services.worker.engine.engine import ErrorEvent, FinishEvent
+from services.worker.engine.step import TokenEvent
 from services.worker.options import add_engine_arguments, add_layout_arguments, engine_spec
 from services.worker.relay import RelaySession
 

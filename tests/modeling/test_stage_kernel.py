@@ -10,8 +10,9 @@ from services.common.sampling import SamplingParams
 from services.modeling.kernels import cpu_kernels, pack_dense
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.worker.engine.bootstrap import build_engine, start_rank
-from services.worker.engine.engine import FinishEvent, TokenEvent
+from services.worker.engine.engine import FinishEvent
 from services.worker.engine.kv_cache import CacheConfig
+from services.worker.engine.step import TokenEvent
 from services.worker.runtime import RankSpec
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ toolchain here: the CPU kernels did not build")
@@ -32,9 +33,10 @@ def served(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple
 
 
 # the layout-invariant numerics: the row-parallel layers' fixed k-chunks summed in the call too
-@pytest.mark.parametrize("dtype,numerics", [("bfloat16", "per-layout"), ("float32", "per-layout"), ("int8", "per-layout"),
-                                            ("bfloat16", "layout-invariant"), ("float32", "layout-invariant"),
-                                            ("int8", "layout-invariant"), ("fp8", "layout-invariant")])
+@pytest.mark.parametrize("dtype,numerics", [("bfloat16", "per-layout"), ("float32", "per-layout"),
+                                            ("int8", "per-layout"), ("bfloat16", "layout-invariant"),
+                                            ("float32", "layout-invariant"), ("int8", "layout-invariant"),
+                                            ("fp8", "layout-invariant")])
 def test_the_stage_kernel_serves_the_bits_of_the_python_loop(tiny_model_dir, dtype, numerics):
     # prompts split over prefill chunks, mixed with decodes; no prefix caching, so that the second
     # pass computes every prompt again, in the same steps as the first

@@ -15,9 +15,10 @@ from tokenizers import Tokenizer
 from services.common.collective_events import EventSink
 from services.common.sampling import SamplingParams
 from services.modeling.config import ModelConfigError
-from services.worker.engine.engine import ErrorEvent, FinishEvent, LLMEngine, TokenEvent
+from services.worker.engine.engine import ErrorEvent, FinishEvent, LLMEngine
 from services.worker.engine.kv_cache import KVCacheLayout
 from services.worker.engine.runner import StageRunner, follower_loop
+from services.worker.engine.step import TokenEvent
 from services.worker.runtime import LOAD_BARRIER_TIMEOUT_S, RankRuntime, RankSpec, stage_tokenizer_dir
 
 

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
@@ -42,18 +42,10 @@ from services.worker.engine.prefix_events import PrefixCacheLog
 from services.worker.engine.runner import IDLE_HEARTBEAT_S, StageRunner
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.worker.engine.sequence import Sequence
-from services.worker.engine.step import SeqStep, StepPlan, StepResult
+from services.worker.engine.step import SeqStep, StepPlan, StepResult, TokenEvent
 from services.worker.scoring import score_tokens
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    text: str
-    logprob: float
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -415,12 +407,13 @@ class LLMEngine:
             self._token_times.append(time.monotonic())
             if not handle.first_token_ns:
                 handle.first_token_ns = now_ns
-            text, stopped = handle.detok.push(tok.token_id) if handle.detok else ("", False)
-            if stopped and seq_id not in finished:
-                seq = self.scheduler.finish(seq_id, FinishReason.STOP_SEQUENCE)
-                if seq is not None:
-                    finished[seq_id] = seq
-            handle.events.put(TokenEvent(tok.token_id, text, tok.logprob, tok.top_logprobs))
+            if handle.detok is not None:
+                tok.text, stopped = handle.detok.push(tok.token_id)
+                if stopped and seq_id not in finished:
+                    seq = self.scheduler.finish(seq_id, FinishReason.STOP_SEQUENCE)
+                    if seq is not None:
+                        finished[seq_id] = seq
+            handle.events.put(tok)  # the sampler's own object (see TokenEvent)
             if seq_id in finished:
                 seq = finished[seq_id]
                 with self._lock:

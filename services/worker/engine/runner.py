@@ -20,7 +20,7 @@ from services.worker.engine.batch import flatten
 from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.kv_cache import KVCacheLayout, allocate_kv_cache
 from services.worker.engine.sampler import Sampler
-from services.worker.engine.step import SampledToken, StepPlan, StepResult
+from services.worker.engine.step import StepPlan, StepResult, TokenEvent
 from services.worker.runtime import RankRuntime
 from services.worker.scoring import score_tokens
 
@@ -57,7 +57,7 @@ class StageRunner:
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.fits(plan.seqs):
             out = self.sampler.sample(self.graphs.run(plan.seqs), plan.seqs)
-            sampled = [SampledToken(s.seq_id, tok, lp, top) for s, (tok, lp, top) in zip(plan.seqs, out)]
+            sampled = [TokenEvent(s.seq_id, tok, lp, top) for s, (tok, lp, top) in zip(plan.seqs, out)]
             return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
         batch = flatten(plan.seqs, rt.device)
         if g.is_first_stage:
@@ -77,7 +77,7 @@ class StageRunner:
         if not self.samples_here:
             return None
         out = self.sampler.sample(logits, sampling)
-        sampled = [SampledToken(s.seq_id, tok, lp, top) for s, (tok, lp, top) in zip(sampling, out)]
+        sampled = [TokenEvent(s.seq_id, tok, lp, top) for s, (tok, lp, top) in zip(sampling, out)]
         return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
 
 

@@ -78,16 +78,22 @@ class StepPlan:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
-@dataclass(frozen=True)
-class SampledToken:
+@dataclass(slots=True)
+class TokenEvent:
+    """One sampled token, the one object it is from the sampler to the Relay message: the step's
+    result carries it (across ranks with PP), and the engine hands the same object to its
+    request's event sink, with ``text`` set when the request has a detokenizer (text wanted, or
+    stop strings to match)."""
+
     seq_id: int
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    text: str = ""
 
 
 @dataclass(frozen=True)
 class StepResult:
     step_id: int
-    sampled: list[SampledToken]
+    sampled: list[TokenEvent]
     forward_s: float = 0.0  # last stage's forward + sampling time, for Stats/bench
