@@ -71,8 +71,9 @@ def too_large(size: int, max_bytes: int) -> PayloadTooLarge:
 class BodyReader:
     """A request body taken a chunk at a time (see the module docstring): its size, its text, how
     many JSON separators it has, whether it spells a surrogate escape and whether it holds a
-    control character, each worked out as the chunks arrive. ``feed`` raises PayloadTooLarge once past ``max_bytes`` (the caller keeps
-    reading and dropping, up to a bound, so that a client still sending reads the 413); ``text``
+    control character, each worked out as the chunks arrive. ``feed`` raises PayloadTooLarge once
+    past ``max_bytes`` (the caller keeps reading and dropping, up to a bound, so that a client still
+    sending reads the 413); ``text``
     raises BadBody on invalid UTF-8, naming the byte offset in the whole body (the body is read to
     its end first, as for any other 400)."""
 

@@ -353,7 +353,7 @@ def echo_completion_response(head: ResponseHeader, scored: Scored, prompt_text: 
     completion_tokens = finished.completion_tokens
     return {**head.base("text_completion"), "choices": [{
         "index": 0, "text": prompt_text + finished.text, "finish_reason": finished.reason.openai,
-        "logprobs": logprobs}],
+        "stop_reason": finished.stop_sequence, "logprobs": logprobs}],
         "usage": {"prompt_tokens": len(scored.token_ids), "completion_tokens": completion_tokens,
                   "total_tokens": len(scored.token_ids) + completion_tokens}}
 
@@ -399,6 +399,7 @@ def completion_response(head: ResponseHeader, tokens: list[TokenOut], finished: 
                         want_logprobs: bool) -> dict[str, Any]:
     return {**head.base("text_completion"), "choices": [{
         "index": 0, "text": finished.text, "finish_reason": finished.reason.openai,
+        "stop_reason": finished.stop_sequence,
         "logprobs": completion_logprobs(tokens) if want_logprobs else None}], "usage": usage(finished)}
 
 
@@ -414,20 +415,24 @@ def chat_response(head: ResponseHeader, tokens: list[TokenOut], finished: Finish
     """A chat answer; with ``tools``, the text read for calls (``tools.message``)."""
     message, reason = tool_message(tools, finished.text, finished.reason.openai)
     return {**head.base("chat.completion"), "choices": [{
-        "index": 0, "message": message, "finish_reason": reason,
+        "index": 0, "message": message, "finish_reason": reason, "stop_reason": finished.stop_sequence,
         "logprobs": chat_logprobs(tokens) if want_logprobs else None}], "usage": usage(finished)}
 
 
 def completion_chunk(head: ResponseHeader, text: str, *, finish_reason: str | None = None,
-                     logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+                     logprobs: dict[str, Any] | None = None, index: int = 0,
+                     stop_reason: str | None = None) -> dict[str, Any]:
     return {**head.base("text_completion"),
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
 
 
 def chat_chunk(head: ResponseHeader, delta: dict[str, Any], *, finish_reason: str | None = None,
-               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, index: int = 0,
+               stop_reason: str | None = None) -> dict[str, Any]:
     return {**head.base("chat.completion.chunk"),
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
 
 
 def usage_chunk(head: ResponseHeader, obj: str, finished: Finished, *, completion_tokens: int | None = None) -> \

@@ -341,6 +341,8 @@ class CompletionChoice(Shape):
     index: int
     text: str
     finish_reason: FinishReason | None
+    stop_reason: str | None = Field(None, description="the stop string that ended the text (vLLM's field); null "
+                                                     "when it ended for another reason")
     logprobs: CompletionLogprobs | None
 
 
@@ -366,6 +368,8 @@ class ChatChoice(Shape):
     index: int
     message: AnswerMessage
     finish_reason: FinishReason | None
+    stop_reason: str | None = Field(None, description="the stop string that ended the text (vLLM's field); null "
+                                                     "when it ended for another reason")
     logprobs: ChatLogprobs | None
 
 
@@ -392,6 +396,8 @@ class ChatChunkChoice(Shape):
     index: int
     delta: Delta
     finish_reason: FinishReason | None
+    stop_reason: str | None = Field(None, description="the stop string that ended the text (vLLM's field); null "
+                                                     "when it ended for another reason")
     logprobs: ChatLogprobs | None
 
 

@@ -66,8 +66,9 @@ async def _choice_chunks(generation: Generation, head: oa.ResponseHeader, parsed
                 deltas, reason = calls.finish(reason)
                 for delta in deltas:
                     await put(oa.chat_chunk(head, delta, index=index))
-            await put(oa.chat_chunk(head, {}, finish_reason=reason, index=index) if chat else
-                      oa.completion_chunk(head, "", finish_reason=reason, index=index))
+            stop = event.stop_sequence
+            await put(oa.chat_chunk(head, {}, finish_reason=reason, index=index, stop_reason=stop) if chat else
+                      oa.completion_chunk(head, "", finish_reason=reason, index=index, stop_reason=stop))
             return event
         tokens += 1
         if not event.text and not parsed.want_logprobs:

@@ -266,10 +266,15 @@ def test_a_stop_string_counts_as_stop_on_the_router_that_matched_it_and_on_the_w
     done = client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 8, 9], max_tokens=24, temperature=0,
                                      stop=[stop], extra_body={"ignore_eos": True}, timeout=60)
     assert done.choices[0].finish_reason == "stop" and stop not in done.choices[0].text
-    assert text.startswith(done.choices[0].text)
+    assert text.startswith(done.choices[0].text) and done.choices[0].stop_reason == stop  # vLLM's field
+    streamed = list(client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 8, 9], max_tokens=24,
+                                              temperature=0, stop=[stop], stream=True,
+                                              extra_body={"ignore_eos": True}, timeout=60))
+    assert (streamed[-1].choices[0].finish_reason, streamed[-1].choices[0].stop_reason) == ("stop", stop)
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
     for where, url in urls.items():
         assert wait_until(lambda url=url, where=where: value(vllm_families(url), "vllm:request_success_total",
-                                                             finished_reason="stop") == before[where] + 1, 10), where
+                                                             finished_reason="stop") == before[where] + 2, 10), where
     assert value(vllm_families(urls["worker"]), "vllm:num_requests_running") == 0
 
 
