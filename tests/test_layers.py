@@ -7,13 +7,16 @@ fleet ← cli ← bench. Packages on one layer may import each other (the worker
 federates it); tests sit above everything.
 
 An import is an ``import`` statement, one under ``if TYPE_CHECKING:`` included, or a call of
-``importlib.import_module`` or ``__import__`` whose name starts with a literal (an f-string's
-leading text counts). ``python -m tests.test_layers`` prints every violation in the tree.
+``importlib.import_module`` or ``__import__`` by a literal name or an f-string: a placeholder
+stands for any dotted name, so ``f"services.{name}.server"`` imports every ``services.*.server``
+module of the tree (and, where it matches none, the f-string's leading text names the module).
+``python -m tests.test_layers`` prints every violation in the tree.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -51,29 +54,32 @@ def _dotted(node: ast.expr) -> str:
     return ""
 
 
-def _literal_prefix(node: ast.expr, module: str) -> str:
-    """The module a dynamic import names, as far as its leading text tells (``__name__``, the
-    importing module's own name, counts as text): the whole name, or up to the last dot before
-    the first part that is not text."""
+def _dynamic_name(node: ast.expr, module: str) -> tuple[str, str]:
+    """The module a dynamic import names: (a regular expression of the names it can be, the
+    leading text up to the last dot before the first placeholder). ``__name__``, the importing
+    module's own name, counts as text; any other placeholder stands for a dotted name."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
+        return re.escape(node.value), node.value
     if not isinstance(node, ast.JoinedStr):
-        return ""
-    text = ""
+        return "", ""
+    pattern, text, prefix = "", "", None
     for part in node.values:
         if isinstance(part, ast.Constant):
-            text += str(part.value)
+            pattern, text = pattern + re.escape(str(part.value)), text + str(part.value)
         elif isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name) and part.value.id == "__name__":
-            text += module
+            pattern, text = pattern + re.escape(module), text + module
         else:
-            return text.rpartition(".")[0]
-    return text
+            pattern += r"[A-Za-z0-9_.]+"
+            prefix = text.rpartition(".")[0] if prefix is None else prefix
+    return pattern, text if prefix is None else prefix
 
 
-def imports(tree: ast.Module, module: str, package: str) -> list[tuple[ast.AST, str, bool]]:
+def imports(tree: ast.Module, module: str, package: str,
+            modules: frozenset[str] = frozenset()) -> list[tuple[ast.AST, str, bool]]:
     """(node, imported module, at module level) for every import of ``tree``, the module named
-    ``module`` in ``package`` (for relative imports): statements, and dynamic imports by a literal
-    name (never at module level: a call defers its import)."""
+    ``module`` in ``package`` (for relative imports): statements, and dynamic imports (never at
+    module level: a call defers its import), each of the tree's ``modules`` its name can be, or its
+    leading text where it can be none of them."""
     top = {id(node) for node in tree.body}
     for node in tree.body:  # a module-level ``if TYPE_CHECKING:`` or ``try:`` block is still the top
         if isinstance(node, ast.If | ast.Try):
@@ -89,9 +95,9 @@ def imports(tree: ast.Module, module: str, package: str) -> list[tuple[ast.AST, 
         elif isinstance(node, ast.Import):
             found += [(node, alias.name, id(node) in top) for alias in node.names]
         elif isinstance(node, ast.Call) and _dotted(node.func) in DYNAMIC and node.args:
-            name = _literal_prefix(node.args[0], module)
-            if name:
-                found.append((node, name, False))
+            pattern, prefix = _dynamic_name(node.args[0], module)
+            matched = sorted(m for m in modules if re.fullmatch(pattern, m)) if pattern else []
+            found += [(node, name, False) for name in matched or ([prefix] if prefix else [])]
     return found
 
 
@@ -110,7 +116,11 @@ def path_edits(tree: ast.Module) -> list[ast.AST]:
     return edits
 
 
-def file_violations(root: Path, path: Path) -> list[str]:
+def module_names(root: Path) -> frozenset[str]:
+    return frozenset(module_name(root, path) for path in sources(root))
+
+
+def file_violations(root: Path, path: Path, modules: frozenset[str] = frozenset()) -> list[str]:
     rel = path.relative_to(root)
     module = module_name(root, path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -119,7 +129,7 @@ def file_violations(root: Path, path: Path) -> list[str]:
     lines = text.splitlines()
     tree = ast.parse(text)
     found = []
-    for node, target, at_top in imports(tree, module, package):
+    for node, target, at_top in imports(tree, module, package, modules or module_names(root)):
         theirs = _package(target)
         if mine is not None and theirs is not None and LAYERS[theirs] > LAYERS[mine]:
             found.append(f"{rel}:{node.lineno} imports {target} from a layer above")
@@ -194,14 +204,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def violations(root: Path) -> list[str]:
-    found = [v for path in sources(root) for v in file_violations(root, path)]
+    modules = module_names(root)
+    found = [v for path in sources(root) for v in file_violations(root, path, modules)]
     found += [f"import cycle: {' <-> '.join(c)}" for c in cycles(import_graph(root))]
     return found
 
 
+MODULES = module_names(REPO)
+
+
 @pytest.mark.parametrize("path", sources(REPO), ids=lambda p: str(p.relative_to(REPO)))
 def test_imports_point_down_sit_at_the_top_and_leave_sys_path_alone(path: Path) -> None:
-    assert file_violations(REPO, path) == []
+    assert file_violations(REPO, path, MODULES) == []
 
 
 def test_no_module_imports_itself_back() -> None:
@@ -215,19 +229,28 @@ def test_the_checks_catch_a_dynamic_upward_import_a_type_checking_cycle_and_a_pa
         package.mkdir(parents=True)
         (package / "__init__.py").write_text("")
     (common / "sneaky.py").write_text(
-        "import importlib\n\n\ndef load():\n    # deferred: planted\n"
-        "    return importlib.import_module(f\"services.router.{'picks'}\")\n")
+        "import importlib\n\n\ndef load(kind, name):\n    # deferred: planted\n"
+        "    importlib.import_module(f\"services.{kind}.picks\")\n"  # only services.router.picks can be it
+        "    importlib.import_module(f\"services.router.{name}.gone\")\n")  # no module: its leading text counts
     (router / "picks.py").write_text("from services.router.views import View\n")
     (router / "views.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
                                      "    from services.router.picks import Pick\n")
     (router / "path.py").write_text("import sys\n\nsys.path.insert(0, '.')\n")
     found = violations(tmp_path)
-    assert "services/common/sneaky.py:6 imports services.router from a layer above" in found
+    assert "services/common/sneaky.py:6 imports services.router.picks from a layer above" in found
+    assert "services/common/sneaky.py:7 imports services.router from a layer above" in found
     assert "import cycle: services.router.picks <-> services.router.views" in found
     assert "services/router/path.py:3 edits sys.path" in found
-    assert len(found) == 3, found
+    assert len(found) == 4, found
     named = ast.parse('f"{__name__}.{name}"', mode="eval").body  # a package's own submodules, by name
-    assert _literal_prefix(named, "services.cli") == "services.cli"
+    assert _dynamic_name(named, "services.cli") == (r"services\.cli\.[A-Za-z0-9_.]+", "services.cli")
+
+
+def test_a_dynamic_import_by_a_pattern_names_every_module_it_can_be() -> None:
+    serve = REPO / "services" / "cli" / "serve.py"
+    tree = ast.parse(serve.read_text())
+    named = {target for _, target, _ in imports(tree, "services.cli.serve", "services.cli", MODULES)}
+    assert {"services.router.server", "services.worker.server", "services.fleet.server"} <= named
 
 
 if __name__ == "__main__":
