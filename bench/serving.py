@@ -22,7 +22,10 @@ machine, all three measured by vLLM's own client, ``vllm bench serve``.
    one server running at a time: start it, warm it up (one request, then 16 at once),
    ``vllm bench serve --dataset-name random`` (``--input-len`` / ``--output-len`` tokens,
    ``--ignore-eos``, temperature 0) at ``--max-concurrency`` 1 and 16 (and 64 with
-   ``--prompts-c64``), stop it.
+   ``--prompts-c64``), stop it. Each concurrency draws its own prompts (seed + concurrency): with
+   one seed, the c=16 run began with the c=1 run's prompts, and llama-server's slots answered
+   those from their prompt cache (7 of a wave's 16 prompts evaluated as one token in a 2026-12-06
+   run) while our prefix cache answered them from its blocks.
 4. Writes ``bench/results/<name>.json`` (per server and concurrency the medians across rounds of
    output tok/s, median and p99 TPOT, median TTFT, p99 ITL, failed requests; the ratios
    ``tpot_c1_vs_best_peer``, ``tok_s_c16_vs_best_peer``, ``ttft_c16_vs_best_peer`` and
@@ -135,7 +138,8 @@ def bench_argv(cache: Cache, server: Server, model_dir: Path, concurrency: int, 
             "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model_dir),
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
-            "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--seed", str(args.seed),
+            "--max-concurrency", str(concurrency), "--num-prompts", str(prompts),
+            "--seed", str(args.seed + concurrency),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", filename]
 
@@ -209,7 +213,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the timed rounds (default bfloat16)")
     parser.add_argument("--agreement-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
     parser.add_argument("--skip-agreement", action="store_true", help="no float32 agreement check")
-    parser.add_argument("--seed", type=int, default=0, help="the random dataset's seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the random dataset's seed (default 0); concurrency c draws its prompts with seed + c, "
+                             "so no phase repeats another's prompts (a server's prompt or prefix cache would "
+                             "answer them from the earlier phase)")
     parser.add_argument("--name", default="serving", help="results: bench/results/NAME.{json,md,png}")
     parser.add_argument("--isa", default="native", choices=("native", "avx2"),
                         help="avx2: every server held to AVX2 + FMA (ours built for x86-64-v3, torch and oneDNN "
