@@ -85,7 +85,8 @@ FIELDS: tuple[RequestField, ...] = (
     _F("top_p", BOTH, "honoured"),
     _F("top_k", BOTH, "honoured", note="vLLM's; 0 or -1: off"),
     _F("seed", BOTH, "honoured", note="the request's own sampling stream, reproducible on any group"),
-    _F("stop", BOTH, "honoured"),
+    _F("stop", BOTH, "honoured", note="matched by the router over the whole text (across a failover too); the "
+                                      "choice's `stop_reason` (vLLM's field) names the string that matched"),
     _F("stop_token_ids", BOTH, "honoured", note="vLLM's"),
     _F("ignore_eos", BOTH, "honoured", note="vLLM's"),
     _F("logprobs", BOTH, "honoured", note="completions: an integer; chat: a boolean"),
