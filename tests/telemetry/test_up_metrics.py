@@ -182,8 +182,9 @@ def value(families: dict[str, Any], sample: str, **labels: str) -> float:
         if family is not None else 0.0
 
 
-@pytest.mark.slow
-def test_the_router_and_the_worker_serve_vllms_metrics_with_the_requests_figures(stack):
+def live_stack(stack) -> tuple[openai.OpenAI, Any, int, dict[str, str]]:
+    """The stack's openai client, its one group (as the router lists it), the worker's metrics
+    port and the router's and the worker's /metrics URLs."""
     ports, _model_dir, _log = stack
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="none", max_retries=0)
     with grpc.insecure_channel(f"127.0.0.1:{ports['router']}") as channel:
@@ -191,9 +192,16 @@ def test_the_router_and_the_worker_serve_vllms_metrics_with_the_requests_figures
             router_pb2.ListReplicaGroupsRequest(), timeout=5).groups
     with grpc.insecure_channel(info.address) as channel:
         stats = worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
-    assert stats.metrics_port > 0  # a worker serves /metrics by default
-    router_url = f"http://127.0.0.1:{ports['http']}/metrics"
-    worker_url = f"http://{info.address.rsplit(':', 1)[0]}:{stats.metrics_port}/metrics"
+    urls = {"router": f"http://127.0.0.1:{ports['http']}/metrics",
+            "worker": f"http://{info.address.rsplit(':', 1)[0]}:{stats.metrics_port}/metrics"}
+    return client, info, stats.metrics_port, urls
+
+
+@pytest.mark.slow
+def test_the_router_and_the_worker_serve_vllms_metrics_with_the_requests_figures(stack):
+    client, info, metrics_port, urls = live_stack(stack)
+    assert metrics_port > 0  # a worker serves /metrics by default
+    router_url, worker_url = urls["router"], urls["worker"]
     before = {"router": vllm_families(router_url), "worker": vllm_families(worker_url)}
 
     def counted(where: str, families: dict[str, Any], sample: str, **labels: str) -> float:
@@ -250,15 +258,7 @@ def test_the_router_and_the_worker_serve_vllms_metrics_with_the_requests_figures
 def test_a_stop_string_counts_as_stop_on_the_router_that_matched_it_and_on_the_worker(stack):
     """The router matches stop strings (the worker gets none) and tells the worker, which counts
     the request as finished by a stop string, not as an abort."""
-    ports, _model_dir, _log = stack
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="none", max_retries=0)
-    with grpc.insecure_channel(f"127.0.0.1:{ports['router']}") as channel:
-        (info,) = router_pb2_grpc.RouterServiceStub(channel).ListReplicaGroups(
-            router_pb2.ListReplicaGroupsRequest(), timeout=5).groups
-    with grpc.insecure_channel(info.address) as channel:
-        stats = worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
-    urls = {"router": f"http://127.0.0.1:{ports['http']}/metrics",
-            "worker": f"http://{info.address.rsplit(':', 1)[0]}:{stats.metrics_port}/metrics"}
+    client, _info, _port, urls = live_stack(stack)
     before = {where: value(vllm_families(url), "vllm:request_success_total", finished_reason="stop")
               for where, url in urls.items()}
     text = complete(client, [5, 6, 7, 8, 9], 24).choices[0].text
