@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
+from services.common.detokenizer import Detokenizer
 from services.common.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from services.common.sampling import MAX_LOGPROBS, FinishReason, SamplingParams, is_integer
 from services.router.admission import AdmissionQueue, RequestCancelled, context_error
@@ -384,7 +385,6 @@ class Generation:
             generated: list[int] = []
             first_ns = last_ns = 0
             failovers = 0
-            continued_from = 0
             want_texts = p.token_texts
             token_text = model.token_text
             monotonic_ns = time.monotonic_ns
@@ -392,21 +392,6 @@ class Generation:
             metrics = self.core.metrics
             token_ns: list[int] = []  # when each token came (the inter-token latencies)
             stamp = token_ns.append if metrics is not None else None
-
-            def finish(reason: FinishReason) -> Finished:
-                """The stream's last event: counted, and offered to the shadow mirror."""
-                self._finished = True
-                finished = Finished(reason, len(p.prompt_ids), len(generated), self._timings(first_ns, last_ns),
-                                    detok.stopped_by if detok is not None else None, detok.text if detok else "")
-                if metrics is not None:
-                    metrics.request_finished(model.name, finished, replica_group=self.replica_group_id,
-                                             max_tokens=p.sampling.max_tokens, token_ns=token_ns)
-                if shadow_logprobs and not continued_from and reason in MIRRORED_REASONS:
-                    self._shadow_job = ShadowJob(
-                        self.request_id, model.name, self.replica_group_id, tuple(p.prompt_ids),
-                        tuple(generated), tuple(shadow_logprobs), p.sampling.temperature == 0)
-                return finished
-
             while True:
                 upstream, reservation = self._upstream, self.reservation
                 assert upstream is not None and reservation is not None
@@ -418,7 +403,7 @@ class Generation:
                         if event.__class__ is UpstreamFinished:
                             if event.reason is FinishReason.CANCELLED and self.cancelled.is_set():
                                 raise RequestCancelled(f"request {self.request_id} cancelled")
-                            yield finish(event.reason)
+                            yield self._finish(event.reason, generated, first_ns, last_ns, detok, token_ns)
                             return
                         last_ns = monotonic_ns()
                         if stamp is not None:
@@ -445,7 +430,8 @@ class Generation:
                             yield TokenOut(index, token_id, text, event.logprob)
                         if stop_hit:  # the router matches stop strings (the worker got none): end it there
                             upstream.cancel(stop=True)
-                            yield finish(FinishReason.STOP_SEQUENCE)
+                            yield self._finish(FinishReason.STOP_SEQUENCE, generated, first_ns, last_ns, detok,
+                                               token_ns)
                             return
                 except (WorkerFailed, WorkerRejected) as exc:
                     if self.cancelled.is_set():
@@ -455,7 +441,7 @@ class Generation:
                         self._refused(reservation, exc)
                     elif remaining <= 0:  # the request is complete: nothing to continue
                         self._fail_over(reservation, exc, failovers=0)  # marks the group, never raises
-                        yield finish(FinishReason.LENGTH)
+                        yield self._finish(FinishReason.LENGTH, generated, first_ns, last_ns, detok, token_ns)
                         return
                     else:
                         failovers += 1
@@ -468,6 +454,24 @@ class Generation:
             raise
         finally:
             self.close()
+
+    def _finish(self, reason: FinishReason, generated: list[int], first_ns: int, last_ns: int,
+                detok: Detokenizer | None, token_ns: list[int]) -> Finished:
+        """The stream's last event: counted, and offered to the shadow mirror (a method, not a
+        closure in ``__aiter__``, so the relay loop's locals stay fast locals)."""
+        self._finished = True
+        p = self.prepared
+        finished = Finished(reason, len(p.prompt_ids), len(generated), self._timings(first_ns, last_ns),
+                            detok.stopped_by if detok is not None else None, detok.text if detok else "")
+        if self.core.metrics is not None:
+            self.core.metrics.request_finished(p.model.name, finished, replica_group=self.replica_group_id,
+                                               max_tokens=p.sampling.max_tokens, token_ns=token_ns)
+        shadow_logprobs = self._shadow_logprobs
+        if shadow_logprobs and not self._continued_from and reason in MIRRORED_REASONS:
+            self._shadow_job = ShadowJob(
+                self.request_id, p.model.name, self.replica_group_id, tuple(p.prompt_ids),
+                tuple(generated), tuple(shadow_logprobs), p.sampling.temperature == 0)
+        return finished
 
     def _refused(self, reservation: Reservation, exc: WorkerFull) -> None:
         """The group's worker found our KV claim over its budget (another router got there
