@@ -288,15 +288,19 @@ def timed_round(server: Server, label: str, errors: list[str], body: Callable[[f
         server.stop()
 
 
-def shardline_server(model_dir: Path, dtype: str, port: int, workdir: Path, *, flags: tuple[str, ...] = ()) -> Server:
+def shardline_server(model_dir: Path, dtype: str, port: int, workdir: Path, *, flags: tuple[str, ...] = (),
+                     tree: Path | None = None) -> Server:
     """``shardline up`` on the HF directory, its router's HTTP API on ``port`` (gRPC on port+1,
     the internal services on port+2..port+4), its state and logs in ``workdir``; ``flags``: more of
-    ``up``'s (a layout: ``--tp 2``)."""
+    ``up``'s (a layout: ``--tp 2``); ``tree``: another checkout to run it from (its code on
+    PYTHONPATH and as the working directory; default this one)."""
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--dtype", dtype,
             "--served-model-name", SERVED_NAME, "--http-port", str(port), "--port", str(port + 1),
             "--port-base", str(port + 2), "--log-dir", str(workdir / "logs"), *flags]
-    env = child_environ(SHARDLINE_STATE_DIR=str(workdir / "state"))
-    return Server("shardline", argv, port, workdir / "up.log", env=env, cwd=REPO)
+    other = {"PYTHONPATH": str(tree)} if tree is not None else {}
+    env = child_environ(SHARDLINE_STATE_DIR=str(workdir / "state"), **other)
+    return Server(str(tree) if tree is not None else "shardline", argv, port, workdir / "up.log", env=env,
+                  cwd=tree or REPO)
 
 
 def vllm_server(cache: Cache, model_dir: Path, dtype: str, port: int) -> Server:

@@ -25,23 +25,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from bench._peers import SERVED_NAME, Server
+from bench._peers import Server, shardline_server
 from bench.common import machine, publish_results
 from bench.decode_pairs import prompts, stream_tpot
 from bench.serving import MODELS, model_dir_for
 from bench.soak import REPO
-from services.common.config import child_environ
 
 PORTS = {"before": 18_800, "after": 18_810}  # each stack takes port..port+4
-
-
-def stack(tree: Path, model_dir: Path, port: int, work: Path) -> Server:
-    """``shardline up`` run from ``tree`` (its code on PYTHONPATH and as the working directory)."""
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--dtype", "bfloat16",
-            "--served-model-name", SERVED_NAME, "--http-port", str(port), "--port", str(port + 1),
-            "--port-base", str(port + 2), "--log-dir", str(work / "logs")]
-    env = child_environ(SHARDLINE_STATE_DIR=str(work / "state"), PYTHONPATH=str(tree))
-    return Server(str(tree), argv, port, work / "up.log", env=env, cwd=tree)
 
 
 def commit_of(tree: Path) -> str:
@@ -84,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_dir_for(args.model)
     trees = {"before": args.before.resolve(), "after": REPO}
     work = Path("/tmp") / f"shardline-{args.name}"
-    servers = {k: stack(tree, model_dir, PORTS[k], work / k) for k, tree in trees.items()}
+    servers = {k: shardline_server(model_dir, "bfloat16", PORTS[k], work / k, tree=tree) for k, tree in trees.items()}
     batch = prompts(Tokenizer.from_file(str(model_dir / "tokenizer.json")), max(args.pairs, 48), 128, 1)
     runs: dict[str, dict[str, list[float]]] = {k: {"c1_tpot_s": [], "c16_tok_s": [], "c16_tpot_s": [],
                                                    "c16_ttft_s": []} for k in servers}
