@@ -41,9 +41,9 @@ def test_pack_keeps_what_the_kernel_cannot_take():
 
 # N: whole 64-channel tiles and 1-3 blocks over; K: one k-pair, under, across and over a 1,024-k panel;
 # rows: a decode row, the 1-3 rows of a tile's tail, streaming columns (5-64 rows: a tail alone, 8-row
-# tiles and a tail), and more than a 64-row block
+# tiles and a tail), more than 64 rows, and a 256-row block with a last few rows joined to it
 @pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 16, 2), (3, 48, 34), (6, 80, 1024), (21, 208, 2050),
-                                   (70, 144, 2050), (1, 2048, 8192), (65, 112, 3000)])
+                                   (70, 144, 2050), (1, 2048, 8192), (65, 112, 3000), (300, 48, 130)])
 def test_packed_products_match_the_float32_product(packs, m, n, k):
     x, w = _operands(m, n, k)
     packed = pack_dense(w)
@@ -71,10 +71,10 @@ def test_a_row_has_the_same_bits_in_any_batch(packs, threads, n, k):
 
 
 # the sum is made in the kernel as each chunk ends: one row (a chunk per tile call), 1-3 rows left
-# after 4-row tiles, two 256-row blocks, chunks longer than a 1,024-pair panel, 32 chunks of 32 pairs,
+# after 4-row tiles, two row blocks (256 + 74), chunks longer than a 1,024-pair panel, 32 chunks of 32 pairs,
 # streaming columns (7 and 19 rows)
 @pytest.mark.parametrize("rows,n,k,chunks", [(1, 576, 1536, 4), (7, 64, 768, 8), (70, 48, 2048 * 2, 2),
-                                             (1, 2048, 2048, 32), (3, 576, 1152, 6), (300, 80, 4400, 2),
+                                             (1, 2048, 2048, 32), (3, 576, 1152, 6), (330, 80, 4400, 2),
                                              (6, 1024, 2048, 32), (19, 80, 4400, 2)])
 def test_packed_chunks_are_each_chunk_alone_at_every_tensor_parallel_degree(packs, rows, n, k, chunks):
     """Chunk j of the packed [N, K] weight gives the bits of chunk j's own columns packed alone,

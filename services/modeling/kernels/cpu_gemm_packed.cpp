@@ -20,8 +20,9 @@
 // AVX512-BF16, 5 to kStreamRows rows (a decode step's batch, a short prefill chunk): there the first row
 // tile of a panel waited on memory and the others then computed from cache, the stream and the
 // arithmetic one after the other. Instead the weights are taken column by column (3 blocks, 8-row
-// tiles: 24 sums), K in panels; the first row tile asks for its weights 64 k-pairs ahead, so the
-// next panel streams in while the other row tiles compute on this one. The rows' k-pairs are first
+// tiles: 24 sums), K in panels; the first row tile of a panel asks for each block's weights 64
+// k-pairs ahead, more lines in flight than the hardware prefetcher keeps, and the other row tiles
+// find the panel in cache. Without the asking ahead, 0.90-0.96x instead. The rows' k-pairs are first
 // interleaved ([pairs, M]: a row tile's broadcasts from one line, where rows a power of two apart
 // all map to one set of the L1 cache). The 1B-class weights at 8 / 16 / 32 / 64 rows, cold, took
 // 0.85 / 0.82 / 0.85 / 0.90x the time of the 4-row tiles; SmolLM2's 0.91 / 0.86 / 0.92 / 0.97x.
@@ -47,6 +48,11 @@
 
 namespace shardline::packed {
 
+// The tiles and the column loop inlined whatever the template instances' count: left to GCC, once the
+// streaming columns' instances were added it stopped inlining them into the 4-row path, whose
+// products at 128-256 rows then took 1.13-1.16x the time
+#define SHARDLINE_INLINE inline __attribute__((always_inline))
+
 #ifdef SHARDLINE_PACKED
 namespace {
 
@@ -62,6 +68,10 @@ constexpr int kRowBlocks = 8;     // blocks per tile when the product has one ro
 // few percent of the best on every 1B-class and SmolLM2 shape from 16 to 1,024 rows (64 x 512 was
 // 0.8-0.9x at 256-1,024 rows of the 1B MLP)
 constexpr int64_t kRowBlock = 256;
+// A last block of up to this many rows joins the one before (a step of a 256-token prefill chunk and
+// 16 decodes: one pass over the weights instead of a second for 16 rows; 268-320 rows took 0.91-0.95x
+// the time on the 1B-class weights)
+constexpr int64_t kRowBlockSlack = 64;
 constexpr int64_t kPanelPairs = 1024;
 // A task's weights above this many bytes, in streams of one panel or less, are fetched ahead (see
 // column)
@@ -104,7 +114,7 @@ struct Span {
 // each one read.
 #ifdef SHARDLINE_PACKED_AVX2
 template <int MB, int NB>
-inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
+SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
                  int64_t ld, bool fetch = false) {
   // AVX2 + FMA: a block's 16 channels as two 8-lane halves; a k-pair's 32 bytes of a half hold its
   // 8 channels' even k in the words' low halves and odd k in the high halves (even_bf16/odd_bf16)
@@ -159,7 +169,7 @@ inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Spa
 #else
 // Ahead: also ask for each block's weights that many k-pairs ahead; Interleaved: x's pairs o.step apart
 template <int MB, int NB, int Ahead = 0, bool Interleaved = false>
-inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
+SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
                  int64_t ld, bool fetch = false) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
@@ -208,7 +218,7 @@ inline void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Spa
 // where a block's stream is short and the matrix comes from memory (SmolLM2's lm_head, K = 576:
 // 1.1-1.2x at 2-8 rows); elsewhere the hardware prefetcher alone was 1.1-1.6x faster at 2-16 rows.
 template <int NB>
-inline void column(const Job& o, int64_t m0, int64_t m1, int64_t b, int64_t q0, int64_t q1, Span s, float* kept,
+SHARDLINE_INLINE void column(const Job& o, int64_t m0, int64_t m1, int64_t b, int64_t q0, int64_t q1, Span s, float* kept,
                    float* total, int64_t ld, bool ahead) {
   const int64_t fetcher = ahead ? (m1 - m0 > kRows ? m0 + kRows : m0) : -1;
   int64_t m = m0;
@@ -291,7 +301,7 @@ void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_
   const int64_t chunk = chunk_pairs > 0 ? chunk_pairs : pairs;
   TORCH_CHECK(pairs % chunk == 0, "packed blocks: ", pairs, " k-pairs in chunks of ", chunk);
   // the sums between panels and the chunks' total, [rows, 16 * (b1 - b0)] float32 each
-  const int64_t ld = 16 * (b1 - b0), rows = std::min(M, kRowBlock);
+  const int64_t ld = 16 * (b1 - b0), rows = std::min(M, kRowBlock + kRowBlockSlack);
   thread_local std::vector<float> kept_sums, totals;
   if (chunk < pairs) totals.resize(static_cast<size_t>(rows * ld));
   float* total = totals.data();
@@ -317,8 +327,8 @@ void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_
   if (chunk > kPanelPairs) kept_sums.resize(static_cast<size_t>(rows * ld));
   float* kept = kept_sums.data();
   const bool ahead = pairs <= kPanelPairs && (b1 - b0) * pairs * 64 > kFetchBytes;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-    const int64_t m1 = std::min(M, m0 + kRowBlock);
+  for (int64_t m0 = 0, m1 = 0; m0 < M; m0 = m1) {
+    m1 = M - m0 <= kRowBlock + kRowBlockSlack ? M : m0 + kRowBlock;
     for (int64_t c = 0; c < pairs; c += chunk)
       for (int64_t q0 = c; q0 < c + chunk; q0 += kPanelPairs) {
         const int64_t q1 = std::min(c + chunk, q0 + kPanelPairs);
