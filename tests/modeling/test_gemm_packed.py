@@ -1,4 +1,4 @@
-"""The dense bfloat16 kernel on a packed weight (cpu_gemm_packed.cpp), where this machine packs
+"""The dense bfloat16 kernel on a packed weight (cpu_gemm_packed.cpp, cpu_gemm_stream.cpp), where this machine packs
 (AVX512-BF16, no AMX): its products against float32, the same bits for a row in any batch, any
 thread count and through K's panels, the layout-invariant chunks, and the rows a tied embedding
 reads back from the packed table (a served model's: test_stage_kernel.py)."""

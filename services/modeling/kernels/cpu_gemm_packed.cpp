@@ -17,16 +17,7 @@
 // tile's weights (256 KB) stays in L2 while every row tile of the block passes over it, the block's
 // activations stay in L2 across the task's channels.
 //
-// AVX512-BF16, 5 to kStreamRows rows (a decode step's batch, a short prefill chunk): there the first row
-// tile of a panel waited on memory and the others then computed from cache, the stream and the
-// arithmetic one after the other. Instead the weights are taken column by column (3 blocks, 8-row
-// tiles: 24 sums), K in panels; the first row tile of a panel asks for each block's weights 64
-// k-pairs ahead, more lines in flight than the hardware prefetcher keeps, and the other row tiles
-// find the panel in cache. Without the asking ahead, 0.90-0.96x instead. The rows' k-pairs are first
-// interleaved ([pairs, M]: a row tile's broadcasts from one line, where rows a power of two apart
-// all map to one set of the L1 cache). The 1B-class weights at 8 / 16 / 32 / 64 rows, cold, took
-// 0.85 / 0.82 / 0.85 / 0.90x the time of the 4-row tiles; SmolLM2's 0.91 / 0.86 / 0.92 / 0.97x.
-// Same chains, same bits.
+// AVX512-BF16, 5 to kStreamRows rows: the streaming columns of cpu_gemm_stream.cpp instead.
 
 #include "cpu_gemm_packed.h"
 
@@ -37,6 +28,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_gemm_packed_sums.h"
 #include "cpu_vec.h"
 
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
@@ -76,38 +68,19 @@ constexpr int64_t kPanelPairs = 1024;
 // A task's weights above this many bytes, in streams of one panel or less, are fetched ahead (see
 // column)
 constexpr int64_t kFetchBytes = 8 << 20;
-#ifndef SHARDLINE_PACKED_AVX2
-// Streaming columns (see the top): up to kStreamRows rows, tiles of kStreamRowTile rows x
-// kStreamBlocks blocks, the first row tile's weights asked for kAheadPairs k-pairs ahead. Of rows
-// 8x3 / 6x4, panels of 64-4,096 pairs and 16-128 pairs ahead, these were the fastest on the 1B-class
-// weights at 16-64 rows; above 64 rows the 4-row tiles with the activations in L2 are faster.
-constexpr int64_t kStreamRows = 64;
-constexpr int kStreamRowTile = 8;
-constexpr int kStreamBlocks = 3;
-constexpr int kAheadPairs = 64;
-#endif
 
 // One call's operands: x rows ldx apart (at the call's first k), the packed weight (kp k-pairs per
 // block, the call's range starting at pair p0), y rows ldy apart
 struct Job {
   const uint16_t* x;
   int64_t ldx;
-  int64_t step;  // from a k-pair of x to the next (2: a row's pairs side by side; interleaved rows: 2M)
   const uint16_t* w;
   int64_t kp, p0;
   c10::BFloat16* y;
   int64_t ldy;
 };
 
-// Where a tile's sums start and where they go. A call's k-pairs are one chunk, or (the
-// layout-invariant sum, see blocks) several: each chunk's sums rounded to bfloat16 are that chunk's
-// product, and the products are added in float32 in chunk order into `total`.
-struct Span {
-  bool fresh;  // the tile's first pair starts a chunk: the sums start at zero (else from `kept`)
-  bool end;    // its last pair ends the chunk (else the sums go back to `kept`, float32)
-  bool first;  // the call's first chunk: `total` takes its product (else adds it)
-  bool last;   // the call's last chunk: the total goes to y rounded to bfloat16 (else back to `total`)
-};
+using Span = ChunkFlags;  // cpu_gemm_packed_sums.h
 
 // rows [m, m + MB) x blocks [b, b + NB), k-pairs [q0, q1) of the call's range; `kept` and `total`
 // float32, rows ld apart (see Span). `fetch`: also ask for the next NB blocks' weights, a line for
@@ -167,8 +140,7 @@ SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64
 }
 
 #else
-// Ahead: also ask for each block's weights that many k-pairs ahead; Interleaved: x's pairs o.step apart
-template <int MB, int NB, int Ahead = 0, bool Interleaved = false>
+template <int MB, int NB>
 SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
                  int64_t ld, bool fetch = false) {
   __m512 acc[MB][NB];
@@ -176,15 +148,12 @@ SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64
     for (int j = 0; j < NB; ++j) acc[i][j] = s.fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(kept + i * ld + j * 16);
   const uint16_t* w = o.w + (b * o.kp + o.p0 + q0) * 32;
   const int64_t stride = o.kp * 32;  // one block to the next
-  const int64_t step = Interleaved ? o.step : 2;
-  const uint16_t* x = o.x + m * o.ldx + step * q0;
-  for (int64_t q = q0; q < q1; ++q, w += 32, x += step) {
+  const uint16_t* x = o.x + m * o.ldx + 2 * q0;
+  for (int64_t q = q0; q < q1; ++q, w += 32, x += 2) {
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_castsi512_ps(_mm512_loadu_si512(w + j * stride));
     if (fetch)
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * stride), _MM_HINT_T0);
-    if constexpr (Ahead > 0)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * stride + Ahead * 32), _MM_HINT_T0);
     for (int i = 0; i < MB; ++i) {
       int32_t pair;
       std::memcpy(&pair, x + i * o.ldx, 4);
@@ -193,21 +162,9 @@ SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      uint16_t* out = reinterpret_cast<uint16_t*>(o.y + (m + i) * o.ldy + (b + j) * 16);
-      if (!s.end) {
-        _mm512_storeu_ps(kept + i * ld + j * 16, acc[i][j]);
-      } else if (s.first && s.last) {
-        store_bf16(out, acc[i][j]);
-      } else {  // a chunk's product, rounded to bfloat16, into the float32 total in chunk order
-        float* t = total + i * ld + j * 16;
-        const __m512 v = s.first ? round_bf16(acc[i][j]) : _mm512_add_ps(_mm512_loadu_ps(t), round_bf16(acc[i][j]));
-        if (s.last)
-          store_bf16(out, v);
-        else
-          _mm512_storeu_ps(t, v);
-      }
-    }
+    for (int j = 0; j < NB; ++j)
+      finish_sums(acc[i][j], s, kept + i * ld + j * 16, total + i * ld + j * 16,
+                  reinterpret_cast<uint16_t*>(o.y + (m + i) * o.ldy + (b + j) * 16));
 }
 
 #endif
@@ -235,69 +192,13 @@ SHARDLINE_INLINE void column(const Job& o, int64_t m0, int64_t m1, int64_t b, in
   }
 }
 
-#ifndef SHARDLINE_PACKED_AVX2
-// rows [m, M), fewer than kStreamRowTile, in one tile
-template <int NB, int Ahead>
-inline void stream_rest(const Job& o, int64_t m, int64_t M, int64_t b, int64_t q0, int64_t q1, Span s, float* kept,
-                        float* total, int64_t ld) {
-  static_assert(kStreamRowTile == 8);
-  switch (M - m) {
-    case 7: tile<7, NB, Ahead, true>(o, m, b, q0, q1, s, kept, total, ld); break;
-    case 6: tile<6, NB, Ahead, true>(o, m, b, q0, q1, s, kept, total, ld); break;
-    case 5: tile<5, NB, Ahead, true>(o, m, b, q0, q1, s, kept, total, ld); break;
-    case 4: tile<4, NB, Ahead, true>(o, m, b, q0, q1, s, kept, total, ld); break;
-    case 3: tile<3, NB, Ahead, true>(o, m, b, q0, q1, s, kept, total, ld); break;
-    case 2: tile<2, NB, Ahead, true>(o, m, b, q0, q1, s, kept, total, ld); break;
-    case 1: tile<1, NB, Ahead, true>(o, m, b, q0, q1, s, kept, total, ld); break;
-    default: break;
-  }
-}
-
-// All M rows (interleaved, o.step = 2M) against blocks [b, b + NB), panel by panel of the call's
-// k-pairs; `kept` and `total` at the column's first channel
-template <int NB>
-inline void stream_column(const Job& o, int64_t M, int64_t b, int64_t pairs, int64_t chunk, float* kept, float* total,
-                          int64_t ld) {
-  for (int64_t c = 0; c < pairs; c += chunk)
-    for (int64_t q0 = c; q0 < c + chunk; q0 += kPanelPairs) {
-      const int64_t q1 = std::min(c + chunk, q0 + kPanelPairs);
-      const Span s{q0 == c, q1 == c + chunk, c == 0, c + chunk == pairs};
-      if (M < kStreamRowTile) {
-        stream_rest<NB, kAheadPairs>(o, 0, M, b, q0, q1, s, kept, total, ld);
-        continue;
-      }
-      tile<kStreamRowTile, NB, kAheadPairs, true>(o, 0, b, q0, q1, s, kept, total, ld);
-      int64_t m = kStreamRowTile;
-      for (; m + kStreamRowTile <= M; m += kStreamRowTile)
-        tile<kStreamRowTile, NB, 0, true>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld);
-      stream_rest<NB, 0>(o, m, M, b, q0, q1, s, kept + m * ld, total + m * ld, ld);
-    }
-}
-
-// 5 to kStreamRows rows: column by column, the weights streaming in under the arithmetic (see the top)
-void stream_columns(const uint16_t* x, int64_t ldx, int64_t M, const Job& o, int64_t b0, int64_t b1, int64_t pairs,
-                    int64_t chunk, float* kept, float* total, int64_t ld) {
-  thread_local std::vector<uint32_t> rows_by_pair;
-  rows_by_pair.resize(static_cast<size_t>(pairs * M));
-  for (int64_t i = 0; i < M; ++i) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(x + i * ldx);  // a k-pair as one 32-bit word
-    for (int64_t q = 0; q < pairs; ++q) rows_by_pair[q * M + i] = row[q];
-  }
-  const Job t{reinterpret_cast<const uint16_t*>(rows_by_pair.data()), 2, 2 * M, o.w, o.kp, o.p0, o.y, o.ldy};
-  int64_t b = b0;
-  for (; b + kStreamBlocks <= b1; b += kStreamBlocks)
-    stream_column<kStreamBlocks>(t, M, b, pairs, chunk, kept + (b - b0) * 16, total + (b - b0) * 16, ld);
-  for (; b < b1; ++b) stream_column<1>(t, M, b, pairs, chunk, kept + (b - b0) * 16, total + (b - b0) * 16, ld);
-}
-#endif
-
 }  // namespace
 
 bool built() { return true; }
 
 void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
             c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs) {
-  const Job o{x, ldx, 2, w, kp, p0, y, ldy};
+  const Job o{x, ldx, w, kp, p0, y, ldy};
   const int64_t chunk = chunk_pairs > 0 ? chunk_pairs : pairs;
   TORCH_CHECK(pairs % chunk == 0, "packed blocks: ", pairs, " k-pairs in chunks of ", chunk);
   // the sums between panels and the chunks' total, [rows, 16 * (b1 - b0)] float32 each
@@ -319,8 +220,7 @@ void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_
   }
 #ifndef SHARDLINE_PACKED_AVX2
   if (M > kRows && M <= kStreamRows) {
-    kept_sums.resize(static_cast<size_t>(rows * ld));
-    stream_columns(x, ldx, M, o, b0, b1, pairs, chunk, kept_sums.data(), total, ld);
+    stream_blocks(x, ldx, M, w, kp, p0, pairs, y, ldy, b0, b1, chunk_pairs);
     return;
   }
 #endif

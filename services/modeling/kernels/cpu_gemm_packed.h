@@ -41,4 +41,12 @@ inline int64_t channels(const at::Tensor& w) { return is_packed(w) ? w.size(0) *
 void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
             c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs = 0);
 
+// Up to this many rows (from 5) on AVX512-BF16, blocks hands the product to stream_blocks (the same
+// arguments, the same bits: cpu_gemm_stream.cpp). Above it the 4-row tiles with the activations in
+// L2 were faster on the 1B-class weights.
+constexpr int64_t kStreamRows = 64;
+bool stream_built();
+void stream_blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
+                   c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs = 0);
+
 }  // namespace shardline::packed
