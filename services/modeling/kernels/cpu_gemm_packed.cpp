@@ -40,11 +40,6 @@
 
 namespace shardline::packed {
 
-// The tiles and the column loop inlined whatever the template instances' count: left to GCC, once the
-// streaming columns' instances were added it stopped inlining them into the 4-row path, whose
-// products at 128-256 rows then took 1.13-1.16x the time
-#define SHARDLINE_INLINE inline __attribute__((always_inline))
-
 #ifdef SHARDLINE_PACKED
 namespace {
 
@@ -80,15 +75,13 @@ struct Job {
   int64_t ldy;
 };
 
-using Span = ChunkFlags;  // cpu_gemm_packed_sums.h
-
 // rows [m, m + MB) x blocks [b, b + NB), k-pairs [q0, q1) of the call's range; `kept` and `total`
-// float32, rows ld apart (see Span). `fetch`: also ask for the next NB blocks' weights, a line for
+// float32, rows ld apart (see ChunkFlags). `fetch`: also ask for the next NB blocks' weights, a line for
 // each one read.
 #ifdef SHARDLINE_PACKED_AVX2
 template <int MB, int NB>
-SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
-                 int64_t ld, bool fetch = false) {
+SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, ChunkFlags s, float* kept,
+                           float* total, int64_t ld, bool fetch = false) {
   // AVX2 + FMA: a block's 16 channels as two 8-lane halves; a k-pair's 32 bytes of a half hold its
   // 8 channels' even k in the words' low halves and odd k in the high halves (even_bf16/odd_bf16)
   __m256 acc[MB][2 * NB];
@@ -141,8 +134,8 @@ SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64
 
 #else
 template <int MB, int NB>
-SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, Span s, float* kept, float* total,
-                 int64_t ld, bool fetch = false) {
+SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64_t q1, ChunkFlags s, float* kept,
+                           float* total, int64_t ld, bool fetch = false) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = s.fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(kept + i * ld + j * 16);
@@ -175,8 +168,8 @@ SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64
 // where a block's stream is short and the matrix comes from memory (SmolLM2's lm_head, K = 576:
 // 1.1-1.2x at 2-8 rows); elsewhere the hardware prefetcher alone was 1.1-1.6x faster at 2-16 rows.
 template <int NB>
-SHARDLINE_INLINE void column(const Job& o, int64_t m0, int64_t m1, int64_t b, int64_t q0, int64_t q1, Span s, float* kept,
-                   float* total, int64_t ld, bool ahead) {
+SHARDLINE_INLINE void column(const Job& o, int64_t m0, int64_t m1, int64_t b, int64_t q0, int64_t q1, ChunkFlags s,
+                             float* kept, float* total, int64_t ld, bool ahead) {
   const int64_t fetcher = ahead ? (m1 - m0 > kRows ? m0 + kRows : m0) : -1;
   int64_t m = m0;
   for (; m + kRows <= m1; m += kRows)
@@ -210,11 +203,11 @@ void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_
     int64_t b = b0;
     for (; b + kRowBlocks <= b1; b += kRowBlocks)
       for (int64_t c = 0; c < pairs; c += chunk)
-        tile<1, kRowBlocks>(o, 0, b, c, c + chunk, Span{true, true, c == 0, c + chunk == pairs}, nullptr,
+        tile<1, kRowBlocks>(o, 0, b, c, c + chunk, ChunkFlags{true, true, c == 0, c + chunk == pairs}, nullptr,
                             total + (b - b0) * 16, ld);
     for (; b < b1; ++b)
       for (int64_t c = 0; c < pairs; c += chunk)
-        tile<1, 1>(o, 0, b, c, c + chunk, Span{true, true, c == 0, c + chunk == pairs}, nullptr,
+        tile<1, 1>(o, 0, b, c, c + chunk, ChunkFlags{true, true, c == 0, c + chunk == pairs}, nullptr,
                    total + (b - b0) * 16, ld);
     return;
   }
@@ -232,7 +225,7 @@ void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_
     for (int64_t c = 0; c < pairs; c += chunk)
       for (int64_t q0 = c; q0 < c + chunk; q0 += kPanelPairs) {
         const int64_t q1 = std::min(c + chunk, q0 + kPanelPairs);
-        const Span s{q0 == c, q1 == c + chunk, c == 0, c + chunk == pairs};
+        const ChunkFlags s{q0 == c, q1 == c + chunk, c == 0, c + chunk == pairs};
         int64_t b = b0;
         for (; b + kBlocks <= b1; b += kBlocks)
           column<kBlocks>(o, m0, m1, b, q0, q1, s, kept + (b - b0) * 16, total + (b - b0) * 16, ld, ahead);

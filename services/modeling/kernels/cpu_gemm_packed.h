@@ -45,7 +45,6 @@ void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_
 // arguments, the same bits: cpu_gemm_stream.cpp). Above it the 4-row tiles with the activations in
 // L2 were faster on the 1B-class weights.
 constexpr int64_t kStreamRows = 64;
-bool stream_built();
 void stream_blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
                    c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs = 0);
 

@@ -6,6 +6,11 @@
 
 #include "cpu_vec.h"
 
+// The tiles and their loops are inlined whatever the template instances' count (left to GCC, once the
+// streaming columns' instances were added it stopped inlining the 4-row path, whose products at
+// 128-256 rows then took 1.13-1.16x the time)
+#define SHARDLINE_INLINE inline __attribute__((always_inline))
+
 namespace shardline::packed {
 
 // Where a tile's sums start and where they go. A call's k-pairs are one chunk, or (the
@@ -20,8 +25,7 @@ struct ChunkFlags {
 
 #if defined(SHARDLINE_AVX512) && defined(__AVX512BF16__)
 // 16 channels' sums of one row: to `kept`, or (a chunk's end) to y (`out`) or the running `total`
-inline __attribute__((always_inline)) void finish_sums(__m512 acc, ChunkFlags s, float* kept, float* total,
-                                                       uint16_t* out) {
+SHARDLINE_INLINE void finish_sums(__m512 acc, ChunkFlags s, float* kept, float* total, uint16_t* out) {
   if (!s.end) {
     _mm512_storeu_ps(kept, acc);
   } else if (s.first && s.last) {

@@ -15,7 +15,6 @@
 // branch never taken there, moved their 128-256-row products by 6-16 %.
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "cpu_gemm_packed.h"
@@ -45,9 +44,8 @@ struct Operands {
 // (cpu_gemm_packed_sums.h). First: ask kAheadPairs ahead. `next`, when not null: ask for one of its
 // k-pairs (NB lines) every `every` pairs.
 template <int MB, int NB, bool First>
-inline __attribute__((always_inline)) void tile(const Operands& o, int64_t m, int64_t b, int64_t q0, int64_t q1,
-                                                const ChunkFlags s, float* kept, float* total, int64_t ld,
-                                                const uint16_t* next, int64_t every) {
+SHARDLINE_INLINE void tile(const Operands& o, int64_t m, int64_t b, int64_t q0, int64_t q1, const ChunkFlags s,
+                           float* kept, float* total, int64_t ld, const uint16_t* next, int64_t every) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = s.fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(kept + i * ld + j * 16);
@@ -108,6 +106,7 @@ void column(const Operands& o, int64_t b, int64_t pairs, int64_t chunk, float* k
         continue;
       }
       tile<kRowTile, NB, true>(o, 0, b, q0, q1, s, kept, total, ld, nullptr, 1);
+      // (after the task's last column: the lines of the next task's, or past the weight; a prefetch never faults)
       const uint16_t* next = o.w + ((q1 < pairs ? b : b + NB) * o.kp + o.p0 + (q1 < pairs ? q1 : 0)) * 32;
       int64_t m = kRowTile;
       for (int64_t r = 0; m + kRowTile <= M; m += kRowTile, ++r)
@@ -117,8 +116,6 @@ void column(const Operands& o, int64_t b, int64_t pairs, int64_t chunk, float* k
 }
 
 }  // namespace
-
-bool stream_built() { return true; }
 
 void stream_blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
                    c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs) {
@@ -140,8 +137,6 @@ void stream_blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w,
 }
 
 #else
-
-bool stream_built() { return false; }
 
 void stream_blocks(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, c10::BFloat16*,
                    int64_t, int64_t, int64_t, int64_t) {
