@@ -38,19 +38,19 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import TypeVar
 
 from services.common.detokenizer import Detokenizer
 from services.common.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from services.common.sampling import MAX_LOGPROBS, FinishReason, SamplingParams, is_integer
-from services.router.admission import AdmissionQueue, RequestCancelled, context_error
-from services.router.catalog import ModelCatalog, ServedModel
+from services.router.admission import AdmissionQueue, RequestCancelled
+from services.router.catalog import ModelCatalog
 from services.router.metrics import RouterMetrics
+from services.router.prepare import Prepared, check_prompt, prepared_request
 from services.router.replicas import ReplicaGroupView, ReplicaSet, Reservation
 from services.router.routing import PromptPrefix, Router
 from services.router.shadow import ShadowJob, ShadowMirror
@@ -83,18 +83,6 @@ OpenUpstream = Callable[[str, str, list[int], SamplingParams, tuple[tuple[str, s
 ScoreUpstream = Callable[[str, str, list[int], int], Awaitable[UpstreamScore]]
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A validated request: its model, prompt ids and sampling."""
-
-    model: ServedModel
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    request_id: str
-    token_texts: bool = False
-    trace_context: tuple[tuple[str, str], ...] = ()
-
-
 class RouterCore:
     def __init__(self, catalog: ModelCatalog, replicas: ReplicaSet, router: Router, admission: AdmissionQueue,
                  open_upstream: OpenUpstream, *,
@@ -123,42 +111,14 @@ class RouterCore:
         long text is tokenized on the prepare threads, so that the event loop keeps relaying other
         requests' tokens meanwhile."""
         model = self.catalog.get(request.model)
-        text = self._check_prompt(model, request)
+        text = check_prompt(model, request)
         ids = None
         if text is not None and len(text) <= INLINE_ENCODE_CHARS:
             ids = model.encode(text, add_special_tokens=request.add_special_tokens)
         elif text is not None:
             ids = await self.off_loop(model.encode, text, add_special_tokens=request.add_special_tokens,
                                       release_gil=True)
-        return self._prepared(model, request, ids, token_texts)
-
-    @staticmethod
-    def _check_prompt(model: ServedModel, request: GenerationRequest) -> str | None:
-        """The checks that need no tokenizing; the text to tokenize (None: token ids given)."""
-        if request.prompt_ids is not None:
-            ids = request.prompt_ids
-            if not ids:
-                raise InvalidArgument("prompt must not be empty: token_ids has no ids")
-            if len(ids) > model.max_model_len:  # before looking at each id: there may be millions
-                raise context_error(model.max_model_len, len(ids), request.sampling.max_tokens)
-            bad = [t for t in ids if not 0 <= t < model.vocab_size]
-            if model.vocab_size and bad:
-                raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.vocab_size})")
-            return None
-        if request.prompt_text:
-            return request.prompt_text  # ServedModel.encode bounds its length before tokenizing
-        raise InvalidArgument("prompt must not be empty: set text or token_ids")
-
-    @staticmethod
-    def _prepared(model: ServedModel, request: GenerationRequest, ids: list[int] | None,
-                  token_texts: bool) -> Prepared:
-        if ids is None:
-            ids = list(request.prompt_ids or ())
-        elif not ids:
-            raise InvalidArgument("prompt must not be empty: the text has no tokens")
-        request_id = request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
-        return Prepared(model, ids, request.sampling, request_id, token_texts or request.sampling.logprobs > 0,
-                        request.trace_context)
+        return prepared_request(model, request, ids, token_texts)
 
     async def generate(self, request: GenerationRequest, *, token_texts: bool = False) -> Generation:
         """A generation of ``request``, prepared (a long prompt is tokenized off the event loop)."""
