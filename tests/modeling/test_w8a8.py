@@ -47,8 +47,11 @@ def exact(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return (sums * d.double().unsqueeze(1)).sum(2) * scale.double()
 
 
-# (M, N, K): decode and prefill rows, N not a multiple of 16, K not a multiple of 32
-SHAPES = [(1, 576, 576), (3, 96, 1536), (4, 40, 70), (17, 960, 576), (33, 22, 40), (1, 200, 2048)]
+# (M, N, K): decode and prefill rows, N not a multiple of 16, K not a multiple of 32; K past the
+# streaming columns' 64-group panel (4,130: three panels, the last of 2 groups) at 2 rows (one tile
+# short of 4 rows) and at 13 (three 4-row tiles sharing out the next panel, and one row left)
+SHAPES = [(1, 576, 576), (3, 96, 1536), (4, 40, 70), (17, 960, 576), (33, 22, 40), (1, 200, 2048),
+          (2, 112, 4130), (13, 80, 4130)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -76,8 +79,10 @@ def test_a_row_has_the_same_bits_in_any_batch(kernels):
         assert torch.equal(kernels.w8a8_linear(x[rows], packed, scale), whole[rows]), rows
 
 
-# (M, N, K, chunks): one row (8-block tiles), rows left after 4-row tiles, N tails, 2-8 chunks
-CHUNKED = [(1, 576, 576, 3), (1, 160, 1024, 8), (6, 40, 384, 2), (7, 96, 1536, 3), (70, 48, 512, 4)]
+# (M, N, K, chunks): one row (8-block tiles), rows left after 4-row tiles, N tails, 2-8 chunks;
+# chunks of 129 groups, each three of the streaming columns' panels (the sums kept between them)
+CHUNKED = [(1, 576, 576, 3), (1, 160, 1024, 8), (6, 40, 384, 2), (7, 96, 1536, 3), (70, 48, 512, 4),
+           (9, 56, 8256, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -56,7 +56,8 @@ PACKED_BLOCK = 16
 # compile): what the suite builds a second time for another -march to check the AVX2 paths on an
 # AVX-512 machine (vector_kernels).
 VECTOR_SOURCES = [Path(__file__).with_name(name) for name in (
-    "cpu_bindings.cpp", "cpu_quant.cpp", "cpu_w8a8.cpp", "cpu_gemm.cpp", "cpu_gemm_packed.cpp", "cpu_gemm_stream.cpp",
+    "cpu_bindings.cpp", "cpu_quant.cpp", "cpu_w8a8.cpp", "cpu_w8a8_stream.cpp", "cpu_gemm.cpp", "cpu_gemm_packed.cpp",
+    "cpu_gemm_stream.cpp",
     "cpu_amx.cpp", "cpu_attention.cpp", "cpu_attention_rows.cpp", "cpu_amx_attention.cpp")]
 SOURCES = VECTOR_SOURCES + [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_sampling.cpp",
                                                                         "cpu_layers.cpp")]

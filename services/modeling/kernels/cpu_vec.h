@@ -29,7 +29,23 @@
 #define SHARDLINE_SIMD SHARDLINE_PRAGMA(omp simd)
 #define SHARDLINE_SIMD_SUM(var) SHARDLINE_PRAGMA(omp simd reduction(+ : var))
 
+// The matmul tiles and their loops are inlined whatever the template instances' count (left to GCC,
+// once the packed kernel's streaming columns were added it stopped inlining the 4-row path, whose
+// products at 128-256 rows then took 1.13-1.16x the time)
+#define SHARDLINE_INLINE inline __attribute__((always_inline))
+
 namespace shardline {
+
+// Where a matmul tile's sums start and where they go (the packed bfloat16 kernels', the W8A8
+// streaming columns'). A call's K is one chunk, or (the layout-invariant sum) several: each chunk's
+// sums times its scale, rounded to the output dtype, are that chunk's product, and the products are
+// added in float32 in chunk order into `total`.
+struct ChunkFlags {
+  bool fresh;  // the tile's first k starts a chunk: the sums start at zero (else from `kept`)
+  bool end;    // its last k ends the chunk (else the sums go back to `kept`, float32)
+  bool first;  // the call's first chunk: `total` takes its product (else adds it)
+  bool last;   // the call's last chunk: the total goes to y rounded (else back to `total`)
+};
 
 inline float bits_to_f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t f_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }

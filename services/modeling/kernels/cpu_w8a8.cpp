@@ -34,27 +34,16 @@
 #include <cstring>
 #include <type_traits>
 
-#include "cpu_vec.h"
+#include "cpu_w8a8.h"
 
 using shardline::Elem;
+using shardline::w8a8::Chunks;
+using shardline::w8a8::kBlockCols;
+using shardline::w8a8::kGroup;
+using shardline::w8a8::kGroupSteps;
+using shardline::w8a8::round_up;
 
 namespace {
-
-constexpr int64_t kGroup = 32;     // activation values per scale
-constexpr int64_t kBlockCols = 16;  // output channels per packed block
-constexpr int64_t kGroupSteps = kGroup / 4;  // 4-byte k-steps per group
-
-inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-// A call's k-chunks: gpc groups each (all G groups: one chunk). With parts, chunk c's product goes
-// to parts + c * M * N; without, the chunks' products are summed into y.
-template <typename T>
-struct Chunks {
-  int64_t gpc;
-  T* parts;
-  int64_t M;
-  bool ends(int64_t g, int64_t G) const { return gpc < G && (g + 1) % gpc == 0; }
-};
 
 // a chunk's product at its end (fa * wscale rounded to T) goes to its part, or into the total
 // (first chunk: taken; then added in float32); the last chunk's total goes to y rounded to T
@@ -212,138 +201,69 @@ void blocks_portable(const int8_t* xq, const float* d, const uint8_t* w, const f
   }
 }
 
-#if defined(SHARDLINE_AVX512) && defined(__AVX512VNNI__)
-#define SHARDLINE_W8A8_VNNI 1
+#if defined(SHARDLINE_W8A8_VNNI)
+using shardline::w8a8::product16;
+using shardline::w8a8::store16;
+using shardline::w8a8::store16_raw;
 
-inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
-
-// y[0, count) = r rounded to T
-template <typename T>
-inline void store16_raw(const __m512 r, T* y, int64_t count) {
-  const __mmask16 mask = lanes(count);
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(r));
-    return;
-  }
-#endif
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_mask_storeu_ps(y, mask, r);
-  } else {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, r);
-    for (int64_t l = 0; l < count; ++l) Elem<T>::store(y + l, tmp[l]);
-  }
-}
-
-template <typename T>
-inline void store16(const __m512 v, const float* wscale, T* y, int64_t n0, int64_t count) {
-  store16_raw(_mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes(count), wscale + n0)), y, count);
-}
-
-// a chunk's product on 16 lanes: v * wscale rounded to T, as float32 (lanes past count: 0)
-template <typename T>
-inline __m512 product16(const __m512 v, const float* wscale, int64_t n0, int64_t count) {
-  const __m512 r = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes(count), wscale + n0));
-  if constexpr (std::is_same_v<T, float>) {
-    return r;
-  } else {
-#ifdef __AVX512BF16__
-    if constexpr (std::is_same_v<T, c10::BFloat16>) return shardline::round_bf16(r);
-#endif
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, r);
-    for (int l = 0; l < 16; ++l) tmp[l] = shardline::round_to<T>(tmp[l]);
-    return _mm512_load_ps(tmp);
-  }
-}
-
-// rows [m0, m0 + MB) x blocks [b, b + NB): int32 group sums by vpdpbusd (weights unsigned, the
-// activations' 4 bytes broadcast), then the group's float32 fused multiply-add
-template <int MB, int NB, typename T>
-inline void tile_vnni(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale,
-                      T* y, int64_t Kp, int64_t N, int64_t m0, int64_t b, const Chunks<T>& ch) {
+// one row x blocks [b, b + NB): int32 group sums by vpdpbusd (weights unsigned, the activations'
+// 4 bytes broadcast), then the group's float32 fused multiply-add
+template <int NB, typename T>
+inline void row_vnni(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale,
+                     T* y, int64_t Kp, int64_t N, int64_t b, const Chunks<T>& ch) {
   const int64_t G = Kp / kGroup, stride = kBlockCols * Kp;
   const uint8_t* wb = w + b * stride;
-  __m512 total[MB][NB];  // the chunks' sum so far (in chunks only)
-  __m512 fa[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) fa[i][j] = _mm512_setzero_ps();
+  __m512 total[NB];  // the chunks' sum so far (in chunks only)
+  __m512 fa[NB];
+  for (int j = 0; j < NB; ++j) fa[j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[MB][NB];
-    for (int i = 0; i < MB; ++i) {
-      const __m512i start = _mm512_set1_epi32(bias[(m0 + i) * G + g]);
-      for (int j = 0; j < NB; ++j) acc[i][j] = start;
-    }
+    __m512i acc[NB];
+    const __m512i start = _mm512_set1_epi32(bias[g]);
+    for (int j = 0; j < NB; ++j) acc[j] = start;
     const uint8_t* wg = wb + g * kGroup * kBlockCols;
-    const int8_t* xg = xq + m0 * Kp + g * kGroup;
+    const int8_t* xg = xq + g * kGroup;
 #pragma GCC unroll 8
     for (int s = 0; s < kGroupSteps; ++s) {
-      __m512i wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wg + j * stride + s * 64);
-      for (int i = 0; i < MB; ++i) {
-        int32_t four;
-        std::memcpy(&four, xg + i * Kp + s * 4, 4);
-        const __m512i a = _mm512_set1_epi32(four);
-        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv[j], a);
-      }
+      int32_t four;
+      std::memcpy(&four, xg + s * 4, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+      for (int j = 0; j < NB; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_loadu_si512(wg + j * stride + s * 64), a);
     }
-    for (int i = 0; i < MB; ++i) {
-      const __m512 dg = _mm512_set1_ps(d[(m0 + i) * G + g]);
-      for (int j = 0; j < NB; ++j) fa[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), dg, fa[i][j]);
-    }
+    const __m512 dg = _mm512_set1_ps(d[g]);
+    for (int j = 0; j < NB; ++j) fa[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j]), dg, fa[j]);
     if (ch.ends(g, G)) {  // as chunk_end_lanes, on 16 lanes
       const int64_t c = g / ch.gpc;
-      for (int i = 0; i < MB; ++i)
-        for (int j = 0; j < NB; ++j) {
-          const int64_t n0 = (b + j) * kBlockCols, count = std::min(kBlockCols, N - n0);
-          const __m512 v = product16<T>(fa[i][j], wscale, n0, count);
-          fa[i][j] = _mm512_setzero_ps();
-          if (ch.parts != nullptr) {
-            store16_raw(v, ch.parts + c * ch.M * N + (m0 + i) * N + n0, count);
-            continue;
-          }
-          total[i][j] = c == 0 ? v : _mm512_add_ps(total[i][j], v);
-          if (g + 1 == G) store16_raw(total[i][j], y + (m0 + i) * N + n0, count);
+      for (int j = 0; j < NB; ++j) {
+        const int64_t n0 = (b + j) * kBlockCols, count = std::min(kBlockCols, N - n0);
+        const __m512 v = product16<T>(fa[j], wscale, n0, count);
+        fa[j] = _mm512_setzero_ps();
+        if (ch.parts != nullptr) {
+          store16_raw(v, ch.parts + c * ch.M * N + n0, count);
+          continue;
         }
+        total[j] = c == 0 ? v : _mm512_add_ps(total[j], v);
+        if (g + 1 == G) store16_raw(total[j], y + n0, count);
+      }
     }
   }
   if (ch.gpc < G) return;
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n0 = (b + j) * kBlockCols;
-      store16(fa[i][j], wscale, y + (m0 + i) * N + n0, n0, std::min(kBlockCols, N - n0));
-    }
-}
-
-// a tile: 4 rows x 3 blocks (48 channels), 12 int32 and 12 float32 accumulators, 3 weight vectors;
-// of 4x2, 6x2, 8x1, 2x4 and 3x3, the fastest at 4 to 256 rows (SmolLM2's shapes, AVX512-VNNI)
-constexpr int kTileRows = 4;
-constexpr int kTileBlocks = 3;
-
-template <int NB, typename T>
-inline void column_vnni(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale,
-                        T* y, int64_t M, int64_t Kp, int64_t N, int64_t b, const Chunks<T>& ch) {
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) tile_vnni<kTileRows, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch);
-  switch (M - m) {
-    case 3: tile_vnni<3, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch); break;
-    case 2: tile_vnni<2, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch); break;
-    case 1: tile_vnni<1, NB>(xq, d, bias, w, wscale, y, Kp, N, m, b, ch); break;
-    default: break;
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = (b + j) * kBlockCols;
+    store16(fa[j], wscale, y + n0, n0, std::min(kBlockCols, N - n0));
   }
 }
 
+// One row: 8 blocks per tile, 8 weight streams and 8 chains in flight (the streaming columns were
+// 1.12-1.18x its time there). The blocks left, and every call of more rows: the streaming columns
+// (cpu_w8a8_stream.cpp: 0.68-0.80x the time of 4-row tiles through all of K at 8-64 rows, 0.90-0.99x
+// at 2-4 and 128-1,024).
 template <typename T>
 void blocks_vnni(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale, T* y,
                  int64_t M, int64_t Kp, int64_t N, int64_t b0, int64_t b1, const Chunks<T>& ch) {
   int64_t b = b0;
-  if (M == 1) {  // one row: 8 blocks per tile, 8 weight streams and 8 chains in flight
-    for (; b + 8 <= b1; b += 8) tile_vnni<1, 8>(xq, d, bias, w, wscale, y, Kp, N, 0, b, ch);
-  }
-  for (; b + kTileBlocks <= b1; b += kTileBlocks)
-    column_vnni<kTileBlocks>(xq, d, bias, w, wscale, y, M, Kp, N, b, ch);
-  for (; b < b1; ++b) column_vnni<1>(xq, d, bias, w, wscale, y, M, Kp, N, b, ch);
+  if (M == 1)
+    for (; b + 8 <= b1; b += 8) row_vnni<8>(xq, d, bias, w, wscale, y, Kp, N, b, ch);
+  if (b < b1) shardline::w8a8::stream_blocks(xq, d, bias, w, wscale, y, M, Kp, N, b, b1, ch);
 }
 #endif  // SHARDLINE_W8A8_VNNI
 

@@ -1,0 +1,174 @@
+// The W8A8 matmul on AVX512-VNNI at two rows and more (a decode step's batch, a prefill chunk) and a
+// row's blocks that its 8-block tiles leave: the weights stream in under the arithmetic. Layout and order of summation: cpu_w8a8.cpp;
+// the same vpdpbusd group sums and the same fused multiply-adds across groups, the same bits.
+//
+// There each 4-row tile took a column's weights through all of K: the first one from memory, waiting
+// on it, the others from cache. Here the weights go column by column (3 blocks, 4-row tiles: 12
+// int32 and 12 float32 sums), K in panels of kPanelGroups groups, the float32 sums kept in memory
+// between panels. The first row tile of a panel asks for each block's weights kAheadSteps 4-byte
+// steps ahead; the other full row tiles share out the next panel's lines among them (this column's
+// next panel, or the next column's first), so the first tile of the next panel finds most of it in
+// cache.
+
+#include <ATen/core/Tensor.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_w8a8.h"
+
+namespace shardline::w8a8 {
+
+#if defined(SHARDLINE_W8A8_VNNI)
+namespace {
+
+constexpr int kRowTile = 4;
+constexpr int kBlocks = 3;
+constexpr int64_t kPanelGroups = 64;  // 2,048 k: 32 KB of a block's weights
+constexpr int kAheadSteps = 64;
+constexpr int64_t kStepBytes = 4 * kBlockCols;  // one k-step of a block: one 64-byte line
+
+template <typename T>
+struct Operands {
+  const int8_t* xq;
+  const float* d;
+  const int32_t* bias;
+  int64_t M, Kp, G;
+  const uint8_t* w;
+  const float* wscale;
+  T* y;
+  int64_t N;
+  const Chunks<T>& ch;
+};
+
+// rows [m, m + MB) x blocks [b, b + NB), groups [g0, g1) of chunk `chunk`; where the sums start and
+// go: ChunkFlags (cpu_vec.h). First: ask kAheadSteps ahead. `next`, when
+// not null: ask for one of its steps (NB lines) every `every` steps.
+template <int MB, int NB, bool First, typename T>
+SHARDLINE_INLINE void tile(const Operands<T>& o, int64_t m, int64_t b, int64_t g0, int64_t g1, const ChunkFlags s,
+                      int64_t chunk, float* kept, float* total, int64_t ld, const uint8_t* next, int64_t every) {
+  const int64_t stride = kBlockCols * o.Kp;
+  __m512 fa[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) fa[i][j] = s.fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(kept + i * ld + j * 16);
+  const uint8_t* wg = o.w + b * stride + g0 * kGroupSteps * kStepBytes;
+  int64_t countdown = 0;
+  for (int64_t g = g0; g < g1; ++g, wg += kGroupSteps * kStepBytes) {
+    __m512i acc[MB][NB];
+    for (int i = 0; i < MB; ++i) {
+      const __m512i start = _mm512_set1_epi32(o.bias[(m + i) * o.G + g]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = start;
+    }
+    const int8_t* xg = o.xq + m * o.Kp + g * kGroup;
+#pragma GCC unroll 8
+    for (int st = 0; st < kGroupSteps; ++st) {
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wg + j * stride + st * kStepBytes);
+      if constexpr (First)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(wg + j * stride + (st + kAheadSteps) * kStepBytes), _MM_HINT_T0);
+      if (next != nullptr && countdown-- == 0) {
+        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride), _MM_HINT_T0);
+        next += kStepBytes * every;
+        countdown = every - 1;
+      }
+      for (int i = 0; i < MB; ++i) {
+        int32_t four;
+        std::memcpy(&four, xg + i * o.Kp + st * 4, 4);
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv[j], a);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 dg = _mm512_set1_ps(o.d[(m + i) * o.G + g]);
+      for (int j = 0; j < NB; ++j) fa[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), dg, fa[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      float* keep = kept + i * ld + j * 16;
+      const int64_t n0 = (b + j) * kBlockCols, count = std::min(kBlockCols, o.N - n0);
+      T* out = o.y + (m + i) * o.N + n0;
+      if (!s.end) {
+        _mm512_storeu_ps(keep, fa[i][j]);
+      } else if (s.first && s.last) {
+        store16(fa[i][j], o.wscale, out, n0, count);
+      } else {  // a chunk's product: written out, or added into the float32 total in chunk order
+        const __m512 v = product16<T>(fa[i][j], o.wscale, n0, count);
+        if (o.ch.parts != nullptr) {
+          store16_raw(v, o.ch.parts + chunk * o.M * o.N + (m + i) * o.N + n0, count);
+          continue;
+        }
+        float* tot = total + i * ld + j * 16;
+        const __m512 sum = s.first ? v : _mm512_add_ps(_mm512_loadu_ps(tot), v);
+        if (s.last)
+          store16_raw(sum, out, count);
+        else
+          _mm512_storeu_ps(tot, sum);
+      }
+    }
+}
+
+// rows [m, M), fewer than kRowTile, in one tile
+template <int NB, bool First, typename T>
+inline void rest(const Operands<T>& o, int64_t m, int64_t b, int64_t g0, int64_t g1, ChunkFlags s, int64_t chunk,
+                 float* kept, float* total, int64_t ld) {
+  switch (o.M - m) {
+    case 3: tile<3, NB, First>(o, m, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1); break;
+    case 2: tile<2, NB, First>(o, m, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1); break;
+    case 1: tile<1, NB, First>(o, m, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1); break;
+    default: break;
+  }
+}
+
+// every row against blocks [b, b + NB), panel by panel of the groups; `kept` and `total` at the
+// column's first channel
+template <int NB, typename T>
+void column(const Operands<T>& o, int64_t b, float* kept, float* total, int64_t ld) {
+  const int64_t M = o.M, G = o.G, gpc = o.ch.gpc, others = M / kRowTile - 1;  // full row tiles after the first
+  for (int64_t c = 0; c < G; c += gpc)
+    for (int64_t g0 = c; g0 < c + gpc; g0 += kPanelGroups) {
+      const int64_t g1 = std::min(c + gpc, g0 + kPanelGroups);
+      const ChunkFlags s{g0 == c, g1 == c + gpc, c == 0, c + gpc == G};
+      const int64_t chunk = c / gpc;
+      if (M < kRowTile) {
+        rest<NB, true>(o, 0, b, g0, g1, s, chunk, kept, total, ld);
+        continue;
+      }
+      tile<kRowTile, NB, true>(o, 0, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1);
+      // (after the task's last column: the next task's lines, or past the weight; a prefetch never faults)
+      const uint8_t* next = o.w + (g1 < G ? b * kBlockCols * o.Kp + g1 * kGroupSteps * kStepBytes
+                                          : (b + NB) * kBlockCols * o.Kp);
+      int64_t m = kRowTile;
+      for (int64_t r = 0; m + kRowTile <= M; m += kRowTile, ++r)
+        tile<kRowTile, NB, false>(o, m, b, g0, g1, s, chunk, kept + m * ld, total + m * ld, ld, next + r * kStepBytes,
+                                  others);
+      rest<NB, false>(o, m, b, g0, g1, s, chunk, kept + m * ld, total + m * ld, ld);
+    }
+}
+
+}  // namespace
+
+template <typename T>
+void stream_blocks(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale,
+                   T* y, int64_t M, int64_t Kp, int64_t N, int64_t b0, int64_t b1, const Chunks<T>& ch) {
+  const int64_t ld = kBlockCols * (b1 - b0);
+  thread_local std::vector<float> kept, totals;
+  kept.resize(static_cast<size_t>(M * ld));
+  totals.resize(static_cast<size_t>(M * ld));
+  const Operands<T> o{xq, d, bias, M, Kp, Kp / kGroup, w, wscale, y, N, ch};
+  int64_t b = b0;
+  for (; b + kBlocks <= b1; b += kBlocks)
+    column<kBlocks>(o, b, kept.data() + (b - b0) * kBlockCols, totals.data() + (b - b0) * kBlockCols, ld);
+  for (; b < b1; ++b) column<1>(o, b, kept.data() + (b - b0) * kBlockCols, totals.data() + (b - b0) * kBlockCols, ld);
+}
+
+template void stream_blocks<float>(const int8_t*, const float*, const int32_t*, const uint8_t*, const float*, float*,
+                                   int64_t, int64_t, int64_t, int64_t, int64_t, const Chunks<float>&);
+template void stream_blocks<c10::BFloat16>(const int8_t*, const float*, const int32_t*, const uint8_t*, const float*,
+                                           c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                           const Chunks<c10::BFloat16>&);
+
+#endif  // SHARDLINE_W8A8_VNNI
+
+}  // namespace shardline::w8a8
