@@ -1,7 +1,8 @@
 """Two checkouts of shardline served side by side, paired: is a change faster or slower?
 
 ``git worktree add /tmp/before <commit>`` then, from this checkout:
-``python -m bench.checkout_pairs /tmp/before [--model smollm2] [--pairs 24] [--bursts 6] [--name checkout-pairs]``
+``python -m bench.checkout_pairs /tmp/before [--model smollm2] [--dtype bfloat16] [--pairs 24] [--bursts 6]
+[--name checkout-pairs]``
 
 Each checkout serves the model with ``shardline up`` from its own tree (its own kernels build),
 both up at once. At c=1, single streamed requests alternate between the two (the order flips pair
@@ -51,7 +52,8 @@ def burst(server: Server, batch: list[list[int]], max_tokens: int) -> dict[str, 
 def markdown(payload: dict) -> str:
     lines = [f"# Two checkouts paired (`{payload['name']}`)", "",
              f"Before `{payload['commits']['before']}`, after `{payload['commits']['after']}`; "
-             f"{payload['config']['model']} bf16, {payload['config']['pairs']} pairs at c=1, "
+             f"{payload['config']['model']} {payload['config'].get('dtype', 'bfloat16')}, "
+             f"{payload['config']['pairs']} pairs at c=1, "
              f"{payload['config']['bursts']} bursts of 16 at c=16, order alternating. Machine: {payload['machine']}. "
              f"Command: `{payload['command']}`.", "",
              "| figure | before | after | after / before (median of the pairs' ratios) |", "|---|---|---|---|"]
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.checkout_pairs", description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path, help="the other checkout (a git worktree of the commit to compare)")
     parser.add_argument("--model", default="smollm2", choices=MODELS)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "int8", "fp8"),
+                        help="what `up --dtype` serves (int8, fp8: quantized at load from the bf16 weights)")
     parser.add_argument("--pairs", type=int, default=24)
     parser.add_argument("--bursts", type=int, default=6)
     parser.add_argument("--name", default="checkout-pairs")
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_dir_for(args.model)
     trees = {"before": args.before.resolve(), "after": REPO}
     work = Path("/tmp") / f"shardline-{args.name}"
-    servers = {k: shardline_server(model_dir, "bfloat16", PORTS[k], work / k, tree=tree) for k, tree in trees.items()}
+    servers = {k: shardline_server(model_dir, args.dtype, PORTS[k], work / k, tree=tree) for k, tree in trees.items()}
     batch = prompts(Tokenizer.from_file(str(model_dir / "tokenizer.json")), max(args.pairs, 48), 128, 1)
     runs: dict[str, dict[str, list[float]]] = {k: {"c1_tpot_s": [], "c16_tok_s": [], "c16_tpot_s": [],
                                                    "c16_ttft_s": []} for k in servers}
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                for key in runs["before"]}
     payload = {"name": args.name, "machine": machine(), "commits": {k: commit_of(t) for k, t in trees.items()},
                "command": "python -m bench.checkout_pairs " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "config": {"model": args.model, "pairs": args.pairs, "bursts": args.bursts}, "summary": summary,
+               "config": {"model": args.model, "dtype": args.dtype, "pairs": args.pairs, "bursts": args.bursts},
+               "summary": summary,
                "runs": runs}
     return publish_results(args.name, payload, markdown(payload))
 
