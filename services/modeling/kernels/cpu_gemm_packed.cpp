@@ -17,7 +17,8 @@
 // tile's weights (256 KB) stays in L2 while every row tile of the block passes over it, the block's
 // activations stay in L2 across the task's channels.
 //
-// AVX512-BF16, 5 to kStreamRows rows: the streaming columns of cpu_gemm_stream.cpp instead.
+// The streaming columns of cpu_gemm_stream.cpp instead: AVX512-BF16 at 5 to kStreamRows rows, AVX2
+// at 2 to kStreamRowsAvx2.
 
 #include "cpu_gemm_packed.h"
 
@@ -107,29 +108,9 @@ SHARDLINE_INLINE void tile(const Job& o, int64_t m, int64_t b, int64_t q0, int64
       for (int j = 0; j < 2 * NB; ++j) acc[i][j] = _mm256_fmadd_ps(xo, wo[j], _mm256_fmadd_ps(xe, we[j], acc[i][j]));
     }
   }
-  using E = Elem<c10::BFloat16>;
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < 2 * NB; ++j) {
-      if (!s.end) {
-        _mm256_storeu_ps(kept + i * ld + j * 8, acc[i][j]);
-        continue;
-      }
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, acc[i][j]);
-      c10::BFloat16* out = o.y + (m + i) * o.ldy + b * 16 + j * 8;
-      if (s.first && s.last) {
-        for (int l = 0; l < 8; ++l) E::store(out + l, sums[l]);
-        continue;
-      }
-      float* t = total + i * ld + j * 8;
-      for (int l = 0; l < 8; ++l) {
-        const float v = s.first ? round_to<c10::BFloat16>(sums[l]) : t[l] + round_to<c10::BFloat16>(sums[l]);
-        if (s.last)
-          E::store(out + l, v);
-        else
-          t[l] = v;
-      }
-    }
+    for (int j = 0; j < 2 * NB; ++j)
+      finish_sums(acc[i][j], s, kept + i * ld + j * 8, total + i * ld + j * 8, o.y + (m + i) * o.ldy + b * 16 + j * 8);
 }
 
 #else
@@ -211,12 +192,14 @@ void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_
                    total + (b - b0) * 16, ld);
     return;
   }
-#ifndef SHARDLINE_PACKED_AVX2
+#ifdef SHARDLINE_PACKED_AVX2
+  if (M <= kStreamRowsAvx2) {
+#else
   if (M > kRows && M <= kStreamRows) {
+#endif
     stream_blocks(x, ldx, M, w, kp, p0, pairs, y, ldy, b0, b1, chunk_pairs);
     return;
   }
-#endif
   if (chunk > kPanelPairs) kept_sums.resize(static_cast<size_t>(rows * ld));
   float* kept = kept_sums.data();
   const bool ahead = pairs <= kPanelPairs && (b1 - b0) * pairs * 64 > kFetchBytes;

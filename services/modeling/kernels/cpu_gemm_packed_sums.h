@@ -23,6 +23,28 @@ SHARDLINE_INLINE void finish_sums(__m512 acc, ChunkFlags s, float* kept, float* 
       _mm512_storeu_ps(total, v);
   }
 }
+#elif defined(SHARDLINE_GEMM_AVX2)
+// 8 channels' sums of one row (half a block, AVX2): as above
+SHARDLINE_INLINE void finish_sums(__m256 acc, ChunkFlags s, float* kept, float* total, c10::BFloat16* out) {
+  if (!s.end) {
+    _mm256_storeu_ps(kept, acc);
+    return;
+  }
+  using E = Elem<c10::BFloat16>;
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, acc);
+  if (s.first && s.last) {
+    for (int l = 0; l < 8; ++l) E::store(out + l, sums[l]);
+    return;
+  }
+  for (int l = 0; l < 8; ++l) {
+    const float v = s.first ? round_to<c10::BFloat16>(sums[l]) : total[l] + round_to<c10::BFloat16>(sums[l]);
+    if (s.last)
+      E::store(out + l, v);
+    else
+      total[l] = v;
+  }
+}
 #endif
 
 }  // namespace shardline::packed
