@@ -1,8 +1,8 @@
 """Two checkouts of shardline served side by side, paired: is a change faster or slower?
 
 ``git worktree add /tmp/before <commit>`` then, from this checkout:
-``python -m bench.checkout_pairs /tmp/before [--model smollm2] [--dtype bfloat16] [--pairs 24] [--bursts 6]
-[--name checkout-pairs]``
+``python -m bench.checkout_pairs /tmp/before [--model smollm2] [--dtype bfloat16] [--isa native] [--pairs 24]
+[--bursts 6] [--name checkout-pairs]``
 
 Each checkout serves the model with ``shardline up`` from its own tree (its own kernels build),
 both up at once. At c=1, single streamed requests alternate between the two (the order flips pair
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from bench._peers import Server, shardline_server
+from bench._peers import Server, hold_to_isa, shardline_server
 from bench.common import machine, publish_results
 from bench.decode_pairs import prompts, stream_tpot
 from bench.serving import MODELS, model_dir_for
@@ -53,6 +53,7 @@ def markdown(payload: dict) -> str:
     lines = [f"# Two checkouts paired (`{payload['name']}`)", "",
              f"Before `{payload['commits']['before']}`, after `{payload['commits']['after']}`; "
              f"{payload['config']['model']} {payload['config'].get('dtype', 'bfloat16')}, "
+             f"kernels for {payload['config'].get('isa', 'native')}, "
              f"{payload['config']['pairs']} pairs at c=1, "
              f"{payload['config']['bursts']} bursts of 16 at c=16, order alternating. Machine: {payload['machine']}. "
              f"Command: `{payload['command']}`.", "",
@@ -70,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2", choices=MODELS)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "int8", "fp8"),
                         help="what `up --dtype` serves (int8, fp8: quantized at load from the bf16 weights)")
+    parser.add_argument("--isa", default="native", choices=("native", "avx2"),
+                        help="avx2: both servers' kernels built for AVX2 + FMA (an AVX2-only machine's stand-in)")
     parser.add_argument("--pairs", type=int, default=24)
     parser.add_argument("--bursts", type=int, default=6)
     parser.add_argument("--name", default="checkout-pairs")
     args = parser.parse_args(argv)
     os.chdir(REPO)
+    hold_to_isa(args.isa)
     model_dir = model_dir_for(args.model)
     trees = {"before": args.before.resolve(), "after": REPO}
     work = Path("/tmp") / f"shardline-{args.name}"
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                for key in runs["before"]}
     payload = {"name": args.name, "machine": machine(), "commits": {k: commit_of(t) for k, t in trees.items()},
                "command": "python -m bench.checkout_pairs " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "config": {"model": args.model, "dtype": args.dtype, "pairs": args.pairs, "bursts": args.bursts},
+               "config": {"model": args.model, "dtype": args.dtype, "isa": args.isa, "pairs": args.pairs,
+                          "bursts": args.bursts},
                "summary": summary,
                "runs": runs}
     return publish_results(args.name, payload, markdown(payload))
