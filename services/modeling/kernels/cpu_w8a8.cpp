@@ -37,29 +37,15 @@
 #include "cpu_w8a8.h"
 
 using shardline::Elem;
+using shardline::w8a8::chunk_end_lanes;
 using shardline::w8a8::Chunks;
 using shardline::w8a8::kBlockCols;
 using shardline::w8a8::kGroup;
 using shardline::w8a8::kGroupSteps;
 using shardline::w8a8::round_up;
+using shardline::w8a8::store_lanes;
 
 namespace {
-
-// a chunk's product at its end (fa * wscale rounded to T) goes to its part, or into the total
-// (first chunk: taken; then added in float32); the last chunk's total goes to y rounded to T
-template <typename T>
-inline void chunk_end_lanes(const float* fa, const float* wscale, float* total, T* y, const Chunks<T>& c,
-                            int64_t chunk, bool last, int64_t m, int64_t N, int64_t n0, int64_t count) {
-  for (int64_t l = 0; l < count; ++l) {
-    const float v = shardline::round_to<T>(fa[l] * wscale[n0 + l]);
-    if (c.parts != nullptr) {
-      Elem<T>::store(c.parts + chunk * c.M * N + m * N + n0 + l, v);
-      continue;
-    }
-    total[l] = chunk == 0 ? v : total[l] + v;
-    if (last) Elem<T>::store(y + m * N + n0 + l, total[l]);
-  }
-}
 
 #ifdef SHARDLINE_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -166,12 +152,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* xq, flo
   });
 }
 
-// y[m, n] for n in [n0, n1) of one block's 16 lanes: fa * wscale rounded to T
-template <typename T>
-inline void store_lanes(const float* fa, const float* wscale, T* y, int64_t n0, int64_t count) {
-  for (int64_t l = 0; l < count; ++l) Elem<T>::store(y + l, fa[l] * wscale[n0 + l]);
-}
-
 // The portable path: the packed bytes read back as signed int8, the same sums in the same order.
 template <typename T>
 void blocks_portable(const int8_t* xq, const float* d, const uint8_t* w, const float* wscale, T* y, int64_t M,
@@ -267,80 +247,6 @@ void blocks_vnni(const int8_t* xq, const float* d, const int32_t* bias, const ui
 }
 #endif  // SHARDLINE_W8A8_VNNI
 
-#if defined(__AVX2__) && !defined(SHARDLINE_W8A8_VNNI)
-#define SHARDLINE_W8A8_AVX2 1
-
-// rows [m0, m0 + MB) x half-blocks (8 channels) [h, h + NH): vpmaddubsw on |xq| and the signed
-// weights with xq's signs, pairs widened to int32 by vpmaddwd; the same group sums
-template <int MB, int NH, typename T>
-inline void tile_avx2(const int8_t* xq, const float* d, const uint8_t* w, const float* wscale, T* y, int64_t Kp,
-                      int64_t N, int64_t m0, int64_t h, const Chunks<T>& ch) {
-  const int64_t G = Kp / kGroup, stride = kBlockCols * Kp;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
-  alignas(32) float total[MB][NH][8];  // the chunks' sum so far (in chunks only)
-  __m256 fa[MB][NH];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NH; ++j) fa[i][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i acc[MB][NH];
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NH; ++j) acc[i][j] = _mm256_setzero_si256();
-    const uint8_t* wg = w + g * kGroup * kBlockCols;
-    const int8_t* xg = xq + m0 * Kp + g * kGroup;
-#pragma GCC unroll 8
-    for (int s = 0; s < kGroupSteps; ++s) {
-      __m256i wv[NH];
-      for (int j = 0; j < NH; ++j) {
-        const int64_t hj = h + j;  // half-block hj: block hj / 2, bytes 32 * (hj % 2) of each step
-        wv[j] = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (hj / 2) * stride + s * 64 + (hj % 2) * 32)), flip);
-      }
-      for (int i = 0; i < MB; ++i) {
-        int32_t four;
-        std::memcpy(&four, xg + i * Kp + s * 4, 4);
-        const __m256i a = _mm256_set1_epi32(four), mag = _mm256_abs_epi8(a);
-        for (int j = 0; j < NH; ++j) {
-          const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(wv[j], a));
-          acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));
-        }
-      }
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m256 dg = _mm256_set1_ps(d[(m0 + i) * G + g]);
-      for (int j = 0; j < NH; ++j) fa[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), dg, fa[i][j]);
-    }
-    if (ch.ends(g, G)) {
-      for (int i = 0; i < MB; ++i)
-        for (int j = 0; j < NH; ++j) {
-          alignas(32) float sums[8];
-          _mm256_store_ps(sums, fa[i][j]);
-          const int64_t n0 = (h + j) * 8;
-          chunk_end_lanes(sums, wscale, total[i][j], y, ch, g / ch.gpc, g + 1 == G, m0 + i, N, n0,
-                          std::max<int64_t>(0, std::min<int64_t>(8, N - n0)));
-          fa[i][j] = _mm256_setzero_ps();
-        }
-    }
-  }
-  if (ch.gpc < G) return;
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NH; ++j) {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, fa[i][j]);
-      const int64_t n0 = (h + j) * 8;
-      store_lanes(tmp, wscale, y + (m0 + i) * N + n0, n0, std::max<int64_t>(0, std::min<int64_t>(8, N - n0)));
-    }
-}
-
-template <typename T>
-void blocks_avx2(const int8_t* xq, const float* d, const uint8_t* w, const float* wscale, T* y, int64_t M,
-                 int64_t Kp, int64_t N, int64_t b0, int64_t b1, const Chunks<T>& ch) {
-  for (int64_t h = 2 * b0; h < 2 * b1; h += 2) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) tile_avx2<2, 2>(xq, d, w, wscale, y, Kp, N, m, h, ch);
-    if (m < M) tile_avx2<1, 2>(xq, d, w, wscale, y, Kp, N, m, h, ch);
-  }
-}
-#endif  // SHARDLINE_W8A8_AVX2
 
 constexpr int64_t kBlocksPerTask = 4;
 
@@ -359,8 +265,8 @@ void run(const at::Tensor& x, const uint8_t* w, const float* wscale, T* y, int64
     if (!vectorized) return blocks_portable(xq, d, w, wscale, y, M, Kp, N, b0, b1, ch);
 #if defined(SHARDLINE_W8A8_VNNI)
     blocks_vnni(xq, d, bias, w, wscale, y, M, Kp, N, b0, b1, ch);
-#elif defined(SHARDLINE_W8A8_AVX2)
-    blocks_avx2(xq, d, w, wscale, y, M, Kp, N, b0, b1, ch);
+#elif defined(SHARDLINE_W8A8_AVX2)  // every row count: the streaming columns (cpu_w8a8_stream.cpp)
+    shardline::w8a8::stream_blocks(xq, d, bias, w, wscale, y, M, Kp, N, b0, b1, ch);
 #else
     blocks_portable(xq, d, w, wscale, y, M, Kp, N, b0, b1, ch);
 #endif

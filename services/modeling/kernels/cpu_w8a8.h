@@ -27,6 +27,28 @@ struct Chunks {
   bool ends(int64_t g, int64_t G) const { return gpc < G && (g + 1) % gpc == 0; }
 };
 
+// a chunk's product at its end (fa * wscale rounded to T) goes to its part, or into the total
+// (first chunk: taken; then added in float32); the last chunk's total goes to y rounded to T
+template <typename T>
+inline void chunk_end_lanes(const float* fa, const float* wscale, float* total, T* y, const Chunks<T>& c,
+                            int64_t chunk, bool last, int64_t m, int64_t N, int64_t n0, int64_t count) {
+  for (int64_t l = 0; l < count; ++l) {
+    const float v = shardline::round_to<T>(fa[l] * wscale[n0 + l]);
+    if (c.parts != nullptr) {
+      Elem<T>::store(c.parts + chunk * c.M * N + m * N + n0 + l, v);
+      continue;
+    }
+    total[l] = chunk == 0 ? v : total[l] + v;
+    if (last) Elem<T>::store(y + m * N + n0 + l, total[l]);
+  }
+}
+
+// y[m, n] for n in [n0, n0 + count) of a block's lanes: fa * wscale rounded to T
+template <typename T>
+inline void store_lanes(const float* fa, const float* wscale, T* y, int64_t n0, int64_t count) {
+  for (int64_t l = 0; l < count; ++l) Elem<T>::store(y + l, fa[l] * wscale[n0 + l]);
+}
+
 #if defined(SHARDLINE_AVX512) && defined(__AVX512VNNI__)
 #define SHARDLINE_W8A8_VNNI 1
 
@@ -73,14 +95,19 @@ inline __m512 product16(const __m512 v, const float* wscale, int64_t n0, int64_t
   }
 }
 
+#elif defined(__AVX2__)
+#define SHARDLINE_W8A8_AVX2 1
+#endif
 
-// Rows 1 to M on AVX512-VNNI: blocks [b0, b1) of y = the quantized rows (xq [M, Kp], d and bias
+#if defined(SHARDLINE_W8A8_VNNI) || defined(SHARDLINE_W8A8_AVX2)
+// On AVX512-VNNI (rows 2 and more, and a row's blocks left by its 8-block tiles) or AVX2 (every row
+// count): blocks [b0, b1) of y = the quantized rows (xq [M, Kp], d and bias
 // [M, G]) times the packed weight w, the weights streamed in under the arithmetic
 // (cpu_w8a8_stream.cpp); the sums and order of cpu_w8a8.cpp, the same bits. Called inside a
 // parallel task.
 template <typename T>
 void stream_blocks(const int8_t* xq, const float* d, const int32_t* bias, const uint8_t* w, const float* wscale,
                    T* y, int64_t M, int64_t Kp, int64_t N, int64_t b0, int64_t b1, const Chunks<T>& ch);
-#endif  // SHARDLINE_W8A8_VNNI
+#endif
 
 }  // namespace shardline::w8a8
