@@ -51,13 +51,28 @@ struct Operands {
   const Chunks<T>& ch;
 };
 
+// A tile's asks for weight lines at each 4-byte step (wg: the step's line of the first block). First:
+// each block's line kAheadSteps steps ahead. `next`, when not null: one of its steps (NB lines)
+// every `every` steps.
+template <int NB, bool First>
+SHARDLINE_INLINE void fetch_lines(const uint8_t* wg, int64_t stride, const uint8_t*& next, int64_t& countdown,
+                                  int64_t every) {
+  if constexpr (First)
+    for (int j = 0; j < NB; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(wg + j * stride + kAheadSteps * kStepBytes), _MM_HINT_T0);
+  if (next != nullptr && countdown-- == 0) {
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride), _MM_HINT_T0);
+    next += kStepBytes * every;
+    countdown = every - 1;
+  }
+}
+
 #if defined(SHARDLINE_W8A8_VNNI)
 // rows [m, m + MB) x blocks [b, b + NB), groups [g0, g1) of chunk `chunk`; where the sums start and
-// go: ChunkFlags (cpu_vec.h). First: ask kAheadSteps ahead. `next`, when
-// not null: ask for one of its steps (NB lines) every `every` steps.
+// go: ChunkFlags (cpu_vec.h); First, `next` and `every`: fetch_lines
 template <int MB, int NB, bool First, typename T>
 SHARDLINE_INLINE void tile(const Operands<T>& o, int64_t m, int64_t b, int64_t g0, int64_t g1, const ChunkFlags s,
-                      int64_t chunk, float* kept, float* total, int64_t ld, const uint8_t* next, int64_t every) {
+                           int64_t chunk, float* kept, float* total, int64_t ld, const uint8_t* next, int64_t every) {
   const int64_t stride = kBlockCols * o.Kp;
   __m512 fa[MB][NB];
   for (int i = 0; i < MB; ++i)
@@ -75,14 +90,7 @@ SHARDLINE_INLINE void tile(const Operands<T>& o, int64_t m, int64_t b, int64_t g
     for (int st = 0; st < kGroupSteps; ++st) {
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wg + j * stride + st * kStepBytes);
-      if constexpr (First)
-        for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(wg + j * stride + (st + kAheadSteps) * kStepBytes), _MM_HINT_T0);
-      if (next != nullptr && countdown-- == 0) {
-        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride), _MM_HINT_T0);
-        next += kStepBytes * every;
-        countdown = every - 1;
-      }
+      fetch_lines<NB, First>(wg + st * kStepBytes, stride, next, countdown, every);
       for (int i = 0; i < MB; ++i) {
         int32_t four;
         std::memcpy(&four, xg + i * o.Kp + st * 4, 4);
@@ -146,14 +154,7 @@ SHARDLINE_INLINE void tile(const Operands<T>& o, int64_t m, int64_t b, int64_t g
         wv[j] = _mm256_xor_si256(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (j / 2) * stride + st * kStepBytes + (j % 2) * 32)),
             flip);
-      if constexpr (First)
-        for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(wg + j * stride + (st + kAheadSteps) * kStepBytes), _MM_HINT_T0);
-      if (next != nullptr && countdown-- == 0) {
-        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride), _MM_HINT_T0);
-        next += kStepBytes * every;
-        countdown = every - 1;
-      }
+      fetch_lines<NB, First>(wg + st * kStepBytes, stride, next, countdown, every);
       for (int i = 0; i < MB; ++i) {
         int32_t four;
         std::memcpy(&four, xg + i * o.Kp + st * 4, 4);
