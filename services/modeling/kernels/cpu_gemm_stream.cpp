@@ -81,44 +81,19 @@ SHARDLINE_INLINE void tile(const Operands& o, int64_t m, int64_t b, int64_t q0, 
                   reinterpret_cast<uint16_t*>(o.y + (m + i) * o.ldy + (b + j) * 16));
 }
 
-// rows [m, M), fewer than kRowTile, in one tile
-template <int NB, bool First>
-inline void rest(const Operands& o, int64_t m, int64_t b, int64_t q0, int64_t q1, ChunkFlags s, float* kept,
-                 float* total, int64_t ld) {
-  static_assert(kRowTile == 8);
-  switch (o.M - m) {
-    case 7: tile<7, NB, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 6: tile<6, NB, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 5: tile<5, NB, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 4: tile<4, NB, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 3: tile<3, NB, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 2: tile<2, NB, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 1: tile<1, NB, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    default: break;
-  }
-}
-
-// every row against blocks [b, b + NB), panel by panel of the call's k-pairs; `kept` and `total` at
-// the column's first channel
+// every row against blocks [b, b + NB), panel by panel of the call's k-pairs (walk_column); `kept` and
+// `total` at the column's first channel. After the task's last column the next panel is the next
+// task's, or past the weight: a prefetch never faults.
 template <int NB>
 void column(const Operands& o, int64_t b, int64_t pairs, int64_t chunk, float* kept, float* total, int64_t ld) {
-  const int64_t M = o.M, others = M / kRowTile - 1;  // full row tiles after the first
-  for (int64_t c = 0; c < pairs; c += chunk)
-    for (int64_t q0 = c; q0 < c + chunk; q0 += kPanelPairs) {
-      const int64_t q1 = std::min(c + chunk, q0 + kPanelPairs);
-      const ChunkFlags s{q0 == c, q1 == c + chunk, c == 0, c + chunk == pairs};
-      if (M < kRowTile) {
-        rest<NB, true>(o, 0, b, q0, q1, s, kept, total, ld);
-        continue;
-      }
-      tile<kRowTile, NB, true>(o, 0, b, q0, q1, s, kept, total, ld, nullptr, 1);
-      // (after the task's last column: the lines of the next task's, or past the weight; a prefetch never faults)
-      const uint16_t* next = o.w + ((q1 < pairs ? b : b + NB) * o.kp + o.p0 + (q1 < pairs ? q1 : 0)) * 32;
-      int64_t m = kRowTile;
-      for (int64_t r = 0; m + kRowTile <= M; m += kRowTile, ++r)
-        tile<kRowTile, NB, false>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld, next + r * 32, others);
-      rest<NB, false>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld);
-    }
+  walk_column<kRowTile>(
+      o.M, pairs, chunk, kPanelPairs, 32,
+      [&](int64_t q1) { return o.w + ((q1 < pairs ? b : b + NB) * o.kp + o.p0 + (q1 < pairs ? q1 : 0)) * 32; },
+      [&](auto mb, auto first, int64_t m, int64_t q0, int64_t q1, ChunkFlags s, int64_t, const uint16_t* next,
+          int64_t every) SHARDLINE_LAMBDA_INLINE {
+        tile<decltype(mb)::value, NB, decltype(first)::value>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld,
+                                                               next, every);
+      });
 }
 
 }  // namespace
@@ -207,36 +182,16 @@ SHARDLINE_INLINE void tile(const Operands& o, int64_t m, int64_t b, int64_t q0, 
       finish_sums(acc[i][h], s, kept + i * ld + h * 8, total + i * ld + h * 8, o.y + (m + i) * o.ldy + b * 16 + h * 8);
 }
 
-template <bool First>
-inline void rest(const Operands& o, int64_t m, int64_t b, int64_t q0, int64_t q1, ChunkFlags s, float* kept,
-                 float* total, int64_t ld) {
-  static_assert(kRowTile == 4);
-  switch (o.M - m) {
-    case 3: tile<3, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 2: tile<2, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    case 1: tile<1, First>(o, m, b, q0, q1, s, kept, total, ld, nullptr, 1); break;
-    default: break;
-  }
-}
-
 // every row against block b, panel by panel (as the AVX512-BF16 column above, one block wide)
 void column(const Operands& o, int64_t b, int64_t pairs, int64_t chunk, float* kept, float* total, int64_t ld) {
-  const int64_t M = o.M, others = M / kRowTile - 1;
-  for (int64_t c = 0; c < pairs; c += chunk)
-    for (int64_t q0 = c; q0 < c + chunk; q0 += kPanelPairs) {
-      const int64_t q1 = std::min(c + chunk, q0 + kPanelPairs);
-      const ChunkFlags s{q0 == c, q1 == c + chunk, c == 0, c + chunk == pairs};
-      if (M < kRowTile) {
-        rest<true>(o, 0, b, q0, q1, s, kept, total, ld);
-        continue;
-      }
-      tile<kRowTile, true>(o, 0, b, q0, q1, s, kept, total, ld, nullptr, 1);
-      const uint16_t* next = o.w + ((q1 < pairs ? b : b + 1) * o.kp + o.p0 + (q1 < pairs ? q1 : 0)) * 32;
-      int64_t m = kRowTile;
-      for (int64_t r = 0; m + kRowTile <= M; m += kRowTile, ++r)
-        tile<kRowTile, false>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld, next + r * 32, others);
-      rest<false>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld);
-    }
+  walk_column<kRowTile>(
+      o.M, pairs, chunk, kPanelPairs, 32,
+      [&](int64_t q1) { return o.w + ((q1 < pairs ? b : b + 1) * o.kp + o.p0 + (q1 < pairs ? q1 : 0)) * 32; },
+      [&](auto mb, auto first, int64_t m, int64_t q0, int64_t q1, ChunkFlags s, int64_t, const uint16_t* next,
+          int64_t every) SHARDLINE_LAMBDA_INLINE {
+        tile<decltype(mb)::value, decltype(first)::value>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld,
+                                                           next, every);
+      });
 }
 
 }  // namespace

@@ -12,9 +12,11 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -33,6 +35,7 @@
 // once the packed kernel's streaming columns were added it stopped inlining the 4-row path, whose
 // products at 128-256 rows then took 1.13-1.16x the time)
 #define SHARDLINE_INLINE inline __attribute__((always_inline))
+#define SHARDLINE_LAMBDA_INLINE __attribute__((always_inline))  // a lambda's, after its parameters
 
 namespace shardline {
 
@@ -46,6 +49,45 @@ struct ChunkFlags {
   bool first;  // the call's first chunk: `total` takes its product (else adds it)
   bool last;   // the call's last chunk: the total goes to y rounded (else back to `total`)
 };
+
+// rows: a tile of MB = `rows` rows (1 to MB): tile(MB, First, args...), both std::integral_constant
+template <int MB, bool First, typename Tile, typename... Args>
+SHARDLINE_INLINE void tile_of_rows(int64_t rows, const Tile& tile, Args... args) {
+  if constexpr (MB > 0) {
+    if (rows == MB) return tile(std::integral_constant<int, MB>{}, std::bool_constant<First>{}, args...);
+    tile_of_rows<MB - 1, First>(rows, tile, args...);
+  }
+}
+
+// The streaming columns' walk over one column of weights (cpu_gemm_stream.cpp, cpu_w8a8_stream.cpp):
+// K's n steps in chunks of `chunk` and panels of at most `panel`, and in each panel the M rows in
+// tiles of RowTile. The first tile (First) asks for its own lines ahead; the other full tiles share
+// out the next panel's lines (next_of(k1): its first, a step `step` apart; tile r asks from r steps
+// on, every `others` steps); the rows left go in one tile. tile(MB, First, m, k0, k1, flags, chunk
+// index, next or nullptr, every), MB and First as std::integral_constant.
+template <int RowTile, typename NextOf, typename Tile>
+SHARDLINE_INLINE void walk_column(int64_t M, int64_t n, int64_t chunk, int64_t panel, int64_t step,
+                                  const NextOf& next_of, const Tile& tile) {
+  using Line = decltype(next_of(int64_t{0}));
+  const int64_t others = M / RowTile - 1;  // full row tiles after the first
+  for (int64_t c = 0; c < n; c += chunk)
+    for (int64_t k0 = c; k0 < c + chunk; k0 += panel) {
+      const int64_t k1 = std::min(c + chunk, k0 + panel);
+      const ChunkFlags s{k0 == c, k1 == c + chunk, c == 0, c + chunk == n};
+      const int64_t index = c / chunk;
+      if (M < RowTile) {
+        tile_of_rows<RowTile - 1, true>(M, tile, int64_t{0}, k0, k1, s, index, Line{nullptr}, int64_t{1});
+        continue;
+      }
+      tile(std::integral_constant<int, RowTile>{}, std::true_type{}, int64_t{0}, k0, k1, s, index, Line{nullptr},
+           int64_t{1});
+      const Line next = next_of(k1);
+      int64_t m = RowTile;
+      for (int64_t r = 0; m + RowTile <= M; m += RowTile, ++r)
+        tile(std::integral_constant<int, RowTile>{}, std::false_type{}, m, k0, k1, s, index, next + r * step, others);
+      tile_of_rows<RowTile - 1, false>(M - m, tile, m, k0, k1, s, index, Line{nullptr}, int64_t{1});
+    }
+}
 
 inline float bits_to_f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t f_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }

@@ -187,42 +187,21 @@ SHARDLINE_INLINE void tile(const Operands<T>& o, int64_t m, int64_t b, int64_t g
 }
 #endif
 
-// rows [m, M), fewer than kRowTile, in one tile
-template <int NB, bool First, typename T>
-inline void rest(const Operands<T>& o, int64_t m, int64_t b, int64_t g0, int64_t g1, ChunkFlags s, int64_t chunk,
-                 float* kept, float* total, int64_t ld) {
-  switch (o.M - m) {
-    case 3: tile<3, NB, First>(o, m, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1); break;
-    case 2: tile<2, NB, First>(o, m, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1); break;
-    case 1: tile<1, NB, First>(o, m, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1); break;
-    default: break;
-  }
-}
-
-// every row against blocks [b, b + NB), panel by panel of the groups; `kept` and `total` at the
-// column's first channel
+// every row against blocks [b, b + NB), panel by panel of the groups (walk_column); `kept` and `total`
+// at the column's first channel
 template <int NB, typename T>
 void column(const Operands<T>& o, int64_t b, float* kept, float* total, int64_t ld) {
-  const int64_t M = o.M, G = o.G, gpc = o.ch.gpc, others = M / kRowTile - 1;  // full row tiles after the first
-  for (int64_t c = 0; c < G; c += gpc)
-    for (int64_t g0 = c; g0 < c + gpc; g0 += kPanelGroups) {
-      const int64_t g1 = std::min(c + gpc, g0 + kPanelGroups);
-      const ChunkFlags s{g0 == c, g1 == c + gpc, c == 0, c + gpc == G};
-      const int64_t chunk = c / gpc;
-      if (M < kRowTile) {
-        rest<NB, true>(o, 0, b, g0, g1, s, chunk, kept, total, ld);
-        continue;
-      }
-      tile<kRowTile, NB, true>(o, 0, b, g0, g1, s, chunk, kept, total, ld, nullptr, 1);
-      // (after the task's last column: the next task's lines, or past the weight; a prefetch never faults)
-      const uint8_t* next = o.w + (g1 < G ? b * kBlockCols * o.Kp + g1 * kGroupSteps * kStepBytes
-                                          : (b + NB) * kBlockCols * o.Kp);
-      int64_t m = kRowTile;
-      for (int64_t r = 0; m + kRowTile <= M; m += kRowTile, ++r)
-        tile<kRowTile, NB, false>(o, m, b, g0, g1, s, chunk, kept + m * ld, total + m * ld, ld, next + r * kStepBytes,
-                                  others);
-      rest<NB, false>(o, m, b, g0, g1, s, chunk, kept + m * ld, total + m * ld, ld);
-    }
+  const int64_t G = o.G;
+  walk_column<kRowTile>(
+      o.M, G, o.ch.gpc, kPanelGroups, kStepBytes,
+      [&](int64_t g1) {
+        return o.w + (g1 < G ? b * kBlockCols * o.Kp + g1 * kGroupSteps * kStepBytes : (b + NB) * kBlockCols * o.Kp);
+      },
+      [&](auto mb, auto first, int64_t m, int64_t g0, int64_t g1, ChunkFlags s, int64_t chunk, const uint8_t* next,
+          int64_t every) SHARDLINE_LAMBDA_INLINE {
+        tile<decltype(mb)::value, NB, decltype(first)::value>(o, m, b, g0, g1, s, chunk, kept + m * ld,
+                                                               total + m * ld, ld, next, every);
+      });
 }
 
 }  // namespace
