@@ -38,7 +38,7 @@ from services.fleet.local import LocalProvisioner
 from services.fleet.paging import telemetry_pager
 from services.fleet.provisioner import Provisioner
 from services.fleet.spec import FleetSpec, InvalidFleetSpec
-from services.telemetry.server import add_metrics_arguments, setup_observability
+from services.telemetry.observability import add_metrics_arguments, setup_observability
 
 SERVICE = "fleet"
 log = logging.getLogger(__name__)

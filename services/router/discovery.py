@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from services.common.registry.repository import ShardRegistry
 from services.router.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -33,6 +32,9 @@ def dialable(endpoint: str) -> str:
 class RegistryDiscovery:
     def __init__(self, registry_url: str, replicas: ReplicaSet, on_endpoint: Callable[[str], None], *,
                  interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S) -> None:
+        # deferred: a router without a registry does not load SQLAlchemy (about 1 s of its start)
+        from services.common.registry.repository import ShardRegistry
+
         self.registry = ShardRegistry(registry_url)
         self.replicas = replicas
         self.on_endpoint = on_endpoint

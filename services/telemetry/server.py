@@ -16,26 +16,18 @@ from collections.abc import Iterator
 import grpc
 from opentelemetry.metrics import Observation
 
-from services.common.bearer_auth import BearerCheck
 from services.common.config import resolve
 from services.common.errors import InvalidArgument
 from services.common.grpc_server import GrpcServer, ServiceBinding, serve_service
 from services.common.health import make_health_store
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
 from services.common.registry import ShardRegistry
-from services.common.transport_security import TransportSecurity
 from services.telemetry.convert import alert_from_pb, alert_to_pb, window_to_pb
 from services.telemetry.effects import GroupStatusEffects
-from services.telemetry.otel import (
-    MetricsOptions,
-    MetricsPortError,
-    collective_metrics,
-    configure_metrics,
-    otlp_endpoint_from_env,
-)
+from services.telemetry.observability import add_metrics_arguments, setup_observability
+from services.telemetry.otel import MetricsPortError, collective_metrics
 from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
 from services.telemetry.rules import AlertKind, RuleConfig
-from services.telemetry.tracing import configure_tracing
 from services.telemetry.windows import WindowConfig
 
 SERVICE = "telemetry"
@@ -111,22 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_metrics_arguments(group)
 
 
-def add_metrics_arguments(parser, *, default_port: int | None = None) -> None:
-    """``--metrics-port`` and ``--otlp-endpoint``: the same two flags on every service.
-    ``default_port``: where /metrics is served without the flag (None: off, 0: any free port)."""
-    default = {None: "off", 0: "any free port"}.get(default_port, str(default_port))
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help=f"serve Prometheus /metrics on this port, 0 for any, -1 for none (env "
-                             f"SHARDLINE_METRICS_PORT; default: {default})")
-    parser.set_defaults(metrics_port_default=-1 if default_port is None else default_port)
-    parser.add_argument("--otlp-endpoint", default=None,
-                        help="export OpenTelemetry metrics and traces over OTLP/gRPC to host:port "
-                             "(env SHARDLINE_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; default: off)")
-    parser.add_argument("--metrics-auth", action="store_const", const=True, default=None,
-                        help="/metrics requires 'authorization: Bearer <internal token>' (env "
-                             "SHARDLINE_METRICS_AUTH; default: open)")
-
-
 def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
     window_s = resolve("telemetry_window_s", args.window_s, 10.0)
     rules = RuleConfig()
@@ -149,24 +125,6 @@ def build_pipeline(args: argparse.Namespace) -> TelemetryPipeline:
         registry = ShardRegistry(registry_url, migrate_schema=True) if registry_url else None
         effects = GroupStatusEffects(health=health, registry=registry)
     return TelemetryPipeline(pipeline_config(args), effects=effects)
-
-
-def setup_observability(args: argparse.Namespace, service: str):
-    """Metrics (/metrics, OTLP) and traces for one service process, from its flags and env."""
-    port = resolve("metrics_port", args.metrics_port, getattr(args, "metrics_port_default", -1))
-    otlp = args.otlp_endpoint or otlp_endpoint_from_env()
-    host = resolve("host", getattr(args, "host", None), "127.0.0.1")
-    configure_tracing(service, otlp)
-    security = TransportSecurity.from_args(args)
-    auth = None
-    if resolve("metrics_auth", getattr(args, "metrics_auth", None), False):
-        if security.internal_token is None:
-            raise InvalidArgument("--metrics-auth needs the internal token (SHARDLINE_INTERNAL_TOKEN): "
-                                  "it is what a scraper sends")
-        auth = BearerCheck(security.internal_token, what="internal token")
-    return configure_metrics(MetricsOptions(service, metrics_port=None if port < 0 else port, metrics_host=host,
-                                            otlp_endpoint=otlp, metrics_auth=auth,
-                                            ssl_context=security.server_ssl_context()))
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -15,13 +15,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.common.collective_events import rank_gpu_id
 from services.common.health import make_health_store
 from services.common.health.base import HealthStore, rank_fields
-from services.common.registry import IN_ROTATION, ShardRegistry, registry_group_id
+from services.common.registry import IN_ROTATION, registry_group_id
 from services.modeling.parallel.placement import node_id
 from services.telemetry.client import ShipperConfig, TelemetryShipper
 from services.telemetry.instrument import instrument_engine
@@ -33,6 +34,9 @@ from services.worker.engine.runner import StageRunner, follower_loop
 from services.worker.engine_metrics import attach_engine_metrics
 from services.worker.launch import Followers, threads_per_rank
 from services.worker.runtime import RankSpec, weights_fingerprint
+
+if TYPE_CHECKING:
+    from services.common.registry import ShardRegistry
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -163,6 +167,9 @@ class ReplicaDriver:
         if not opts.registry_url:
             return
         plan = self.spec.plan
+        # deferred: a worker started without a registry does not load SQLAlchemy
+        from services.common.registry import ShardRegistry
+
         self.registry = ShardRegistry(opts.registry_url, migrate_schema=True)
         group_uuid = registry_group_id(self.replica_group_id)
         capacity = self.engine.layout.capacity_bytes

@@ -30,8 +30,8 @@ from services.common.sampling import FinishReason
 from services.common.transport_security import TransportSecurity
 from services.modeling.parallel.placement import PlacementError
 from services.telemetry.client import ShipperConfig
+from services.telemetry.observability import add_metrics_arguments, setup_observability
 from services.telemetry.otel import current_metrics
-from services.telemetry.server import add_metrics_arguments, setup_observability
 from services.telemetry.tracing import traced_stream
 from services.worker import multinode
 from services.worker.driver import ReplicaDriver, ServingOptions, start_followers

@@ -10,6 +10,7 @@ from typing import Self
 from services.common.numerics import DEFAULT_NUMERICS
 
 from .dtypes import to_project_dtype
+from .ids import registry_group_id  # noqa: F401  (re-exported: records name their groups by it)
 from .models import Base
 
 
@@ -110,16 +111,6 @@ class QualityGateResult(_FromRow):
     passed: bool
     reasons: str
     created_at: datetime
-
-
-def registry_group_id(replica_group_id: str) -> uuid.UUID:
-    """The registry's UUID of a replica group: the id itself when it is a UUID, else the stable
-    UUID5 of the name (``rg-0-3fa2c1``), so every service that knows a group by its name finds
-    the same row."""
-    try:
-        return uuid.UUID(replica_group_id)
-    except ValueError:
-        return uuid.uuid5(uuid.NAMESPACE_URL, f"shardline:{replica_group_id}")
 
 
 @dataclass(frozen=True, slots=True)
