@@ -62,12 +62,15 @@ system-deps:
 
 # Starts a throw-away PostgreSQL and Redis on loopback, runs the whole suite on TEST_WORKERS
 # workers, whole files per worker, stops them whatever happens; the 15 slowest tests are listed.
+# --no-loadscope-reorder: files are handed out in the order tests/conftest.py gives them (files
+# with a serial test first, then the longest first); pytest-xdist would reorder them by test count.
 # One file: make test PYTEST_ARGS="tests/router/test_up.py"; the quick tier: PYTEST_ARGS='-m "not slow"'.
 # Its last line names the machine (CPU model, vector extensions) and the wall time, set-up included.
 # The set-up and the system packages are made side by side (the kernels compile while apt fetches).
 test:
 	@$(MAKE) --no-print-directory -j2 setup system-deps
-	@$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS); \
+	@$(PY) -m tests.stack -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	  --durations=15 $(PYTEST_ARGS); \
 	rc=$$?; \
 	echo "make test: exit $$rc in $$(( $$(date +%s) - $(MAKE_T0) )) s, set-up included;" \
 	  "$$(nproc) cores, $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \

@@ -116,7 +116,8 @@ def anyio_backend() -> str:
 
 
 # Seconds each test file took in a recorded run of the whole suite (`make test-durations`): the
-# longest files are handed to the pytest-xdist workers first (--dist loadfile), so that no long
+# longest files are handed to the pytest-xdist workers first (--dist loadfile, and
+# --no-loadscope-reorder, else pytest-xdist hands them out by test count), so that no long
 # file starts last and runs on alone while the other workers wait. A file not in the record
 # (new since) counts as long as its `slow` tests say.
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
