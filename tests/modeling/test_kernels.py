@@ -429,3 +429,21 @@ def test_mask_tokens_keeps_exactly_the_allowed_bits():
     allowed = torch.cat([bits, torch.zeros(5, 40, dtype=torch.bool)], dim=1)
     assert torch.equal(got, logits.masked_fill(~allowed, float("-inf")))
     assert torch.isinf(got[2]).all() and torch.equal(got[1, :960], logits[1, :960])
+
+
+def test_the_precompiled_header_has_the_flags_of_the_units_it_is_included_in(cpp):
+    """GCC takes a precompiled header only where it was compiled with the units' own flags (else it
+    reads the headers' text, slower but the same build): the flags it is compiled with are those
+    torch wrote into the build's ninja file, and the build includes it."""
+    from services.modeling.kernels.pch import torch_cflags
+
+    build_dir = Path(cpu_kernels().__file__).parent
+    ninja = (build_dir / "build.ninja").read_text()
+    (line,) = [line for line in ninja.splitlines() if line.startswith("cflags = ")]
+    units, _, pch = line.removeprefix("cflags = ").partition(" -include ")
+    header, _, rest = pch.partition(" ")
+    assert rest == "-Winvalid-pch" and Path(f"{header}.gch").is_file(), line
+    name = build_dir.name
+    ours = units.split(f"-DTORCH_EXTENSION_NAME={name} ", 1)[1]
+    extra = ours.split(" -std=c++20 ", 1)[1].split(" ")
+    assert " ".join(torch_cflags(name, extra)) == units

@@ -152,15 +152,19 @@ def vector_kernels(arch: str):
 
 def _build(sources: list[Path], arch: str, *, variant: str = "", defines: tuple[str, ...] = ()):
     # deferred: the C++ toolchain wrapper only when the kernels are built
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    from services.modeling.kernels.pch import precompiled_header_flags
 
     # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
     # sharing ~/.cache/torch_extensions under one name would rebuild each other's module
     tag = hashlib.sha1(f"{sources[0].resolve()}:{arch}{':' + variant if variant else ''}".encode()).hexdigest()[:10]
     # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, serial without it (torch
     # itself links the same libgomp, so the kernels share its thread pool)
-    return load(name=f"shardline_cpu_ops_{tag}", sources=[str(p) for p in sources],
-                extra_cflags=["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp", *defines],
+    name = f"shardline_cpu_ops_{tag}"
+    cflags = ["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp", *defines]
+    pch = precompiled_header_flags(name, Path(_get_build_directory(name, verbose=False)), cflags)
+    return load(name=name, sources=[str(p) for p in sources], extra_cflags=[*cflags, *pch],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
