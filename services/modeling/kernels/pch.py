@@ -21,6 +21,9 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+import torch
+from torch.utils.cpp_extension import include_paths
+
 log = logging.getLogger(__name__)
 
 HEADERS = ("ATen/core/Tensor.h", "ATen/Parallel.h", "immintrin.h", "vector")
@@ -28,8 +31,6 @@ HEADERS = ("ATen/core/Tensor.h", "ATen/Parallel.h", "immintrin.h", "vector")
 
 def torch_cflags(name: str, extra_cflags: list[str]) -> list[str]:
     """The flags ``torch.utils.cpp_extension.load`` compiles each unit of ``name`` with (Linux)."""
-    from torch.utils.cpp_extension import include_paths
-
     includes = [*include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
     return [f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
             *(flag for path in includes for flag in ("-isystem", path)), "-fPIC", "-std=c++20", *extra_cflags]
@@ -38,8 +39,6 @@ def torch_cflags(name: str, extra_cflags: list[str]) -> list[str]:
 def precompiled_header_flags(name: str, build_dir: Path, extra_cflags: list[str]) -> list[str]:
     """``-include`` flags for the kernel units of build ``name``: the header, precompiled in
     ``build_dir`` if it is not there yet; no flags where precompiling fails."""
-    import torch
-
     compiler = os.environ.get("CXX", "c++")
     cflags = torch_cflags(name, extra_cflags)
     key = hashlib.sha1("\0".join([torch.__version__, compiler, *cflags, *HEADERS]).encode()).hexdigest()[:10]
