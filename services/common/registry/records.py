@@ -10,7 +10,6 @@ from typing import Self
 from services.common.numerics import DEFAULT_NUMERICS
 
 from .dtypes import to_project_dtype
-from .ids import registry_group_id  # noqa: F401  (re-exported: records name their groups by it)
 from .models import Base
 
 

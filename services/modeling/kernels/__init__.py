@@ -152,7 +152,7 @@ def vector_kernels(arch: str):
 
 def _build(sources: list[Path], arch: str, *, variant: str = "", defines: tuple[str, ...] = ()):
     # deferred: the C++ toolchain wrapper only when the kernels are built
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import load
 
     from services.modeling.kernels.pch import precompiled_header_flags
 
@@ -163,7 +163,7 @@ def _build(sources: list[Path], arch: str, *, variant: str = "", defines: tuple[
     # itself links the same libgomp, so the kernels share its thread pool)
     name = f"shardline_cpu_ops_{tag}"
     cflags = ["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp", *defines]
-    pch = precompiled_header_flags(name, Path(_get_build_directory(name, verbose=False)), cflags)
+    pch = precompiled_header_flags(name, cflags)
     return load(name=name, sources=[str(p) for p in sources], extra_cflags=[*cflags, *pch],
                 extra_ldflags=["-fopenmp"], verbose=False)
 

@@ -24,6 +24,11 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import include_paths
 
+try:  # private to torch: a torch without it builds the kernels without the precompiled header
+    from torch.utils.cpp_extension import _get_build_directory
+except ImportError:  # pragma: no cover - torch 2.4 to 2.13 all have it
+    _get_build_directory = None
+
 log = logging.getLogger(__name__)
 
 HEADERS = ("ATen/core/Tensor.h", "ATen/Parallel.h", "immintrin.h", "vector")
@@ -36,9 +41,12 @@ def torch_cflags(name: str, extra_cflags: list[str]) -> list[str]:
             *(flag for path in includes for flag in ("-isystem", path)), "-fPIC", "-std=c++20", *extra_cflags]
 
 
-def precompiled_header_flags(name: str, build_dir: Path, extra_cflags: list[str]) -> list[str]:
-    """``-include`` flags for the kernel units of build ``name``: the header, precompiled in
-    ``build_dir`` if it is not there yet; no flags where precompiling fails."""
+def precompiled_header_flags(name: str, extra_cflags: list[str]) -> list[str]:
+    """``-include`` flags for the kernel units of build ``name``: the header, precompiled in the
+    build's directory if it is not there yet; no flags where precompiling fails."""
+    if _get_build_directory is None:
+        return []
+    build_dir = Path(_get_build_directory(name, verbose=False))
     compiler = os.environ.get("CXX", "c++")
     cflags = torch_cflags(name, extra_cflags)
     key = hashlib.sha1("\0".join([torch.__version__, compiler, *cflags, *HEADERS]).encode()).hexdigest()[:10]
