@@ -7,7 +7,7 @@ import fcntl
 import json
 import os
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,23 +69,25 @@ def redis_url() -> Iterator[str]:
         yield _worker_redis_db(started)
 
 
-# -- `serial` tests under pytest-xdist -----------------------------------------------------------
+# -- `serial` tests and `alone` blocks under pytest-xdist ----------------------------------------
 # A test marked `serial` races a clock that a busy core moves: step times before and after
-# telemetry stops, the host's costs a calibration fits, a service's 10 s start-up budget, the
-# events a stalled stream takes. Each one idles the other worker, so a test whose bound can
-# allow a starved process seconds (a collective timeout's waits) does that instead. On 2 cores
-# the other workers' ranks would skew it, so it runs while no other test of the run does: every
-# test holds a lock in the base temp dir the run's workers share, a serial test
-# holds it exclusive. The gate in front keeps a waiting serial test from being starved by
-# workers taking turns on the shared lock: a worker passes the gate only while no serial test
-# is waiting or running.
+# telemetry stops, the host's costs a calibration fits, the events a stalled stream takes. Each
+# one idles the other worker, so a test whose bound can allow a starved process seconds (a
+# collective timeout's waits) does that instead, and a test whose race is one block of it (a
+# kill that must land mid-stream, a failure detected within a timeout) runs only that block
+# alone (the `alone` fixture), its set-up beside the other workers' tests. On 2 cores the other
+# workers' ranks would skew it, so it runs while no other test of the run does: every test
+# holds a lock in the base temp dir the run's workers share, a serial test (or block) holds it
+# exclusive. The gate in front keeps a waiting serial test from being starved by workers
+# taking turns on the shared lock: a worker passes the gate only while no serial test is
+# waiting or running.
 
 
 @contextlib.contextmanager
-def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[None]:
+def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[tuple | None]:
     lock_dir = getattr(config, "_serial_lock_dir", None)
     if lock_dir is None:
-        yield
+        yield None
         return
     with (lock_dir / "gate.lock").open("w") as gate, (lock_dir / "run.lock").open("w") as run:
         fcntl.flock(gate, fcntl.LOCK_EX)
@@ -94,7 +96,10 @@ def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[None]:
         finally:
             if not exclusive:
                 fcntl.flock(gate, fcntl.LOCK_UN)
-        yield  # closing the files releases both locks
+        yield gate, run  # closing the files releases both locks
+
+
+_LOCKS = pytest.StashKey[tuple | None]()
 
 
 @pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
@@ -106,8 +111,38 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    with _run_lock(item.config, exclusive="serial" in item.keywords):
+    with _run_lock(item.config, exclusive="serial" in item.keywords) as locks:
+        item.stash[_LOCKS] = locks
         yield
+
+
+@pytest.fixture
+def alone(request: pytest.FixtureRequest) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """``with alone():`` runs a block of the test while no other test of the run runs.
+
+    The test's shared hold is given up before the gate is taken (two workers each holding one
+    and waiting for the other's would deadlock), then the lock is taken exclusive: the block
+    starts once the other workers' current tests end, and no test starts until it is over."""
+    locks = request.node.stash.get(_LOCKS, None)
+
+    @contextlib.contextmanager
+    def block() -> Iterator[None]:
+        if locks is None or "serial" in request.node.keywords:  # one process, or alone already
+            yield
+            return
+        gate, run = locks
+        fcntl.flock(run, fcntl.LOCK_UN)
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(run, fcntl.LOCK_SH)  # back to the test's shared hold, before the gate opens
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+    return block
 
 
 @pytest.fixture

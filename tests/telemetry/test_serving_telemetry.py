@@ -296,14 +296,15 @@ def test_a_sigstopped_rank_times_out_alerts_and_is_unhealthy_in_redis(tiny_model
         health.remove_group(group)
 
 
-@pytest.mark.serial  # compares step times before and after telemetry stops: the machine must not change between
-def test_generation_goes_on_when_telemetry_is_down_and_drops_are_counted(tiny_model_dir, tmp_path):
+def test_generation_goes_on_when_telemetry_is_down_and_drops_are_counted(tiny_model_dir, tmp_path, alone):
     group = f"rg-down-{uuid.uuid4().hex[:6]}"
     telemetry = start_service("telemetry", tmp_path / "telemetry.log", metrics=False)
     worker = start_service("worker", tmp_path / "worker.log", "--model", str(tiny_model_dir),
                            *worker_flags(group, telemetry.address, 2, 1))
     try:
-        with grpc.insecure_channel(worker.address) as channel:
+        # alone: compares step times before and after telemetry stops, so the machine must not
+        # change between (the services' start-up runs beside other tests)
+        with grpc.insecure_channel(worker.address) as channel, alone():
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
 
             def per_token_s(rounds: int) -> list[float]:

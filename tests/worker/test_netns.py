@@ -151,16 +151,25 @@ def _logs(tmp_path: Path) -> str:
 
 
 # SIGKILL: node 1's sockets close and the next op fails at once; SIGSTOP: its ranks hang and the
-# next op times out. Serial: seven processes of ranks and services on 2 cores, timed against the
-# collective timeout, next to another test's group would time out for the wrong reason.
-@pytest.mark.serial
+# next op times out. Alone once serving: seven processes of ranks and services on 2 cores, timed
+# against the collective timeout, next to another test's group would time out for the wrong
+# reason; their start-up (half the test) runs beside other tests.
 @pytest.mark.parametrize("tp,pp,sig", [(1, 2, signal.SIGKILL), (2, 2, signal.SIGSTOP)], ids=["tp1-pp2-kill",
                                                                                             "tp2-pp2-stop"])
 def test_a_group_across_two_network_namespaces_matches_and_fails_with_its_host(hosts, tiny_model_dir, tmp_path,
-                                                                              tp, pp, sig) -> None:
+                                                                              alone, tp, pp, sig) -> None:
     address, router = _start(hosts, tiny_model_dir, tp, pp, tmp_path)
     for serving in (address, f"127.0.0.1:{SPARE_PORT}", router):
         assert hosts.client("wait", serving, "150")["status"] == "SERVING", _logs(tmp_path)
+    with alone():
+        _serve_and_lose_node_1(hosts, tiny_model_dir, tmp_path, address, router, sig)
+
+
+def _serve_and_lose_node_1(hosts: Hosts, tiny_model_dir: Path, tmp_path: Path, address: str, router: str,
+                           sig: signal.Signals) -> None:
+    """Greedy tokens equal to the oracle's across the hosts; node 1 lost mid-stream: found within
+    the collective timeout, the stream continued on the spare, the host named in the registry
+    and in telemetry's alerts."""
     try:
         got = hosts.client("generate", address, ",".join(map(str, PROMPT)), "16")["ids"]
     except AssertionError as exc:
