@@ -17,7 +17,7 @@ one adopts them and finishes what the old one was doing, from the registry alone
 4. a rollout to int8 weights under load: nothing fails, never fewer than 2 groups in rotation,
    each new group's gate figures recorded (the controller killed while an old group drains,
    **mid-drain**);
-5. autoscaling (min 1, max 3): streams that fill the KV cache add a group; without them it scales
+5. autoscaling (min 1, max 2): streams that fill the KV cache add a group; without them it scales
    back to 1, draining without a failed request (the controller killed while the added group
    loads, **mid-scale-out**).
 """
@@ -43,8 +43,8 @@ MAX_TOKENS = 24
 # 8 clients with 1.2 s of think time each: load that crosses every rollout, heal, drain and controller
 # restart, and leaves the 2 cores room to start groups (8 streams at 0.3 s cost the module 189 s of CPU
 # against 118 s at 4 streams and 0.5 s, all alone)
-STREAMS = 8
-PAUSE_S = 1.2
+STREAMS = 6
+PAUSE_S = 1.5
 COLLECTIVE_TIMEOUT_S = 2.0
 # bfloat16, as served: on CPU its matmuls and attention are batch-invariant (a sequence's bits do
 # not depend on what shares its steps), so a text is the same in any batch and in either layout
@@ -221,7 +221,9 @@ def test_a_rolling_requantization_to_int8_loses_nothing_and_records_each_gate(
 
 def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
         stack: FleetStack, tiny_model_dir: Path) -> None:
-    scaling = {"min_replicas": 1, "max_replicas": 3, "scale_out_threshold": 80, "scale_in_threshold": 35,
+    # max 2: the third group a persisting pressure adds would cost a load and a drain and show
+    # nothing more (the bounds are test_autoscale's)
+    scaling = {"min_replicas": 1, "max_replicas": 2, "scale_out_threshold": 80, "scale_in_threshold": 35,
                "window_s": 1.5, "cooldown_s": 3}
     # the serving plan (PP2 int8) again, so no rollout: only the count is the autoscaler's now
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, dtype="int8", replicas=2, autoscaling=scaling)))
@@ -232,7 +234,6 @@ def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
     load = Load(stack.http, "tinyfleet", PROMPTS, 230, concurrency=12, ignore_eos=True).start()
     kill_controller_when(stack, lambda: provisioning(stack), "mid-scale-out (the added group loading)",
                          unless=lambda: stack.status()["in_rotation"] >= 2)
-    # one group added under pressure is the point; the bounds (max 3) are test_autoscale's
     stack.wait(lambda: stack.status()["in_rotation"] >= 2, 90, "a scale-out under load")
     peak = stack.status()["in_rotation"]
     outcomes = load.stop()
