@@ -37,12 +37,9 @@ from services.common.registry import (
 )
 from services.common.registry.errors import as_client_errors
 from services.loader.errors import ManifestError, ShardChecksumError
-from services.loader.layout import RankLayout
 from services.loader.manifest import MANIFEST_NAME, Manifest
 from services.loader.object_store import ObjectStore, open_store, split_object_uri
 from services.loader.verify import check_entry_layout, check_plan
-from services.modeling.config import ModelConfig, ModelConfigError
-from services.modeling.parallel.plan import ParallelPlan
 
 
 class ManifestNotRegistered(NotFound):
@@ -96,6 +93,11 @@ def locate(manifest_uri: str | Path, *, endpoint_url: str | None = None) -> Loca
 
 def check_checkpoint(located: Located) -> None:
     """Steps 2 and 3 of registration (see the module docstring); raises on the first problem."""
+    # deferred: torch (the rank models on meta): a loader never asked to register never imports it
+    from services.loader.layout import RankLayout
+    from services.modeling.config import ModelConfig, ModelConfigError
+    from services.modeling.parallel.plan import ParallelPlan
+
     manifest, store, uri = located.manifest, located.store, located.manifest_uri
     try:
         config = ModelConfig.from_dict(manifest.model_config, name=manifest.model_name)

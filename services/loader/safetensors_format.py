@@ -13,9 +13,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO
 
 from services.common.dtypes import DENSE_DTYPES, DTYPES, lookup_dtype
 
@@ -29,6 +27,9 @@ HEADER_ALIGNMENT = 8
 # A header bigger than this is not a shard header but garbage (or an attack on the parser).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 LENGTH_PREFIX = struct.Struct("<Q")
+
+if TYPE_CHECKING:  # the format itself needs no torch: a loader that only reads headers never imports it
+    import torch
 
 
 class SafetensorsFormatError(ValueError):
@@ -169,5 +170,7 @@ def read_header(stream: BinaryIO, *, file_bytes: int | None = None) -> Safetenso
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a CPU tensor, without a copy."""
+    import torch  # deferred: the format needs no torch, a loader reading headers never imports it
+
     flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")

@@ -24,10 +24,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from services.loader.errors import ManifestError, ObjectNotFound, ShardChecksumError, ShardLayoutError
-from services.loader.layout import RankLayout
 from services.loader.manifest import MANIFEST_NAME, Manifest, ModelFile, ShardEntry, TensorInfo, expected_metadata
 from services.loader.object_store import ObjectStore, open_store, split_object_uri
 from services.loader.safetensors_format import (
@@ -37,8 +36,10 @@ from services.loader.safetensors_format import (
     header_length,
     parse_header,
 )
-from services.modeling.config import ModelConfig
-from services.modeling.parallel.plan import ParallelPlan
+
+if TYPE_CHECKING:  # torch's, imported by the checks that build a rank's model when they run
+    from services.loader.layout import RankLayout
+    from services.modeling.parallel.plan import ParallelPlan
 
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 # ModelConfig fields that change a rank's tensors or its math; a checkpoint must agree on all.
@@ -148,6 +149,8 @@ def check_plan(manifest: Manifest, plan: ParallelPlan, *, expected_fingerprint: 
     if diffs:
         raise ShardLayoutError(f"{source} was cut for {got.describe()}, the plan being run is tp={plan.tp_degree} "
                                f"pp={plan.pp_degree} dtype={plan.dtype}: " + "; ".join(diffs))
+    from services.modeling.config import ModelConfig  # deferred: torch, for a loader that only registers
+
     try:
         ckpt_config = ModelConfig.from_dict(manifest.model_config, name=manifest.model_name)
     except (ValueError, KeyError) as exc:
@@ -265,6 +268,8 @@ def verify_rank_shard(manifest: Manifest, shard_path: str | Path, plan: Parallel
 
     ``layout`` defaults to the rank's model built on ``meta`` from ``plan``.
     """
+    from services.loader.layout import RankLayout  # deferred: torch (the rank's model on meta)
+
     check_plan(manifest, plan, expected_fingerprint=expected_fingerprint, source=str(shard_path))
     layout = layout if layout is not None else RankLayout.for_rank(plan, global_rank)
     entry = manifest.shard(layout.tp_rank, layout.pp_stage)
@@ -304,6 +309,11 @@ def verify_checkpoint(manifest_uri: str | Path, *, plan: ParallelPlan | None = N
     With ``plan``, each shard is also checked against that plan's rank models; without, against
     the manifest's own plan — so the tensor lists are always checked against real model shapes.
     """
+    # deferred: torch (the rank models on meta), imported by the checks that run, not by the loader's start
+    from services.loader.layout import RankLayout
+    from services.modeling.config import ModelConfig
+    from services.modeling.parallel.plan import ParallelPlan
+
     manifest, store = read_manifest(manifest_uri, endpoint_url=endpoint_url, store=store)
     if plan is not None:
         check_plan(manifest, plan, expected_fingerprint=expected_fingerprint, source=str(manifest_uri))
