@@ -40,9 +40,9 @@ pytestmark = pytest.mark.slow
 FLEET = "tinyfleet"
 PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
 MAX_TOKENS = 24
-# 8 clients with 1.2 s of think time each: load that crosses every rollout, heal, drain and controller
-# restart, and leaves the 2 cores room to start groups (8 streams at 0.3 s cost the module 189 s of CPU
-# against 118 s at 4 streams and 0.5 s, all alone)
+# 6 clients with 1.5 s of think time each (~3 requests a second): load that crosses every rollout,
+# heal, drain and controller restart, and leaves the 2 cores room to start groups (the load is most
+# of the module's CPU: 8 streams at 0.3 s cost it 189 s, 4 streams at 0.5 s 118 s, all alone)
 STREAMS = 6
 PAUSE_S = 1.5
 COLLECTIVE_TIMEOUT_S = 2.0
