@@ -1,6 +1,6 @@
 """`shardline up --routers 2`: two routers in front of one fleet, one SIGKILLed under load.
 
-The group's KV budget is small (``--kv-cache-gb 0.01``: a few streams of 300 tokens at once), so
+The group's KV budget is small (``--kv-cache-gb 0.01``: a few streams of 200 tokens at once), so
 both routers keep their queues full and the budget binds. A client spreads 16 greedy streams over
 the two routers (as a load balancer would: a request whose connection a router refuses, or resets
 before any answer, passes to the other). Fault-free, every stream ends with its reference text.
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = FLEET = "tiny-llama"
 STREAMS = 16
-MAX_TOKENS = 300
+MAX_TOKENS = 200
 
 
 def complete(bases: list[str], first: int, prompt: str, progress: list[int], i: int) -> dict:
@@ -107,7 +107,7 @@ def test_two_routers_share_one_budget_and_a_killed_router_loses_only_its_own_str
         assert f"and router gRPC 127.0.0.1:{ports['router'] + 1}, OpenAI HTTP {bases[1]}" in log, log
         stats = worker_stats(registry)
         claim = (8 + MAX_TOKENS) * stats.kv_bytes_per_token  # a prompt is under 16 tokens
-        assert STREAMS * claim > stats.kv_bytes_capacity  # the budget binds: half the streams wait
+        assert STREAMS * claim > stats.kv_bytes_capacity  # the budget binds: some streams wait
 
         reference, _ = run_round(bases)
         assert all(r["error"] is None and r["finish"] == "length" for r in reference), reference
