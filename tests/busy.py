@@ -22,7 +22,7 @@ def run_queue_wait_s(pid: int) -> float:
 
 
 class OwnClock:
-    """Seconds since ``start`` for process ``pid``, less the time it waited for a CPU."""
+    """Seconds since this clock was made, for process ``pid``: less the time it waited for a CPU."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

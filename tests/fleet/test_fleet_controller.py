@@ -42,7 +42,8 @@ PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
 MAX_TOKENS = 24
 # 6 clients with 1.5 s of think time each (~3 requests a second): load that crosses every rollout,
 # heal, drain and controller restart, and leaves the 2 cores room to start groups (the load is most
-# of the module's CPU: 8 streams at 0.3 s cost it 189 s, 4 streams at 0.5 s 118 s, all alone)
+# of the module's CPU: 8 streams at 0.3 s cost it 189 s, 4 streams at 0.5 s 118 s, these 168 s, all
+# alone; in a full run on the AVX2 EPYC 8 streams at 1.2 s cost it 221 s, these 153 s)
 STREAMS = 6
 PAUSE_S = 1.5
 COLLECTIVE_TIMEOUT_S = 2.0
