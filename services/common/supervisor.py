@@ -6,6 +6,10 @@ receive SIGTERM if the supervising process dies (``PR_SET_PDEATHSIG``), so even 
 ``shardline up`` leaves nothing behind. Stop sends SIGTERM to every group, waits, then
 SIGKILLs what is left. A child's output goes to its own log file when one is given; a child
 that fails to start is reported with the tail of that log.
+
+A process may be forked from a :class:`~services.common.fork_server.ForkServer` that has imported
+its module already, instead of starting a fresh interpreter: the same process, started without
+paying for its imports again (where the server cannot serve the request, a fresh one it is).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.fork_server import ForkedProcess, ForkServer
 from services.common.healthcheck import check
 
 PR_SET_PDEATHSIG = 1
@@ -37,7 +42,7 @@ class ManagedProcess:
     name: str
     argv: list[str]
     port: int
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
 
@@ -66,25 +71,41 @@ class Supervisor:
         self.stop_requested = stop or threading.Event()
 
     def start(self, name: str, argv: list[str], port: int, *, env: dict[str, str] | None = None,
-              log_path: Path | None = None, die_with_parent: bool = True, track: bool = True) -> ManagedProcess:
+              log_path: Path | None = None, die_with_parent: bool = True, track: bool = True,
+              fork_server: ForkServer | None = None) -> ManagedProcess:
         """``die_with_parent`` False and ``track`` False: a process that outlives this one and
-        that :meth:`stop_all` leaves alone (a fleet's kept replica group)."""
+        that :meth:`stop_all` leaves alone (a fleet's kept replica group). ``fork_server``: fork
+        it from there when the server fits the command."""
         managed = ManagedProcess(name, argv, port, env=env or {}, log_path=log_path)
+        environ = {**os.environ, **managed.env}
+        if fork_server is not None and fork_server.fits(argv, environ, log_path):
+            assert log_path is not None
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                managed.proc = fork_server.spawn(argv, environ, log_path, die_with_parent=die_with_parent)
+            except OSError as exc:
+                print(f"{name}: {exc}; starting a fresh process", file=sys.stderr)
+        if managed.proc is None:
+            self._popen(managed, die_with_parent)
+        if track:
+            self.processes.append(managed)
+        return managed
+
+    @staticmethod
+    def _popen(managed: ManagedProcess, die_with_parent: bool) -> None:
+        log_path = managed.log_path
         out = None  # no log file: the child shares our terminal
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             out = log_path.open("wb")
         try:
             managed.proc = subprocess.Popen(
-                argv, env={**os.environ, **managed.env}, start_new_session=True, stdin=subprocess.DEVNULL,
+                managed.argv, env={**os.environ, **managed.env}, start_new_session=True, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT if out is not None else None,
                 preexec_fn=_die_with_parent if die_with_parent and sys.platform.startswith("linux") else None)
         finally:
             if out is not None:
                 out.close()  # the child holds its own descriptor
-        if track:
-            self.processes.append(managed)
-        return managed
 
     def failure(self, managed: ManagedProcess, what: str) -> StackError:
         tail = managed.log_tail()

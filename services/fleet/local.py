@@ -12,6 +12,14 @@ outlive it (no parent-death signal), and each is recorded in ``<log dir>/groups/
 restarted one or a standby that took over, finds them (:meth:`groups`), adopts them, and can stop
 them. A record whose process is gone, or whose pid now names another process (the start time
 differs), is a group whose processes exited.
+
+The groups' workers are forked from a fork server that has imported the worker once (started
+with the first group): a group then starts without its worker importing torch again, which was
+most of the CPU a heal, a rollout's candidate or an autoscaled group cost before its model loads.
+A group whose spec sets environment variables starts as a fresh interpreter: the server's modules
+were imported under the provisioner's environment. So does a kept group: its record must exist as
+soon as its process does, and a controller killed while its fork server still imports (seconds)
+would leave a group no record names, which no controller could stop.
 """
 
 from __future__ import annotations
@@ -28,10 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.fork_server import ForkServer
 from services.common.ports import bindable, free_port
 from services.common.supervisor import ManagedProcess, Supervisor
 from services.fleet.provisioner import GroupLaunch, GroupProcess
 
+# what the workers' fork server imports: the command line and the worker with its torch
+WORKER_MODULES = ["services.cli", "services.cli.serve", "services.worker.server"]
 STOP_GRACE_S = 15.0  # SIGTERM, then SIGKILL: a driver that drains and deregisters takes a few seconds
 
 
@@ -73,6 +84,7 @@ class LocalProvisioner:
         self._started: dict[str, _Started] = {}
         self._used_ports: set[int] = set()
         self._lock = threading.Lock()
+        self.fork_server = ForkServer(WORKER_MODULES)
 
     def _fresh_port(self) -> int:
         for _ in range(100):
@@ -88,7 +100,7 @@ class LocalProvisioner:
                 *launch.worker_flags(), *self.shared_flags]
         managed = self.supervisor.start(launch.name, argv, port, env=dict(launch.plan.env),
                                         log_path=self.log_dir / f"{launch.name}.log", die_with_parent=not self.keep,
-                                        track=not self.keep)
+                                        track=not self.keep, fork_server=None if self.keep else self.fork_server)
         with self._lock:
             self._started[launch.name] = _Started(launch, managed)
         if self.keep:
@@ -177,3 +189,4 @@ class LocalProvisioner:
                 return
         for name in names:
             self.stop(name)
+        self.fork_server.close()  # its children were just told to stop
