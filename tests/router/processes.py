@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,20 +15,21 @@ import httpx
 import pytest
 
 from services.common.config import child_environ
+from services.common.fork_server import ForkedProcess
 from services.common.healthcheck import wait_serving as wait_serving_or_why
 from services.common.process_names import rank_of_process
+from tests import forks
 from tests.stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, env=env or child_environ(), start_new_session=True)
+def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen | ForkedProcess:
+    """``shardline *argv``; a service started with this process's environment is forked."""
+    return forks.start(argv, log, env or child_environ(), forked=env is None)
 
 
-def start_service(name: str, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def start_service(name: str, flags: list[str], log: Path) -> tuple[subprocess.Popen | ForkedProcess, str]:
     port = free_port()
     return spawn(["serve", name, "--port", str(port), *flags], log), f"127.0.0.1:{port}"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -16,8 +15,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.fork_server import ForkedProcess
 from services.common.healthcheck import wait_serving
 from services.common.proto import telemetry_pb2, telemetry_pb2_grpc
+from tests import forks
 from tests.stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass
 class Service:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     address: str
     log: Path
     metrics_port: int | None = None
@@ -49,12 +50,10 @@ def start_service(name: str, log: Path, *flags: str, env: dict | None = None, me
                   timeout_s: float = 120.0, port: int | None = None) -> Service:
     port = port or free_port()
     metrics_port = free_port() if metrics else None
-    argv = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *flags]
+    argv = ["serve", name, "--port", str(port), *flags]
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
-    with log.open("ab") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+    proc = forks.start(argv, log, {**os.environ, **(env or {})}, forked=not env, append=True)
     service = Service(proc, f"127.0.0.1:{port}", log, metrics_port)
     problem = wait_serving(proc, service.address, timeout_s=timeout_s)
     if problem:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,20 +12,21 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.fork_server import ForkedProcess
 from services.common.healthcheck import check, wait_serving
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from tests import forks
 from tests.stack import free_port
 from tests.worker.oracle import reference_greedy, reference_logprobs
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_worker(model_dir: Path, log: Path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_worker(model_dir: Path, log: Path, *flags: str,
+                 env: dict | None = None) -> tuple[subprocess.Popen | ForkedProcess, str]:
     port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "worker", "--model", str(model_dir),
-                                 "--port", str(port), *flags], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+    proc = forks.start(["serve", "worker", "--model", str(model_dir), "--port", str(port), *flags], log,
+                       {**os.environ, **(env or {})}, forked=not env)
     address = f"127.0.0.1:{port}"
     problem = wait_serving(proc, address, timeout_s=90)
     if problem:
