@@ -180,6 +180,7 @@ def test_killed_worker_fails_over_is_marked_dead_and_replaced(stack, alone):
     assert killed, f"{first} was never caught mid-stream in 3 rounds"
     dead = killed[0]
     identical = errored = continued = before_first = 0
+    continued_on: set[str] = set()
     ties: list[int] = []
     for ref, got in zip(reference, faulty):
         if got["error"] is not None:
@@ -192,14 +193,17 @@ def test_killed_worker_fails_over_is_marked_dead_and_replaced(stack, alone):
             ties.append(same)
         identical += same == MAX_TOKENS
         if got["header"] == dead and got["groups"][-1] != dead:
-            # continued on the other group: every chunk from the switch on names it, the last one too
+            # continued on another group: every chunk from the switch on names it, the last one too.
+            # That is the other group, or the replacement when the controller had put it in rotation
+            # by then (a replica group forked from the provisioner's fork server serves within a second)
             continued += 1
             switch = next(i for i, g in enumerate(got["groups"]) if g != dead)
-            assert set(got["groups"][switch:]) == {got["groups"][-1]} and got["groups"][-1] == other
+            assert set(got["groups"][switch:]) == {got["groups"][-1]}
+            continued_on.add(got["groups"][-1])
             assert set(got["groups"][:switch]) <= {dead}
             before_first += switch == 0  # the dead group had produced no token of it
-    print(f"\n{identical} of {len(PROMPTS)} streams completed identically ({continued} continued on the "
-          f"other group, {before_first} of them before their first token), {errored} ended with an error event; "
+    print(f"\n{identical} of {len(PROMPTS)} streams completed identically ({continued} continued on "
+          f"another group, {before_first} of them before their first token), {errored} ended with an error event; "
           f"{len(ties)} agreed up to a greedy tie (at tokens {ties})")
     assert identical + len(ties) + errored == len(PROMPTS) and continued - before_first >= 1
 
@@ -223,6 +227,7 @@ def test_killed_worker_fails_over_is_marked_dead_and_replaced(stack, alone):
         plans = {g.name: (g.tp_degree, g.pp_degree, g.dtype)
                  for g in registry.fleet_groups(FLEET, include_dead=True)}
     assert plans[new] == plans[dead], plans
+    assert continued_on <= {other, new}, (continued_on, other, new)
     print(f"{dead} replaced by {new}, in rotation {time.monotonic() - t_kill:.1f} s after the kill")
     deadline = time.monotonic() + 30
     seen: set[str] = set()
