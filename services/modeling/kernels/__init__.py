@@ -26,7 +26,8 @@ depend on what it shares a step with; ``F.linear`` elsewhere.
 step's logits in one pass each (``cpu_sampling.cpp``).
 
 :class:`TorchOps` is the reference (plain PyTorch, any device); the C++ versions (built with
-``torch.utils.cpp_extension`` on first use, cached under ``~/.cache/torch_extensions``) round
+``torch.utils.cpp_extension`` on first use, cached under ``~/.cache/torch_extensions``, a build
+shared by every checkout of the same sources: ``published.py``) round
 where the reference rounds, so the two agree to float32 rounding (tests compare them). Their
 loops are written to vectorise (``cpu_vec.h``: bfloat16 as bits, a branch-free ``exp``).
 :func:`ops_for` picks the C++ kernels for CPU tensors when they build, the reference otherwise;
@@ -154,6 +155,7 @@ def _build(sources: list[Path], arch: str, *, variant: str = "", defines: tuple[
     # deferred: the C++ toolchain wrapper only when the kernels are built
     from torch.utils.cpp_extension import load
 
+    from services.modeling.kernels import published
     from services.modeling.kernels.pch import precompiled_header_flags
 
     # one build per checkout: ninja rebuilds when the source path changes, so two checkouts
@@ -163,9 +165,19 @@ def _build(sources: list[Path], arch: str, *, variant: str = "", defines: tuple[
     # itself links the same libgomp, so the kernels share its thread pool)
     name = f"shardline_cpu_ops_{tag}"
     cflags = ["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp", *defines]
+    key = published.digest(sources, cflags)
+    found = published.find(key) if key else None
+    if found is not None:  # the same bytes built before, in any checkout: no ninja, no compile
+        try:
+            return published.load(found)
+        except (ImportError, OSError) as exc:
+            log.warning("published CPU kernels %s did not load (%s); building them", found, exc)
     pch = precompiled_header_flags(name, cflags)
-    return load(name=name, sources=[str(p) for p in sources], extra_cflags=[*cflags, *pch],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    module = load(name=name, sources=[str(p) for p in sources], extra_cflags=[*cflags, *pch],
+                  extra_ldflags=["-fopenmp"], verbose=False)
+    if key:
+        published.publish(key, module.__file__)
+    return module
 
 
 _NONE = torch.empty(0)  # an absent tensor argument of a C++ kernel (no residual, a dense weight's scale)
