@@ -92,9 +92,12 @@ def test_requests_share_the_stream_with_one_message_per_step(worker):
     for relay_id, prompt in prompts.items():
         relay.greedy(relay_id, prompt, 24)
     batched = streamed = 0
+    first_token_at: dict[int, int] = {}  # relay id -> the message its first token came in
     while any(o.final is None for o in relay.outcomes.values()):
         response = relay.read()
         ids = [e.relay_id for e in response.events if e.HasField("token")]
+        for relay_id in ids:
+            first_token_at.setdefault(relay_id, relay.messages)
         streamed += len(ids) > 0 and len(ids) == len(set(ids))  # one step's tokens, sent as it ended
         batched = max(batched, len(ids))
     # one message per step as the steps end. A sender that pauses (a GC, a busy core) merges the
@@ -108,8 +111,11 @@ def test_requests_share_the_stream_with_one_message_per_step(worker):
         assert finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert (finished.usage.prompt_tokens, finished.usage.completion_tokens) == (4, 24)
         assert all(lp <= 0 for lp in outcome.logprobs)
-    # 144 tokens + 6 finishes in about as many messages as steps, not one message per token
-    assert relay.messages <= 24 + 6 and batched >= 4
+    # 144 tokens + 6 finishes in about as many messages as steps, not one message per token: 24
+    # steps, and as many more as the submits were admitted apart (on a busy core they reach the
+    # worker between steps: a fresh-clone run on the AVX2 EPYC sent 36 messages)
+    admitted_apart = max(first_token_at.values()) - min(first_token_at.values())
+    assert relay.messages <= 24 + admitted_apart + 6 and batched >= 4, (relay.messages, first_token_at)
     relay.outbox.put(None)  # half-close: the stream ends, nothing is live
     assert list(relay.call) == []
     assert wait_blocks_free(worker).blocks_used == 0
