@@ -31,6 +31,7 @@ import yaml
 
 from services.cli.fleet import fleet_status
 from services.common.config import child_environ
+from services.common.fork_server import live_process
 from services.common.healthcheck import check
 from services.common.ports import free_port
 from services.common.process_names import rank_of_process
@@ -223,20 +224,11 @@ class FleetStack:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline and any(_exists(pid) for pid in pids):
+        while pids and time.monotonic() < deadline and any(live_process(pid) for pid in pids):
             time.sleep(0.2)
         for pid in pids:  # and what their process groups still hold (ranks)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-
-
-def _exists(pid: int) -> bool:
-    """A live process (a zombie, exited but not reaped by its parent, is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 @dataclass

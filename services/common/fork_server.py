@@ -165,7 +165,7 @@ class ForkedProcess:
         self.exited.set()
 
     def poll(self) -> int | None:
-        if not self.exited.is_set() and not self.server.alive and not _exists(self.pid):
+        if not self.exited.is_set() and not self.server.alive and not live_process(self.pid):
             self._exit(UNKNOWN_EXIT)
         return self.returncode
 
@@ -190,7 +190,8 @@ class ForkedProcess:
         return self.returncode  # type: ignore[return-value]
 
 
-def _exists(pid: int) -> bool:
+def live_process(pid: int) -> bool:
+    """A live process (a zombie, exited but not reaped by its parent, is not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
