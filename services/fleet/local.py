@@ -116,7 +116,6 @@ class LocalProvisioner:
         with self._lock:
             started = self._started.pop(name, None)
         record = self._record(name)
-        (self.records / f"{name}.json").unlink(missing_ok=True)
         if started is not None:
             proc = started.managed.proc
             assert proc is not None
@@ -127,6 +126,9 @@ class LocalProvisioner:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(record["pid"], signal.SIGTERM)
             threading.Thread(target=self._reap_recorded, args=(record,), name=f"stop-{name}", daemon=True).start()
+        # only once the group is told to stop: a controller killed in between leaves the record, by
+        # which its successor finds the group and stops it
+        (self.records / f"{name}.json").unlink(missing_ok=True)
 
     def _reap(self, managed: ManagedProcess) -> None:
         assert managed.proc is not None
