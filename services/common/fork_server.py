@@ -70,7 +70,7 @@ def _reap(out: int) -> None:
 def serve_forks(modules: list[str]) -> dict[str, Any] | None:
     """Import ``modules``, then fork one child per request line on stdin. Returns None in the
     server when its launcher is gone, and the request in each child."""
-    for name in modules:
+    for name in modules:  # by name: the launcher's modules (common imports nothing above it)
         importlib.import_module(name)
     gc.freeze()  # what the imports made stays in pages the children share, untouched by their collections
     wake_r, wake_w = os.pipe()
@@ -120,13 +120,19 @@ def set_command_line(argv: list[str]) -> None:
         pass  # cosmetic where /proc is missing
 
 
+def die_with_parent() -> None:
+    """Get SIGTERM when the parent process exits (Linux; nothing elsewhere). Also a ``preexec_fn``,
+    between fork and exec in a threaded parent: anything it raises would fail the start."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def become(request: dict[str, Any]) -> str:
     """In a child: take the process state the request asks for; returns the module to run."""
     if request["new_session"]:
         os.setsid()
     if request["die_with_parent"]:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        die_with_parent()
         if os.getppid() != request["server_pid"]:
             os._exit(1)  # the server (and so the launcher) went before the signal was set
     null = os.open(os.devnull, os.O_RDONLY)

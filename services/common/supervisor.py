@@ -15,7 +15,6 @@ paying for its imports again (where the server cannot serve the request, a fresh
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -26,15 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.fork_server import ForkedProcess, ForkServer
+from services.common.fork_server import die_with_parent as set_parent_death_signal
 from services.common.healthcheck import check
 
-PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 30
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -102,7 +96,7 @@ class Supervisor:
             managed.proc = subprocess.Popen(
                 managed.argv, env={**os.environ, **managed.env}, start_new_session=True, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT if out is not None else None,
-                preexec_fn=_die_with_parent if die_with_parent and sys.platform.startswith("linux") else None)
+                preexec_fn=set_parent_death_signal if die_with_parent and sys.platform.startswith("linux") else None)
         finally:
             if out is not None:
                 out.close()  # the child holds its own descriptor

@@ -24,10 +24,8 @@ from types import ModuleType
 
 import torch
 
-try:  # private to torch: without it, builds are not published (each checkout builds its own)
-    from torch.utils.cpp_extension import _get_build_directory
-except ImportError:  # pragma: no cover - torch 2.4 to 2.13 all have it
-    _get_build_directory = None
+# torch's private build directory (None without it: builds are not published then)
+from services.modeling.kernels.pch import _get_build_directory
 
 KERNEL_DIR = Path(__file__).parent
 
