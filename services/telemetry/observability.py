@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 
+from opentelemetry import trace
+
 from services.common.bearer_auth import BearerCheck
 from services.common.config import resolve
 from services.common.errors import InvalidArgument
 from services.common.transport_security import TransportSecurity
-from services.telemetry.otel import MetricsOptions, configure_metrics, otlp_endpoint_from_env
+from services.telemetry.otel import MetricsOptions, configure_metrics, current_metrics, otlp_endpoint_from_env
 from services.telemetry.tracing import configure_tracing
 
 
@@ -50,3 +52,17 @@ def setup_observability(args: argparse.Namespace, service: str):
     return configure_metrics(MetricsOptions(service, metrics_port=None if port < 0 else port, metrics_host=host,
                                             otlp_endpoint=otlp, metrics_auth=auth,
                                             ssl_context=security.server_ssl_context()))
+
+
+def flush_observability(timeout_s: float = 3.0) -> None:
+    """Export what the span and metric processors still hold. For a process that leaves without
+    running its exit handlers (``os._exit``): the batch span processor sends every half second,
+    so without this the last requests' spans of a stopping worker were lost. Bounded: a collector
+    that is gone costs at most ``timeout_s`` each."""
+    millis = int(timeout_s * 1e3)
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if flush is not None:
+        flush(millis)
+    metrics = current_metrics()
+    if metrics is not None:
+        metrics.provider.force_flush(millis)

@@ -30,7 +30,7 @@ from services.common.sampling import FinishReason
 from services.common.transport_security import TransportSecurity
 from services.modeling.parallel.placement import PlacementError
 from services.telemetry.client import ShipperConfig
-from services.telemetry.observability import add_metrics_arguments, setup_observability
+from services.telemetry.observability import add_metrics_arguments, flush_observability, setup_observability
 from services.telemetry.otel import current_metrics
 from services.telemetry.tracing import traced_stream
 from services.worker import multinode
@@ -322,7 +322,9 @@ def serve(args: argparse.Namespace) -> int:
 def _exit(code: int) -> int:
     """The group is stopped and its followers joined. A process group whose peer died still holds
     gloo work that its destructor would wait on forever at interpreter exit, and a telemetry
-    stream still open keeps gRPC's threads busy: leave now."""
+    stream still open keeps gRPC's threads busy: leave now, once the spans and metrics not yet
+    exported are sent."""
+    flush_observability()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
