@@ -4,10 +4,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (0: one process). Most of the suite's time is waiting on
-# real processes, timeouts and sleeps, so two workers on 2 cores halve it; three or four were
-# no faster here and only starve the ranks of the tests more.
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (0: one process). Two share the 2 cores; the third is a
+# lane for the files marked `waits` (tests/lanes.py), whose tests mostly sleep on pings, expiries
+# and timeouts. Three or four plain workers were no faster and only starved the tests' ranks.
+TEST_WORKERS ?= 3
 # When this make started: `make test` reports its wall time, set-up included.
 MAKE_T0 := $(shell date +%s)
 # Where PYTHONDONTWRITEBYTECODE is set (some CI images set it), every process of a run would

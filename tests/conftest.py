@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import stack
+from tests.lanes import LaneScheduling, record_waiting_files
 from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
 from tests.s3_fixtures import s3_bucket, s3_endpoint  # noqa: F401
 
@@ -111,9 +112,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if "waits" in item.keywords:  # outside the lock (tests/lanes.py)
+        yield
+        return
     with _run_lock(item.config, exclusive="serial" in item.keywords) as locks:
         item.stash[_LOCKS] = locks
         yield
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` with a lane for the files whose tests mostly wait (tests/lanes.py)."""
+    return LaneScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.fixture
@@ -199,6 +208,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _longest_files_first(items)
+    record_waiting_files(getattr(config, "_serial_lock_dir", None), items)
     try:
         import torch
 

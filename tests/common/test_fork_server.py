@@ -16,6 +16,8 @@ import pytest
 
 from services.common.fork_server import ForkServer
 
+pytestmark = pytest.mark.waits  # on children exiting with their launcher (tests/lanes.py)
+
 CHILD = "tests.common.fork_child"
 
 

@@ -21,6 +21,8 @@ from services.common.health import (
     rank_fields,
 )
 
+pytestmark = pytest.mark.waits  # on entries expiring (tests/lanes.py)
+
 ALL_HEALTHY_TP2_PP2 = {"pp0_tp0": "healthy", "pp0_tp1": "healthy", "pp1_tp0": "healthy", "pp1_tp1": "healthy"}
 
 

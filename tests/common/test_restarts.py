@@ -16,7 +16,7 @@ from services.common.health.redis_store import RedisHealthStore
 from services.common.registry import ShardRegistry
 from tests.restartable import PostgresServer, RedisServer, postgres_server, redis_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # on servers restarting (tests/lanes.py)
 
 GROUP = "rg-restart"
 

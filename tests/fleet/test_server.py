@@ -18,6 +18,8 @@ from services.common.ports import free_port
 from tests.router.processes import REPO, stop
 from tests.stack import fresh_database
 
+pytestmark = pytest.mark.waits  # on an API server that is not there yet (tests/lanes.py)
+
 
 def test_an_unknown_fleet_or_none_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from services.telemetry.effects import EffectWorker, GroupStatusEffects
 from services.telemetry.rules import Alert, AlertKind
 from tests.restartable import redis_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # on a Redis restart (tests/lanes.py)
 
 
 def test_an_alert_during_a_redis_outage_is_applied_after_the_restart() -> None:

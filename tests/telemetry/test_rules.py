@@ -17,6 +17,8 @@ from services.telemetry.pipeline import PipelineConfig, TelemetryPipeline
 from services.telemetry.rules import AlertKind, RuleConfig
 from services.telemetry.windows import WindowConfig
 
+pytestmark = pytest.mark.waits  # on alert windows (tests/lanes.py)
+
 ORIGIN = 1_700_000_000_000
 RANKS = [(pp, tp) for pp in range(2) for tp in range(2)]
 

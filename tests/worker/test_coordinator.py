@@ -19,6 +19,8 @@ from services.worker.runtime import RankRuntime, RankSpec
 from services.worker.scoring import prefill_logprobs
 from tests.worker.test_parallel_parity import make_tiny, random_ids
 
+pytestmark = pytest.mark.waits  # on collective timeouts (tests/lanes.py)
+
 
 def _counting_rank(rank: int, world_size: int, spec: RankSpec, ids: list[int], out_dir: str) -> None:
     rt = RankRuntime.start(spec, rank)

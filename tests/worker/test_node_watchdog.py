@@ -13,6 +13,8 @@ from services.modeling.parallel.coordinator import Coordinator, ShardGroupUnheal
 from services.modeling.parallel.groups import ParallelGroups
 from services.worker.node_health import NodeWatchdog, beat, rank_fields_of
 
+pytestmark = pytest.mark.waits  # on hung transfers given up on (tests/lanes.py)
+
 TIMEOUT_S = 0.3
 
 

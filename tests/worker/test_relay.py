@@ -16,6 +16,8 @@ import pytest
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker.test_worker_service import sampling, start_worker, stop_worker, wait_blocks_free
 
+pytestmark = pytest.mark.waits  # on an idle stream's keepalive pings (20 s), drains (tests/lanes.py)
+
 
 @pytest.fixture(scope="module")
 def worker_address(tiny_model_dir, tmp_path_factory) -> Iterator[str]:

@@ -1,0 +1,75 @@
+"""Lanes for pytest-xdist: the files whose tests mostly wait get a worker of their own.
+
+A file marked ``waits`` (``pytestmark = pytest.mark.waits``) spends its time on keepalive pings,
+expiring entries and timeouts, not on the CPU. On two workers it held a worker idle for that
+time while the other had both cores' worth of work queued. With ``-n 3`` or more, the last
+worker is the waiting lane: it takes only ``waits`` files, the other workers take every other
+file (and ``waits`` files too once nothing else is left), in the order the collection sorted
+them (tests/conftest.py: longest first). A ``waits`` test holds no share of the run lock that
+``serial`` tests and ``alone`` blocks take exclusively: it uses too little CPU to skew them, and
+a serial test would otherwise wait out a 20 s keepalive test while the gate kept the other
+workers idle. So a ``waits`` file may use neither.
+
+The workers know the markers, the scheduler (in the controller) only node ids: each worker
+writes the ``waits`` files it collected to the run's base temp dir, which the controller reads
+once every worker has reported its collection (all the same, or xdist stops the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from xdist.scheduler import LoadFileScheduling
+
+WAITS_FILE = "waits.json"
+
+
+def record_waiting_files(run_dir: Path | None, items: list[pytest.Item]) -> None:
+    """In a worker: write the collected ``waits`` files for the scheduler; refuse a ``waits``
+    test that is ``serial`` or uses ``alone`` (it runs outside the run lock)."""
+    waits = sorted({item.nodeid.split("::", 1)[0] for item in items if "waits" in item.keywords})
+    for item in items:
+        if "waits" in item.keywords and ("serial" in item.keywords or "alone" in getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid}: a `waits` test runs outside the run lock, so it can be "
+                                    "neither `serial` nor use `alone`")
+    if run_dir is None:
+        return
+    tmp = run_dir / f"{WAITS_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(waits))
+    os.replace(tmp, run_dir / WAITS_FILE)  # every worker writes the same list; a reader sees a whole one
+
+
+class LaneScheduling(LoadFileScheduling):
+    """pytest-xdist's ``--dist loadfile``, with the last of three or more workers a lane for the
+    ``waits`` files."""
+
+    def __init__(self, config: pytest.Config, log=None) -> None:
+        super().__init__(config, log)
+        self.run_dir: Path = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+        self._waits: set[str] | None = None
+
+    def waits(self) -> set[str]:
+        if self._waits is None:
+            path = self.run_dir / WAITS_FILE
+            self._waits = set(json.loads(path.read_text())) if path.exists() else set()
+        return self._waits
+
+    def is_lane(self, node) -> bool:
+        return self.numnodes >= 3 and node.gateway.id == f"gw{self.numnodes - 1}"
+
+    def _assign_work_unit(self, node) -> None:
+        lane = self.is_lane(node)
+        waits = self.waits()
+        scope = next((s for s in self.workqueue if (s in waits) == lane), None)
+        if scope is None:
+            if lane:  # nothing waiting is left: the lane ends once its queued tests have run
+                node.shutdown()
+                return
+            scope = next(iter(self.workqueue))
+        work_unit = self.workqueue.pop(scope)
+        self.assigned_work.setdefault(node, {})[scope] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
