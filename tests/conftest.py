@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import stack
-from tests.lanes import LaneScheduling, record_waiting_files
+from tests.lanes import LaneScheduling, has_lane, record_waiting_files
 from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
 from tests.s3_fixtures import s3_bucket, s3_endpoint  # noqa: F401
 
@@ -100,6 +100,14 @@ def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[tuple | None]:
         yield gate, run  # closing the files releases both locks
 
 
+def _pass_gate(config: pytest.Config) -> None:
+    """Wait while a serial test (or an `alone` block) runs or waits to: they hold the gate."""
+    lock_dir = getattr(config, "_serial_lock_dir", None)
+    if lock_dir is not None:
+        with (lock_dir / "gate.lock").open("w") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+
+
 _LOCKS = pytest.StashKey[tuple | None]()
 
 
@@ -112,7 +120,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    if "waits" in item.keywords:  # outside the lock (tests/lanes.py)
+    if "waits" in item.keywords and has_lane(item.config):  # outside the lock (tests/lanes.py)
+        _pass_gate(item.config)
         yield
         return
     with _run_lock(item.config, exclusive="serial" in item.keywords) as locks:

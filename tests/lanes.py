@@ -8,7 +8,8 @@ file (and ``waits`` files too once nothing else is left), in the order the colle
 them (tests/conftest.py: longest first). A ``waits`` test holds no share of the run lock that
 ``serial`` tests and ``alone`` blocks take exclusively: it uses too little CPU to skew them, and
 a serial test would otherwise wait out a 20 s keepalive test while the gate kept the other
-workers idle. So a ``waits`` file may use neither.
+workers idle. It only waits at the gate before it starts, so that none starts (and starts its
+processes) while one of them runs. So a ``waits`` file may use neither.
 
 The workers know the markers, the scheduler (in the controller) only node ids: each worker
 writes the ``waits`` files it collected to the run's base temp dir, which the controller reads
@@ -25,6 +26,13 @@ import pytest
 from xdist.scheduler import LoadFileScheduling
 
 WAITS_FILE = "waits.json"
+LANE_FROM_WORKERS = 3
+
+
+def has_lane(config: pytest.Config) -> bool:
+    """In a worker: the run has a waiting lane (three workers or more); else a ``waits`` test
+    takes the run lock as every other test does."""
+    return getattr(config, "workerinput", {}).get("workercount", 0) >= LANE_FROM_WORKERS
 
 
 def record_waiting_files(run_dir: Path | None, items: list[pytest.Item]) -> None:
@@ -58,11 +66,11 @@ class LaneScheduling(LoadFileScheduling):
         return self._waits
 
     def is_lane(self, node) -> bool:
-        return self.numnodes >= 3 and node.gateway.id == f"gw{self.numnodes - 1}"
+        return self.numnodes >= LANE_FROM_WORKERS and node.gateway.id == f"gw{self.numnodes - 1}"
 
     def _assign_work_unit(self, node) -> None:
         lane = self.is_lane(node)
-        waits = self.waits()
+        waits = self.waits() if self.numnodes >= LANE_FROM_WORKERS else set()
         scope = next((s for s in self.workqueue if (s in waits) == lane), None)
         if scope is None:
             if lane:  # nothing waiting is left: the lane ends once its queued tests have run
