@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import stack
-from tests.lanes import LaneScheduling, has_lane, record_waiting_files
+from tests.lanes import LaneScheduling, collect_after_the_others, has_lane, is_lane_worker, record_waiting_files
 from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
 from tests.s3_fixtures import s3_bucket, s3_endpoint  # noqa: F401
 
@@ -127,6 +127,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     with _run_lock(item.config, exclusive="serial" in item.keywords) as locks:
         item.stash[_LOCKS] = locks
         yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> None:
+    if is_lane_worker(session.config):
+        collect_after_the_others(getattr(session.config, "_serial_lock_dir", None))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
