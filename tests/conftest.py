@@ -100,12 +100,13 @@ def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[tuple | None]:
         yield gate, run  # closing the files releases both locks
 
 
-def _pass_gate(config: pytest.Config) -> None:
-    """Wait while a serial test (or an `alone` block) runs or waits to: they hold the gate."""
+def _wait_out_serial(config: pytest.Config) -> None:
+    """Wait while a serial test (or an `alone` block) runs: it holds the run lock exclusive. Not
+    while one waits for its turn (at the gate): that may be the length of another worker's test."""
     lock_dir = getattr(config, "_serial_lock_dir", None)
     if lock_dir is not None:
-        with (lock_dir / "gate.lock").open("w") as gate:
-            fcntl.flock(gate, fcntl.LOCK_EX)
+        with (lock_dir / "run.lock").open("w") as run:
+            fcntl.flock(run, fcntl.LOCK_SH)
 
 
 _LOCKS = pytest.StashKey[tuple | None]()
@@ -121,7 +122,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if "waits" in item.keywords and has_lane(item.config):  # outside the lock (tests/lanes.py)
-        _pass_gate(item.config)
+        _wait_out_serial(item.config)
         yield
         return
     with _run_lock(item.config, exclusive="serial" in item.keywords) as locks:

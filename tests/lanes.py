@@ -8,8 +8,8 @@ file (and ``waits`` files too once nothing else is left), in the order the colle
 them (tests/conftest.py: longest first). A ``waits`` test holds no share of the run lock that
 ``serial`` tests and ``alone`` blocks take exclusively: it uses too little CPU to skew them, and
 a serial test would otherwise wait out a 20 s keepalive test while the gate kept the other
-workers idle. It only waits at the gate before it starts, so that none starts (and starts its
-processes) while one of them runs. So a ``waits`` file may use neither.
+workers idle. It only waits, before it starts, while one of them runs, so that it does not
+start its processes beside it. So a ``waits`` file may use neither.
 
 The workers know the markers, the scheduler (in the controller) only node ids: each worker
 writes the ``waits`` files it collected to the run's base temp dir, which the controller reads

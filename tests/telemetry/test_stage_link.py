@@ -27,8 +27,6 @@ from services.common.registry import ShardRegistry, registry_group_id
 from tests.telemetry.procs import alerts_reader, query_counts, scrape, start_service, telemetry_stub, wait_until
 from tests.telemetry.test_serving_telemetry import generate, kill_stopped_children, worker_flags
 
-pytestmark = pytest.mark.waits  # on a stage link's retry and the group's status turning (tests/lanes.py)
-
 TIMEOUT_S = 1.0
 PROMPT = [3, 1, 4, 1, 5]
 # stage 1 (global rank 1) receives the hidden states once per step: its 4th receive is the 4th step's

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,8 +14,6 @@ import pytest
 
 from services.common.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker.test_worker_service import sampling, start_worker, stop_worker, wait_blocks_free
-
-pytestmark = pytest.mark.waits  # on an idle stream's keepalive pings (20 s), drains (tests/lanes.py)
 
 
 @pytest.fixture(scope="module")
@@ -245,26 +242,6 @@ def test_many_streams_at_once(worker):
     for relay in results.values():
         assert all(len(o.tokens) == 16 and o.final.HasField("finished") for o in relay.outcomes.values())
     assert wait_blocks_free(worker).blocks_used == 0
-
-
-@pytest.mark.slow  # 20 s of an idle stream: a ping-strike GOAWAY needs three pings to build up
-def test_an_idle_relay_stream_survives_keepalive_pings(worker_address):
-    # a router pings its worker channels (services/router/worker_client.py); grpc's default server
-    # policy answers pings on a stream without data with GOAWAY after two strikes, which broke an
-    # idle Relay stream (and failed over whatever was submitted as it went)
-    options = [("grpc.keepalive_time_ms", 6_000), ("grpc.keepalive_timeout_ms", 5_000),
-               ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-    with grpc.insecure_channel(worker_address, options=options) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        relay = Relay(stub)
-        relay.greedy(1, [5, 6, 7], 2)
-        relay.until_done(1)
-        time.sleep(20)  # three pings, nothing else on the stream: grpc's default policy would GOAWAY at the third
-        relay.greedy(2, [5, 6, 7], 2)
-        relay.until_done(2)
-        assert relay.outcomes[2].final.HasField("finished") and relay.outcomes[2].tokens == relay.outcomes[1].tokens
-        relay.outbox.put(None)
-        assert list(relay.call) == []
 
 
 def test_a_draining_worker_rejects_relayed_requests_as_unavailable(tiny_model_dir, tmp_path):
