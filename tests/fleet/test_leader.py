@@ -28,8 +28,6 @@ from tests.router.processes import REPO, stop
 from tests.stack import fresh_database
 from tests.telemetry.procs import wait_until
 
-pytestmark = pytest.mark.waits  # on leases running out (tests/lanes.py)
-
 TTL = 10.0
 LEASE = "fleet-controller/smol"
 
