@@ -16,6 +16,7 @@ independent prompt, so ``chunk_tokens - 1`` positions of each count.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -63,6 +64,7 @@ def _stdlib_docstrings() -> Iterator[str]:
                 yield ast.get_docstring(node) or ""
 
 
+@functools.cache  # one text per Python installation: its 360 modules parsed once a process (1.7 CPU-s)
 def calibration_text() -> str:
     """Text to calibrate quantization on, never the golden set's: the prose of the docstrings of
     the standard library's own modules, one paragraph a line. Also English with Python words in
