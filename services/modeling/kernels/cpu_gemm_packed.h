@@ -41,12 +41,10 @@ inline int64_t channels(const at::Tensor& w) { return is_packed(w) ? w.size(0) *
 void blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
             c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs = 0);
 
-// Up to this many rows (from 5) on AVX512-BF16, and from 2 to kStreamRowsAvx2 on AVX2, blocks hands
-// the product to stream_blocks (the same arguments, the same bits: cpu_gemm_stream.cpp). Above them
-// the 4-row tiles with the activations in L2 were faster (AVX512-BF16: the 1B-class weights; AVX2:
-// 0.96x the 4-row tiles' time at 48 rows, 1.03x at 64).
+// From 5 to this many rows on AVX512-BF16, blocks hands the product to stream_blocks (the same
+// arguments, the same bits: cpu_gemm_stream.cpp). Above them the 4-row tiles with the activations in
+// L2 were faster (the 1B-class weights).
 constexpr int64_t kStreamRows = 64;
-constexpr int64_t kStreamRowsAvx2 = 48;
 void stream_blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
                    c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs = 0);
 

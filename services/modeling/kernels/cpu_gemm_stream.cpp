@@ -11,11 +11,10 @@
 // k-pairs are first interleaved ([pairs, M]: a row tile's broadcasts from one line, where rows a power
 // of two apart all map to one set of the L1 cache).
 //
-// AVX2 + FMA at 2 to kStreamRowsAvx2 rows: the same columns one block wide with 4-row tiles, the
-// activations widened to float32 once per call (the tiles broadcast them from memory: no shift or
-// mask per row and k-pair). The SmolLM2 / 1B-class weight sequence in the AVX2 build on an AMD EPYC
-// (Zen 5): 0.76-0.85x the 4-row tiles' time at 5-16 rows, 0.92-0.96x at 32-48, where the product is
-// bound by the fused multiply-adds.
+// AVX2 + FMA has no streaming columns: the AVX2 machines this serves (a 2-core AMD EPYC with AVX2
+// only) ran AVX2 columns (4-row tiles one block wide, the activations widened to float32 once per
+// call) at 55-70 GFLOP/s from 4 to 48 rows, where the 4-row tiles of cpu_gemm_packed.cpp ran 90-130
+// (bench.gemm_packed, SmolLM2's shapes); an AVX2 build on an AVX-512 EPYC had found the opposite.
 //
 // A translation unit of its own: each change to the 4-row tiles' code in cpu_gemm_packed.cpp, even a
 // branch never taken there, moved their 128-256-row products by 6-16 %.
@@ -117,106 +116,11 @@ void stream_blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w,
   for (; b < b1; ++b) column<1>(o, b, pairs, chunk, kept.data() + (b - b0) * 16, totals.data() + (b - b0) * 16, ld);
 }
 
-#elif defined(SHARDLINE_GEMM_AVX2)
-namespace {
-
-// 4 rows x 1 block (two 8-lane halves): 8 sums, the two halves' even words, a broadcast and the odd
-// words' mask in AVX2's 16 registers (5- and 6-row tiles spilled their sums: 1.3-1.7x the time)
-constexpr int kRowTile = 4;
-constexpr int64_t kPanelPairs = 1024;
-constexpr int kAheadPairs = 64;
-
-struct Operands {
-  const float* x;  // [pairs, M, 2]: row i's k-pair q as two float32 (even k, odd k) at (q * M + i) * 2
-  int64_t M;
-  const uint16_t* w;
-  int64_t kp, p0;
-  c10::BFloat16* y;
-  int64_t ldy;
-};
-
-// odd_bf16 of the 32 bytes at p, the and reading them from memory itself: no register
-// holds the weights' words across the even pass (GCC kept them and spilled the sums instead)
-SHARDLINE_INLINE __m256 odd_at(const uint16_t* p, __m256i mask) {
-  __m256i r;
-  asm("vpand %1, %2, %0" : "=x"(r) : "m"(*reinterpret_cast<const __m256i*>(p)), "x"(mask));
-  return _mm256_castsi256_ps(r);
-}
-
-// rows [m, m + MB) x block b, k-pairs [q0, q1): the 4-row AVX2 tile's fused multiply-adds in its order
-// (each sum: a k-pair's even k, then its odd k), the activations already float32. First and `next`:
-// as the AVX512-BF16 tile above.
-template <int MB, bool First>
-SHARDLINE_INLINE void tile(const Operands& o, int64_t m, int64_t b, int64_t q0, int64_t q1, const ChunkFlags s,
-                           float* kept, float* total, int64_t ld, const uint16_t* next, int64_t every) {
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[MB][2];
-  for (int i = 0; i < MB; ++i)
-    for (int h = 0; h < 2; ++h) acc[i][h] = s.fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(kept + i * ld + h * 8);
-  const uint16_t* w = o.w + (b * o.kp + o.p0 + q0) * 32;
-  const float* x = o.x + (q0 * o.M + m) * 2;
-  int64_t countdown = 0;
-  for (int64_t q = q0; q < q1; ++q, w += 32, x += 2 * o.M) {
-    const __m256 e0 = even_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    const __m256 e1 = even_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
-    if constexpr (First) _mm_prefetch(reinterpret_cast<const char*>(w + kAheadPairs * 32), _MM_HINT_T0);
-    if (next != nullptr && countdown-- == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
-      next += 32 * every;
-      countdown = every - 1;
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m256 xe = _mm256_broadcast_ss(x + 2 * i);
-      acc[i][0] = _mm256_fmadd_ps(xe, e0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xe, e1, acc[i][1]);
-    }
-    const __m256 d0 = odd_at(w, mask), d1 = odd_at(w + 16, mask);
-    for (int i = 0; i < MB; ++i) {
-      const __m256 xo = _mm256_broadcast_ss(x + 2 * i + 1);
-      acc[i][0] = _mm256_fmadd_ps(xo, d0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xo, d1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int h = 0; h < 2; ++h)
-      finish_sums(acc[i][h], s, kept + i * ld + h * 8, total + i * ld + h * 8, o.y + (m + i) * o.ldy + b * 16 + h * 8);
-}
-
-// every row against block b, panel by panel (as the AVX512-BF16 column above, one block wide)
-void column(const Operands& o, int64_t b, int64_t pairs, int64_t chunk, float* kept, float* total, int64_t ld) {
-  walk_column<kRowTile>(
-      o.M, pairs, chunk, kPanelPairs, 32,
-      [&](int64_t q1) { return o.w + ((q1 < pairs ? b : b + 1) * o.kp + o.p0 + (q1 < pairs ? q1 : 0)) * 32; },
-      [&](auto mb, auto first, int64_t m, int64_t q0, int64_t q1, ChunkFlags s, int64_t, const uint16_t* next,
-          int64_t every) SHARDLINE_LAMBDA_INLINE {
-        tile<decltype(mb)::value, decltype(first)::value>(o, m, b, q0, q1, s, kept + m * ld, total + m * ld, ld,
-                                                           next, every);
-      });
-}
-
-}  // namespace
-
-void stream_blocks(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t kp, int64_t p0, int64_t pairs,
-                   c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t chunk_pairs) {
-  const int64_t chunk = chunk_pairs > 0 ? chunk_pairs : pairs, ld = 16 * (b1 - b0);
-  thread_local std::vector<float> rows_by_pair, kept, totals;
-  rows_by_pair.resize(static_cast<size_t>(pairs * M * 2));
-  kept.resize(static_cast<size_t>(M * ld));
-  if (chunk < pairs) totals.resize(static_cast<size_t>(M * ld));
-  for (int64_t i = 0; i < M; ++i) {  // bfloat16 to float32: exact, the shift even_bf16 makes
-    const c10::BFloat16* row = reinterpret_cast<const c10::BFloat16*>(x + i * ldx);
-    for (int64_t k = 0; k < 2 * pairs; ++k) rows_by_pair[((k / 2) * M + i) * 2 + k % 2] = Elem<c10::BFloat16>::load(row + k);
-  }
-  const Operands o{rows_by_pair.data(), M, w, kp, p0, y, ldy};
-  for (int64_t b = b0; b < b1; ++b)
-    column(o, b, pairs, chunk, kept.data() + (b - b0) * 16, totals.data() + (b - b0) * 16, ld);
-}
-
 #else
 
 void stream_blocks(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, c10::BFloat16*,
                    int64_t, int64_t, int64_t, int64_t) {
-  TORCH_CHECK(false, "packed stream_blocks: this build has neither AVX512-BF16 nor AVX2 + FMA");
+  TORCH_CHECK(false, "packed stream_blocks: this build has no AVX512-BF16");
 }
 
 #endif
