@@ -196,17 +196,19 @@ class ForkedProcess:
         return self.returncode  # type: ignore[return-value]
 
 
-def kill_group_of_exited(pgid: int) -> None:
-    """SIGKILL what the process group of an exited, reaped leader still holds (a driver's ranks
-    outlive a SIGKILLed driver). The leader's pid is free once it is reaped, and pids wrap (a
-    full test run goes through 32768 of them in about ten minutes): a live process that now has
-    that pid and leads a group of its own is someone else's, and its group is left alone."""
-    try:
-        fields = Path(f"/proc/{pgid}/stat").read_text().rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return
-    except (OSError, IndexError, ValueError):
-        pass  # no process has the pid: the group, if it is left, is the old leader's
+def kill_group(pgid: int, *, leader_alive: bool) -> None:
+    """SIGKILL process group ``pgid`` (a driver's ranks outlive a SIGKILLed driver). While its
+    leader lives (or is not yet reaped) the pid is still the leader's. Once the leader is reaped
+    the pid is free, and pids wrap (a full test run goes through 32768 of them in about ten
+    minutes): a live process that now has that pid and leads a group of its own is someone else's,
+    and its group is left alone."""
+    if not leader_alive:
+        try:
+            fields = Path(f"/proc/{pgid}/stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return
+        except (OSError, IndexError, ValueError):
+            pass  # no process has the pid: the group, if it is left, is the old leader's
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.fork_server import ForkedProcess, ForkServer, kill_group_of_exited
+from services.common.fork_server import ForkedProcess, ForkServer, kill_group
 from services.common.fork_server import die_with_parent as set_parent_death_signal
 from services.common.healthcheck import check
 
@@ -57,16 +57,6 @@ class StackError(RuntimeError):
 
 class StackStopped(StackError):
     """Stopping was requested (Ctrl-C, SIGTERM) while waiting."""
-
-
-def kill_group(proc: subprocess.Popen | ForkedProcess) -> None:
-    """SIGKILL ``proc``'s process group: the process itself while it runs (or is not yet reaped),
-    else what the group still holds, unless its pid names another process by now."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    else:
-        kill_group_of_exited(proc.pid)
 
 
 class Supervisor:
@@ -138,7 +128,7 @@ class Supervisor:
         """Forget a process that exited, first killing what its process group still holds (a
         driver's ranks outlive a SIGKILLed driver); a replacement is a new :meth:`start`."""
         if managed.proc is not None:
-            kill_group(managed.proc)
+            kill_group(managed.proc.pid, leader_alive=managed.proc.poll() is None)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 managed.proc.wait(timeout=5)
         if managed in self.processes:
@@ -157,6 +147,6 @@ class Supervisor:
                 print(f"{managed.name} did not stop within {grace_s:g} s: killing", file=sys.stderr)
         for managed in self.processes:
             # the group may still hold children of a process that exited (its ranks)
-            kill_group(managed.proc)
+            kill_group(managed.proc.pid, leader_alive=managed.proc.poll() is None)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 managed.proc.wait(timeout=5)

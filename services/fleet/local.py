@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.fork_server import ForkServer, kill_group_of_exited
+from services.common.fork_server import ForkServer, kill_group
 from services.common.ports import bindable, free_port
 from services.common.supervisor import ManagedProcess, Supervisor
 from services.fleet.provisioner import GroupLaunch, GroupProcess
@@ -140,11 +140,7 @@ class LocalProvisioner:
         deadline = time.monotonic() + self.stop_grace_s
         while self._alive(record) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if self._alive(record):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(record["pid"], signal.SIGKILL)
-        else:
-            kill_group_of_exited(record["pid"])  # what the group still holds (its ranks)
+        kill_group(record["pid"], leader_alive=self._alive(record))  # and what the group still holds (its ranks)
 
     def _record(self, name: str) -> dict | None:
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.fork_server import ForkServer, kill_group_of_exited, live_process
+from services.common.fork_server import ForkServer, kill_group, live_process
 
 pytestmark = pytest.mark.waits  # on children exiting with their launcher (tests/lanes.py)
 
@@ -104,7 +104,7 @@ def test_the_group_of_an_exited_leader_is_killed_unless_its_pid_leads_another():
     orphan = int(leader.stdout.readline())
     assert leader.wait(timeout=10) == 0
     assert live_process(orphan) and os.getpgid(orphan) == leader.pid
-    kill_group_of_exited(leader.pid)
+    kill_group(leader.pid, leader_alive=False)
     deadline = time.monotonic() + 5
     while live_process(orphan) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -112,7 +112,7 @@ def test_the_group_of_an_exited_leader_is_killed_unless_its_pid_leads_another():
     # a live process that has the pid and leads its own group (what a reused pid looks like) is spared
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        kill_group_of_exited(other.pid)
+        kill_group(other.pid, leader_alive=False)
         time.sleep(0.2)
         assert other.poll() is None
     finally:
