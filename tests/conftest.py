@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import heap
 from tests import stack
 from tests.lanes import LaneScheduling, collect_after_the_others, has_lane, is_lane_worker, record_waiting_files
 from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
@@ -114,6 +115,7 @@ _LOCKS = pytest.StashKey[tuple | None]()
 
 @pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
 def pytest_configure(config: pytest.Config) -> None:
+    heap.starting()  # collection imports torch and every service: see pytest_collection_finish
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the workers' base temp dirs (popen-gw0, ...) share one parent per run
         config._serial_lock_dir = config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
@@ -134,6 +136,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 def pytest_collection(session: pytest.Session) -> None:
     if is_lane_worker(session.config):
         collect_after_the_others(getattr(session.config, "_serial_lock_dir", None))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    heap.started()  # what collection imported lives as long as the run: out of the collector's passes
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):

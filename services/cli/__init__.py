@@ -14,6 +14,8 @@ import importlib
 import pkgutil
 import sys
 
+from services.common import heap
+
 
 def command_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
@@ -35,6 +37,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    heap.starting()  # a server calls heap.started() once it serves
     argv = sys.argv[1:] if argv is None else argv
     first = argv[0].replace("-", "_") if argv else None
     parser = build_parser(first if first in command_modules() else None)

@@ -37,6 +37,7 @@ import grpc
 
 from services.cli.client import stream_generate, summary
 from services.cli.up_fleet import UpFleets, fleets_from_flags, load_fleet_file
+from services.common import heap
 from services.common.bearer_auth import BearerCheck
 from services.common.config import DEFAULT_PORTS
 from services.common.errors import InvalidArgument
@@ -303,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         if args.exit_after_demo:
             return 0
         say("Ctrl-C stops the stack.")
+        heap.started()
         watch(supervisor, routers, background, stop, startup_timeout_s=args.startup_timeout)
         return 0
     except StackStopped:

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common import heap
+
 PR_SET_PDEATHSIG = 1
 TITLE_ROOM = 4096  # bytes of command line the server starts with, for its children's
 UNKNOWN_EXIT = -1  # a child that exited after its server was killed: nobody saw its code
@@ -70,6 +72,7 @@ def _reap(out: int) -> None:
 def serve_forks(modules: list[str]) -> dict[str, Any] | None:
     """Import ``modules``, then fork one child per request line on stdin. Returns None in the
     server when its launcher is gone, and the request in each child."""
+    heap.starting()
     for name in modules:  # by name: the launcher's modules (common imports nothing above it)
         importlib.import_module(name)
     gc.freeze()  # what the imports made stays in pages the children share, untouched by their collections

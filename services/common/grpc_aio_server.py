@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from services.common import heap
 from services.common.config import ServerConfig
 from services.common.errors import InvalidArgument, ShardlineError
 from services.common.grpc_server import (
@@ -204,6 +205,7 @@ async def serve_until_signal(
             log.error("%s", exc)
             return 1
         log.info("%s serving %s on %s", config.service, ", ".join(running.service_names), running.address)
+        heap.started()
         await stop_requested.wait()
         await running.health.enter_graceful_shutdown()
         if on_stopping is not None:

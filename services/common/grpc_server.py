@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import heap
 from services.common.config import ServerConfig
 from services.common.errors import ERROR_CLASSES, InvalidArgument, ShardlineError
 from services.common.logging import configure_logging
@@ -319,6 +320,7 @@ def run_until_signal(
         log.info("%s serving %s on %s", config.service, ", ".join(running.service_names), running.address)
         if on_started is not None and not stop_requested.is_set():
             on_started(running)
+        heap.started()
         # a timed wait, so that the main thread returns to the interpreter, where the signal
         # handler runs, whatever the platform's lock semantics
         while not stop_requested.wait(0.5):
