@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import importlib
 import json
 import os
@@ -75,7 +74,7 @@ def serve_forks(modules: list[str]) -> dict[str, Any] | None:
     heap.starting()
     for name in modules:  # by name: the launcher's modules (common imports nothing above it)
         importlib.import_module(name)
-    gc.freeze()  # what the imports made stays in pages the children share, untouched by their collections
+    heap.started()  # what the imports made stays in pages the children share, untouched by their collections
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
