@@ -21,7 +21,9 @@ is not for the server (:meth:`ForkServer.fits`): the launcher starts it as a fre
 The server reports each child's pid and, when it exits, its exit code (negative: the signal that
 killed it, as ``subprocess`` says). It exits when its launcher is gone (its stdin closes, however
 the launcher died); a child asked to die with its parent gets SIGTERM then (PR_SET_PDEATHSIG), as
-it would from a launcher that started it directly, and a kept child goes on serving.
+it would from a launcher that started it directly, and a kept child goes on serving. A request the
+launcher queued before it died (while the server still imported) is dropped, not forked: a kept
+child nobody learned the pid of would serve on with no one to stop it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def _reap(out: int) -> None:
 def serve_forks(modules: list[str]) -> dict[str, Any] | None:
     """Import ``modules``, then fork one child per request line on stdin. Returns None in the
     server when its launcher is gone, and the request in each child."""
+    launcher = os.getppid()  # before the imports: the launcher may go while they run
     heap.starting()
     for name in modules:  # by name: the launcher's modules (common imports nothing above it)
         importlib.import_module(name)
@@ -96,6 +99,10 @@ def serve_forks(modules: list[str]) -> dict[str, Any] | None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            if os.getppid() != launcher:
+                # the launcher went while this server imported: a request it queued is no one's now,
+                # and a child meant to outlive it would be a process no one knows of
+                return None
             try:
                 pid = os.fork()
             except OSError as exc:

@@ -98,6 +98,33 @@ time.sleep(60)
                 pass
 
 
+def test_a_request_queued_by_a_launcher_that_died_is_not_forked(tmp_path):
+    """The launcher asks for a kept child while its server still imports, and is SIGKILLed: the
+    server, done importing, forks nothing (a kept child no one learned the pid of would live on
+    unknown) and exits."""
+    script = f"""
+import os, sys, threading, time
+from pathlib import Path
+from services.common.fork_server import ForkServer
+server = ForkServer(["tests.common.slow_import"])
+argv = [sys.executable, "-m", {CHILD!r}, {str(tmp_path / "kept.json")!r}, "-1"]
+threading.Thread(target=server.spawn, args=(argv, dict(os.environ), Path({str(tmp_path / "kept.log")!r})),
+                 kwargs={{"die_with_parent": False}}, daemon=True).start()
+while server._proc is None:
+    time.sleep(0.01)
+time.sleep(0.3)  # the request is written before the server has imported
+print(server._proc.pid, flush=True)
+time.sleep(60)
+"""
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    fork_server = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    _until(lambda: not live_process(fork_server), timeout_s=30)
+    time.sleep(0.5)
+    assert not (tmp_path / "kept.json").exists(), "a child was forked for a launcher that was gone"
+
+
 def test_the_group_of_an_exited_leader_is_killed_unless_its_pid_leads_another():
     # the leader exits at once, its child (a rank, say) is left in the group
     leader = subprocess.Popen(["bash", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE, start_new_session=True)
