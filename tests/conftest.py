@@ -7,7 +7,7 @@ import fcntl
 import json
 import os
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,23 +147,37 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return LaneScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
-@pytest.fixture
-def alone(request: pytest.FixtureRequest) -> Callable[[], contextlib.AbstractContextManager[None]]:
+class Alone:
     """``with alone():`` runs a block of the test while no other test of the run runs.
 
     The test's shared hold is given up before the gate is taken (two workers each holding one
     and waiting for the other's would deadlock), then the lock is taken exclusive: the block
-    starts once the other workers' current tests end, and no test starts until it is over."""
-    locks = request.node.stash.get(_LOCKS, None)
+    starts once the other workers' current tests end, and no test starts until it is over.
 
-    @contextlib.contextmanager
-    def block() -> Iterator[None]:
-        if locks is None or "serial" in request.node.keywords:  # one process, or alone already
-            yield
+    ``alone.reserve()`` takes the gate at once, for a block that comes after a long set-up: no
+    other test starts from then on, and the block waits only for the tests running now, which
+    end while the set-up runs. Else the test would wait at the block for the rest of another
+    worker's test (a fleet scenario: half a minute) with a core idle."""
+
+    def __init__(self, locks: tuple | None, serial: bool) -> None:
+        self.locks = None if serial else locks  # one process, or alone already: nothing to take
+        self.reserved = False
+
+    def reserve(self) -> None:
+        if self.locks is None or self.reserved:
             return
-        gate, run = locks
+        gate, run = self.locks
         fcntl.flock(run, fcntl.LOCK_UN)
         fcntl.flock(gate, fcntl.LOCK_EX)
+        self.reserved = True
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.locks is None:
+            yield
+            return
+        gate, run = self.locks
+        self.reserve()
         try:
             fcntl.flock(run, fcntl.LOCK_EX)
             try:
@@ -172,8 +186,13 @@ def alone(request: pytest.FixtureRequest) -> Callable[[], contextlib.AbstractCon
                 fcntl.flock(run, fcntl.LOCK_SH)  # back to the test's shared hold, before the gate opens
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
+            self.reserved = False
 
-    return block
+
+@pytest.fixture
+def alone(request: pytest.FixtureRequest) -> Alone:
+    """A block of the test that runs while no other test of the run runs (:class:`Alone`)."""
+    return Alone(request.node.stash.get(_LOCKS, None), "serial" in request.node.keywords)
 
 
 @pytest.fixture

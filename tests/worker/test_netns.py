@@ -153,12 +153,15 @@ def _logs(tmp_path: Path) -> str:
 # SIGKILL: node 1's sockets close and the next op fails at once; SIGSTOP: its ranks hang and the
 # next op times out. Alone once serving: seven processes of ranks and services on 2 cores, timed
 # against the collective timeout, next to another test's group would time out for the wrong
-# reason; their start-up (half the test), the oracle and the checks after the loss (expiring
-# entries, alerts: nothing timed) run beside other tests.
+# reason. Their start-up (half the test) and the oracle run beside the tests already running,
+# none starting meanwhile; the checks after the loss (expiring entries, alerts: nothing timed)
+# run beside other tests.
 @pytest.mark.parametrize("tp,pp,sig", [(1, 2, signal.SIGKILL), (2, 2, signal.SIGSTOP)], ids=["tp1-pp2-kill",
                                                                                             "tp2-pp2-stop"])
 def test_a_group_across_two_network_namespaces_matches_and_fails_with_its_host(hosts, tiny_model_dir, tmp_path,
                                                                               alone, tp, pp, sig) -> None:
+    # the block's turn is taken now: the tests running beside ours end while the 7 processes start
+    alone.reserve()
     address, router = _start(hosts, tiny_model_dir, tp, pp, tmp_path)
     for serving in (address, f"127.0.0.1:{SPARE_PORT}", router):
         assert hosts.client("wait", serving, "150")["status"] == "SERVING", _logs(tmp_path)
