@@ -22,8 +22,8 @@ The server reports each child's pid and, when it exits, its exit code (negative:
 killed it, as ``subprocess`` says). It exits when its launcher is gone (its stdin closes, however
 the launcher died); a child asked to die with its parent gets SIGTERM then (PR_SET_PDEATHSIG), as
 it would from a launcher that started it directly, and a kept child goes on serving. A request the
-launcher queued before it died (while the server still imported) is dropped, not forked: a kept
-child nobody learned the pid of would serve on with no one to stop it.
+launcher queued before it died (while the server still imported) is dropped, not forked: no one
+is left to learn the child's pid, and a kept child would serve on with no one to stop it.
 """
 
 from __future__ import annotations

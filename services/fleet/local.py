@@ -17,10 +17,9 @@ The groups' workers are forked from a fork server that has imported the worker o
 with the first group): a group then starts without its worker importing torch again, which was
 most of the CPU a heal, a rollout's candidate or an autoscaled group cost before its model loads.
 A group whose spec sets environment variables starts as a fresh interpreter: the server's modules
-were imported under the provisioner's environment. A kept group is forked too: its record is
-written as soon as the server says its pid, and a controller killed while its server still
-imports (seconds, on the first group) leaves no group behind: the server forks nothing for a
-launcher that is gone.
+were imported under the provisioner's environment. So does a kept group: its record must exist as
+soon as its process does, and a controller killed while its fork server still imports (seconds)
+would leave a group no record names, which no controller could stop.
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ class LocalProvisioner:
                 *launch.worker_flags(), *self.shared_flags]
         managed = self.supervisor.start(launch.name, argv, port, env=dict(launch.plan.env),
                                         log_path=self.log_dir / f"{launch.name}.log", die_with_parent=not self.keep,
-                                        track=not self.keep, fork_server=self.fork_server)
+                                        track=not self.keep, fork_server=None if self.keep else self.fork_server)
         with self._lock:
             self._started[launch.name] = _Started(launch, managed)
         if self.keep:
