@@ -40,12 +40,12 @@ pytestmark = pytest.mark.slow
 FLEET = "tinyfleet"
 PROMPTS = [f"story number {i}: once upon a time" for i in range(8)]
 MAX_TOKENS = 24
-# 6 clients with 1.5 s of think time each (~3 requests a second): load that crosses every rollout,
-# heal, drain and controller restart, and leaves the 2 cores room to start groups (the load is most
-# of the module's CPU: 8 streams at 0.3 s cost it 189 s, 4 streams at 0.5 s 118 s, these 168 s, all
-# alone; in a full run on the AVX2 EPYC 8 streams at 1.2 s cost it 221 s, these 153 s)
-STREAMS = 6
-PAUSE_S = 1.5
+# 4 clients with 2 s of think time each (~1.7 requests a second): load that crosses every rollout,
+# heal, drain and controller restart, and leaves the 2 cores room to start groups. The load is most
+# of the module's CPU: on the AVX2 EPYC a request of 24 tokens costs 0.18 core-s (client, router,
+# a PP2 worker), so 6 clients at 1.5 s (3.2 a second) took 0.7 of the 2 cores for the whole module.
+STREAMS = 4
+PAUSE_S = 2.0
 COLLECTIVE_TIMEOUT_S = 2.0
 # bfloat16, as served: on CPU its matmuls and attention are batch-invariant (a sequence's bits do
 # not depend on what shares its steps), so a text is the same in any batch and in either layout
@@ -230,9 +230,11 @@ def test_autoscaling_adds_groups_under_kv_pressure_and_scales_back_to_one(
     print(stack.apply(spec(model_dir=tiny_model_dir, pp=2, dtype="int8", replicas=2, autoscaling=scaling)))
     stack.wait(lambda: stack.status()["in_rotation"] == 1, 60, "scale-in to 1 without load")
     monitor = RotationMonitor(stack).start()
-    # each request's KV estimate (prompt + 230 tokens) is near a quarter of a PP2 group's 1024: the
-    # routers commit ~94 % of every group while requests wait, however many groups there are
-    load = Load(stack.http, "tinyfleet", PROMPTS, 230, concurrency=12, ignore_eos=True).start()
+    # each request's KV estimate (prompt + 230 tokens) is near a quarter of a PP2 group's 1024: 4 run,
+    # 4 wait at the router and take a slot the moment one ends, so the routers commit ~94 % of the
+    # group until the added one comes, and both are busy then (12 streams kept a third round queued,
+    # which stop() then waited out)
+    load = Load(stack.http, "tinyfleet", PROMPTS, 230, concurrency=8, ignore_eos=True).start()
     kill_controller_when(stack, lambda: provisioning(stack), "mid-scale-out (the added group loading)",
                          unless=lambda: stack.status()["in_rotation"] >= 2)
     stack.wait(lambda: stack.status()["in_rotation"] >= 2, 90, "a scale-out under load")
