@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
         [completion] = run_replica_group(spec.plan.world_size, generate_rank, spec, [ids], [params],
-                                         failure_grace_s=args.collective_timeout + 3.0)
+                                         failure_grace_s=args.collective_timeout + 3.0, fork=True)  # no tensor op yet
     if failed:
         return failed.code
     return print_result(completion, as_json=args.json, text=completion.text)

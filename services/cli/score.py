@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             raise ModelConfigError(f"token ids {bad[:5]} outside the vocabulary [0, {plan.config.vocab_size})")
         result = run_replica_group(plan.world_size, score_rank, spec, ids,
-                                   failure_grace_s=args.collective_timeout + 3.0)
+                                   failure_grace_s=args.collective_timeout + 3.0, fork=True)  # no tensor op yet
     if failed:
         return failed.code
     return print_result(result, as_json=args.json,

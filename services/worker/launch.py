@@ -14,8 +14,9 @@ runs no tensor op itself. A rank takes the caller's environment as it is at laun
 spawned process would, not the server's.
 
 A caller that has started no thread yet and run no tensor op (a worker before its gRPC server
-starts) is in the state the fork server is in, with the modules already imported: its
-:class:`Followers` fork from it directly, which spares the fork server's own start (importing
+starts, ``score`` and ``generate`` on the command line) is in the state the fork server is in,
+with the modules already imported: its ranks (:class:`Followers`, or :func:`run_replica_group`
+asked with ``fork``) fork from it directly, which spares the fork server's own start (importing
 torch again, about 2 s of CPU).
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the same ``rank_fn`` runs in this process.
@@ -95,14 +96,16 @@ def _rank_main(rank: int, world_size: int, port: int, results: Any, rank_fn: Cal
 
 
 def run_replica_group(world_size: int, rank_fn: Callable[..., Any], *args: Any,
-                      failure_grace_s: float = 5.0) -> Any:
-    """Run ``rank_fn`` on every rank; rank 0's return value comes back."""
+                      failure_grace_s: float = 5.0, fork: bool = False) -> Any:
+    """Run ``rank_fn`` on every rank; rank 0's return value comes back. ``fork``: the caller
+    says it has run no tensor op yet (no OpenMP team to inherit); the ranks are then forked
+    from this process itself if it has also started no thread, else from the fork server."""
     if world_size == 1:
         return rank_fn(0, 1, *args)
     if under_torchrun():
         rank = int(os.environ["RANK"])
         return rank_fn(rank, int(os.environ["WORLD_SIZE"]), *args)
-    ctx = _context()
+    ctx = _context(fork=fork and threading.active_count() == 1)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, results, rank_fn, args, dict(os.environ)),
