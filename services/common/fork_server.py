@@ -70,10 +70,10 @@ def _reap(out: int) -> None:
         _write(out, {"pid": pid, "exit": os.waitstatus_to_exitcode(status)})
 
 
-def serve_forks(modules: list[str]) -> dict[str, Any] | None:
+def serve_forks(modules: list[str], launcher: int) -> dict[str, Any] | None:
     """Import ``modules``, then fork one child per request line on stdin. Returns None in the
-    server when its launcher is gone, and the request in each child."""
-    launcher = os.getppid()  # before the imports: the launcher may go while they run
+    server when its launcher (pid ``launcher``, the server's parent while it lives) is gone, and
+    the request in each child."""
     heap.starting()
     for name in modules:  # by name: the launcher's modules (common imports nothing above it)
         importlib.import_module(name)
@@ -261,7 +261,8 @@ class ForkServer:
     def _start(self) -> None:
         self.environ = dict(os.environ if self._fixed_environ is None else self._fixed_environ)
         room = "." * TITLE_ROOM
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, room, *self.modules], env=self.environ,
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, room, str(os.getpid()), *self.modules],
+                                      env=self.environ,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._read, args=(self._proc,), name="fork-server", daemon=True).start()
 
@@ -327,8 +328,9 @@ class ForkServer:
 
 
 def main(argv: list[str]) -> None:
+    """``argv``: the room for the children's command lines, the launcher's pid, the modules."""
     set_command_line([sys.executable, "-m", __spec__.name if __spec__ else "fork_server", *argv[1:]])
-    request = serve_forks(argv[1:])
+    request = serve_forks(argv[2:], launcher=int(argv[1]))
     if request is None:
         return
     module = become(request)
