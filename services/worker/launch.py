@@ -64,7 +64,9 @@ PRELOAD = ["torch", "services.worker.engine.bootstrap", "services.worker.scoring
 
 
 def _context(*, fork: bool = False) -> Any:
-    if fork:
+    """Fork the ranks from this process when the caller says it has run no tensor op (``fork``)
+    and it has started no thread either; else fork them from the fork server."""
+    if fork and threading.active_count() == 1:
         return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first use)
@@ -105,7 +107,7 @@ def run_replica_group(world_size: int, rank_fn: Callable[..., Any], *args: Any,
     if under_torchrun():
         rank = int(os.environ["RANK"])
         return rank_fn(rank, int(os.environ["WORLD_SIZE"]), *args)
-    ctx = _context(fork=fork and threading.active_count() == 1)
+    ctx = _context(fork=fork)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, results, rank_fn, args, dict(os.environ)),
@@ -172,7 +174,7 @@ class Followers:
         self.port = free_port()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK="0",
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        ctx = _context(fork=fork and threading.active_count() == 1)
+        ctx = _context(fork=fork)
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_rank_main,
                                   args=(rank, world_size, self.port, self.results, rank_fn, args, dict(os.environ),
