@@ -14,7 +14,14 @@ import pytest
 
 from services.common import heap
 from tests import stack
-from tests.lanes import LaneScheduling, collect_after_the_others, has_lane, is_lane_worker, record_waiting_files
+from tests.lanes import (
+    LaneScheduling,
+    collect_after_the_others,
+    has_lane,
+    is_lane_worker,
+    record_waiting_files,
+    run_in_the_background,
+)
 from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
 from tests.s3_fixtures import s3_bucket, s3_endpoint  # noqa: F401
 
@@ -111,6 +118,7 @@ def _wait_out_serial(config: pytest.Config) -> None:
 
 
 _LOCKS = pytest.StashKey[tuple | None]()
+_IDLE = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
@@ -127,6 +135,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _wait_out_serial(item.config)
         yield
         return
+    if "background" in item.keywords and is_lane_worker(item.config) and not item.config.stash.get(_IDLE, False):
+        run_in_the_background()  # the lane's last files, at idle priority (tests/lanes.py)
+        item.config.stash[_IDLE] = True
     with _run_lock(item.config, exclusive="serial" in item.keywords) as locks:
         item.stash[_LOCKS] = locks
         yield

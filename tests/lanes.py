@@ -11,9 +11,16 @@ a serial test would otherwise wait out a 20 s keepalive test while the gate kept
 workers idle. It only waits, before it starts, while one of them runs, so that it does not
 start its processes beside it. So a ``waits`` file may use neither.
 
+Once the ``waits`` files are handed out, the lane takes the files marked ``background`` (tests
+that run in the test process alone: no service, no rank, no clock), the shortest first (from the
+end of the queue, which the other workers take from its front), and runs them at the kernel's
+idle priority (``SCHED_IDLE``): they get a core only while no other process wants it, when the
+other workers' tests wait on their processes. They take the run lock as every other test does.
+
 The workers know the markers, the scheduler (in the controller) only node ids: each worker
-writes the ``waits`` files it collected to the run's base temp dir, which the controller reads
-once every worker has reported its collection (all the same, or xdist stops the run).
+writes the ``waits`` and ``background`` files it collected to the run's base temp dir, which the
+controller reads once every worker has reported its collection (all the same, or xdist stops
+the run).
 """
 
 from __future__ import annotations
@@ -55,19 +62,38 @@ def collect_after_the_others(run_dir: Path | None, timeout_s: float = 120.0) -> 
         time.sleep(0.2)
 
 
+def _files_marked(items: list[pytest.Item], marker: str) -> list[str]:
+    return sorted({item.nodeid.split("::", 1)[0] for item in items if marker in item.keywords})
+
+
 def record_waiting_files(run_dir: Path | None, items: list[pytest.Item]) -> None:
-    """In a worker: write the collected ``waits`` files for the scheduler; refuse a ``waits``
-    test that is ``serial`` or uses ``alone`` (it runs outside the run lock)."""
-    waits = sorted({item.nodeid.split("::", 1)[0] for item in items if "waits" in item.keywords})
+    """In a worker: write the collected ``waits`` and ``background`` files for the scheduler;
+    refuse a ``waits`` test that is ``serial`` or uses ``alone`` (it runs outside the run lock),
+    and a ``background`` test that is either (idle priority may starve it for seconds)."""
     for item in items:
         if "waits" in item.keywords and ("serial" in item.keywords or "alone" in getattr(item, "fixturenames", ())):
             raise pytest.UsageError(f"{item.nodeid}: a `waits` test runs outside the run lock, so it can be "
                                     "neither `serial` nor use `alone`")
+        if "background" in item.keywords and (
+                {"serial", "waits"} & set(item.keywords) or "alone" in getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid}: a `background` test may run at idle priority, so it can be "
+                                    "neither `serial` nor `waits` nor use `alone`")
     if run_dir is None:
         return
     tmp = run_dir / f"{WAITS_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(waits))
-    os.replace(tmp, run_dir / WAITS_FILE)  # every worker writes the same list; a reader sees a whole one
+    tmp.write_text(json.dumps({"waits": _files_marked(items, "waits"),
+                               "background": _files_marked(items, "background")}))
+    os.replace(tmp, run_dir / WAITS_FILE)  # every worker writes the same lists; a reader sees whole ones
+
+
+def run_in_the_background() -> None:
+    """Put every thread of this process (and so what they start from now on) at the kernel's idle
+    priority: a core only while no other process wants it."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 class LaneScheduling(LoadFileScheduling):
@@ -77,25 +103,30 @@ class LaneScheduling(LoadFileScheduling):
     def __init__(self, config: pytest.Config, log=None) -> None:
         super().__init__(config, log)
         self.run_dir: Path = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
-        self._waits: set[str] | None = None
+        self._marked: dict[str, set[str]] | None = None
 
-    def waits(self) -> set[str]:
-        if self._waits is None:
+    def marked(self, marker: str) -> set[str]:
+        """The files marked ``waits`` or ``background``, as the workers recorded them."""
+        if self._marked is None:
             path = self.run_dir / WAITS_FILE
-            self._waits = set(json.loads(path.read_text())) if path.exists() else set()
-        return self._waits
+            recorded = json.loads(path.read_text()) if path.exists() else {}
+            self._marked = {name: set(recorded.get(name, ())) for name in ("waits", "background")}
+        return self._marked[marker]
 
     def is_lane(self, node) -> bool:
         return self.numnodes >= LANE_FROM_WORKERS and node.gateway.id == f"gw{self.numnodes - 1}"
 
     def _assign_work_unit(self, node) -> None:
         lane = self.is_lane(node)
-        waits = self.waits() if self.numnodes >= LANE_FROM_WORKERS else set()
+        waits = self.marked("waits") if self.numnodes >= LANE_FROM_WORKERS else set()
         scope = next((s for s in self.workqueue if (s in waits) == lane), None)
-        if scope is None:
-            if lane:  # nothing waiting is left: the lane ends once its queued tests have run
+        if scope is None and lane:  # nothing waiting is left: the shortest background file
+            background = self.marked("background")
+            scope = next((s for s in reversed(self.workqueue) if s in background), None)
+            if scope is None:  # nor one of those: the lane ends once its queued tests have run
                 node.shutdown()
                 return
+        if scope is None:
             scope = next(iter(self.workqueue))
         work_unit = self.workqueue.pop(scope)
         self.assigned_work.setdefault(node, {})[scope] = work_unit

@@ -1,9 +1,14 @@
 """The suite's xdist scheduler (tests/lanes.py): the last of three workers takes only the files
-marked ``waits``, the others every other file first, each file whole and in collection order."""
+marked ``waits`` and then the ``background`` ones, the others every other file first, each file
+whole and in collection order."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,11 +35,11 @@ class Node:
         self.shutting_down = True
 
 
-def scheduler(tmp_path, workers: int) -> tuple[LaneScheduling, list[Node]]:
+def scheduler(tmp_path, workers: int, background: tuple[str, ...] = ()) -> tuple[LaneScheduling, list[Node]]:
     config = SimpleNamespace(getvalue=lambda name: {"tx": [f"{workers}*popen"]}[name],
                              option=SimpleNamespace(loadscopereorder=False),
                              _tmp_path_factory=SimpleNamespace(getbasetemp=lambda: tmp_path))
-    (tmp_path / WAITS_FILE).write_text(json.dumps(WAITS))
+    (tmp_path / WAITS_FILE).write_text(json.dumps({"waits": WAITS, "background": list(background)}))
     sched = LaneScheduling(config)
     nodes = [Node(f"gw{i}") for i in range(workers)]
     for node in nodes:
@@ -77,6 +82,29 @@ def test_the_other_workers_take_the_waiting_files_once_nothing_else_is_left(tmp_
     assert sorted(gw0.sent + gw1.sent + lane.sent) == sorted(COLLECTION)
 
 
+def test_the_lane_then_takes_the_background_files_from_the_end(tmp_path):
+    sched, (gw0, gw1, lane) = scheduler(tmp_path, 3, background=("t/b.py", "t/d.py", "t/e.py"))
+    run_all(sched, [lane])  # the waiting files, then the background ones, the shortest (last) first
+    left = [f for f in ("t/e.py", "t/d.py", "t/b.py") if f not in files(gw0) + files(gw1)]
+    assert left and files(lane) == ["t/w.py", "t/w2.py", "t/w3.py", *left]
+    assert lane.shutting_down and "t/c.py" not in files(lane)  # an unmarked file is never the lane's
+    run_all(sched, [gw0, gw1])
+    assert sorted(gw0.sent + gw1.sent + lane.sent) == sorted(COLLECTION)
+
+
+def test_idle_priority_is_the_kernels_idle_class(tmp_path):
+    """run_in_the_background() in a child: each of its threads ends in SCHED_IDLE."""
+    script = ("import os, threading\n"
+              "from tests.lanes import run_in_the_background\n"
+              "done = threading.Event(); t = threading.Thread(target=done.wait); t.start()\n"
+              "run_in_the_background()\n"
+              "print(sorted({os.sched_getscheduler(int(tid)) for tid in os.listdir('/proc/self/task')}))\n"
+              "done.set()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == str([os.SCHED_IDLE])
+
+
 def test_two_workers_have_no_lane(tmp_path):
     sched, nodes = scheduler(tmp_path, 2)
     run_all(sched, nodes)
@@ -86,4 +114,10 @@ def test_two_workers_have_no_lane(tmp_path):
 def test_a_waiting_test_may_not_be_serial():
     item = SimpleNamespace(nodeid="t/w.py::one", keywords={"waits": 1, "serial": 1}, fixturenames=[])
     with pytest.raises(pytest.UsageError, match="neither `serial` nor use `alone`"):
+        record_waiting_files(None, [item])
+
+
+def test_a_background_test_may_not_use_alone():
+    item = SimpleNamespace(nodeid="t/b.py::one", keywords={"background": 1}, fixturenames=["alone"])
+    with pytest.raises(pytest.UsageError, match="neither `serial` nor `waits` nor use `alone`"):
         record_waiting_files(None, [item])

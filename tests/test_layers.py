@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"common": 0, "modeling": 1, "loader": 2, "planner": 2, "worker": 3, "router": 3, "telemetry": 3,
           "quality": 3, "fleet": 4, "cli": 5, "bench": 6, "tests": 7}

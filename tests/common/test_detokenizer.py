@@ -9,6 +9,8 @@ from tokenizers import Tokenizer
 
 from services.common.detokenizer import REPLACEMENT, Detokenizer, TokenTexts
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 TEXTS = ["Hello, world! The café serves crème brûlée.", "日本語のテキスト、そして絵文字 🎉🚀👍🏽 and more",
          "  leading spaces\tand\ttabs\n\nnew lines", "ﬁ ligature, Ω, ∑, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
          "a b c 1 2 3 ..."]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from services.common import heap
+
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
 
 
 def test_starting_defers_full_collections_and_started_freezes_and_restores_the_thresholds() -> None:

@@ -17,6 +17,8 @@ from services.fleet.jobs import GateOutcome, live_plan
 from services.fleet.provisioner import GroupLaunch, GroupProcess
 from services.fleet.spec import FleetSpec
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 FLEET = "sim"
 
 

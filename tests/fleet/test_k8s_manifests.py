@@ -14,6 +14,8 @@ import yaml
 from services.cli import main as shardline
 from tests.fleet.test_kubernetes import K8S_VERSION
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 RENDER = ["fleet", "render", "-f", str(K8S / "fleet.yaml"), "--image", "shardline:latest",

@@ -28,6 +28,8 @@ from services.fleet.kubernetes_services import render_services
 from services.fleet.provisioner import GroupLaunch
 from services.fleet.spec import FleetSpec, GroupPlan
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate (constraints.txt) ships
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)]
 SETTINGS = KubernetesSettings(image="registry.example/shardline:1.0", namespace="serving", model_claim="models")

@@ -19,6 +19,8 @@ from services.planner.specs import ModelSpec
 from services.planner.topology import PRESETS as TOPOLOGIES
 from tests.loader.conftest import ShardedFn, load_manifest
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "fp8"])
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (4, 1)])

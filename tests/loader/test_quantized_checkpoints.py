@@ -25,6 +25,8 @@ from tests.loader.conftest import ShardedFn, copy_checkpoint, load_manifest
 from tests.loader.helpers import hf_rank, state_dict_diffs
 from tests.loader.test_rejections import edit_manifest, forge_entry
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 MARK = 7  # a value every dtype holds exactly: a refused shard leaves it everywhere
 
 

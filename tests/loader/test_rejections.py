@@ -24,6 +24,8 @@ from services.worker.rank_loading import load_checkpoint_weights
 from tests.loader.conftest import copy_checkpoint
 from tests.loader.helpers import plan_of, sentinel_rank, untouched
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 def refused(model_dir: Path, ckpt: Path, tp: int, pp: int, rank: int, exc: type[Exception], match: str, *,
             dtype: str = "float32", fingerprint: str | None = None) -> str:

@@ -16,6 +16,8 @@ from services.loader.staging import cache_path, stage
 from tests.loader.conftest import copy_checkpoint
 from tests.loader.test_rejections import forge_entry, rewrite_metadata
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 class FlakyStore(LocalStore):
     """A local store whose first ``bad`` downloads arrive damaged (a flipped byte, or cut short)."""

@@ -16,6 +16,8 @@ from services.loader.safetensors_format import read_header
 from tests.loader.conftest import make_hf_model
 from tests.loader.helpers import bitwise_equal, hf_rank, plan_of
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 @pytest.mark.parametrize("tp, pp", [(2, 2), (4, 1)])
 def test_manifest_describes_files_exactly(tiny_dir: Path, sharded, tp: int, pp: int) -> None:

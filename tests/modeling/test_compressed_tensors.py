@@ -23,6 +23,8 @@ from services.modeling.tiny import write_tiny_model
 from services.modeling.weights import CheckpointReader
 from tests.modeling.test_quant_model import TP3_SPEC, loaded, logits, raw_bytes, tp3_shares
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FORMAT = {"fp8": ("float-quantized", "float"), "int8": ("int-quantized", "int")}
 

@@ -19,6 +19,8 @@ from services.modeling.kernels import (
 )
 from tests.modeling.test_kernels import close
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 @pytest.fixture(scope="module")
 def packs():

@@ -22,6 +22,8 @@ from services.modeling.quant import (
     quantize,
 )
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 def weights(n: int = 64, k: int = 96, seed: int = 0) -> torch.Tensor:
     """Gaussian rows of different magnitudes, one outlier per row, one all-zero row."""

@@ -18,6 +18,8 @@ from services.modeling.quant import INT8, SCHEMES, quantize
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.modeling.weights import CheckpointReader, load_weights
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 # SmolLM2-135M's shape (tied embeddings): the bytes a rank would hold, without its weights
 SMOLLM2 = ModelConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=49152, head_dim=64, tie_word_embeddings=True)

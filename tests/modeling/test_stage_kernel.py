@@ -15,7 +15,8 @@ from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.step import TokenEvent
 from services.worker.runtime import RankSpec
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ toolchain here: the CPU kernels did not build")
+pytestmark = [pytest.mark.skipif(cpu_kernels() is None, reason="no C++ toolchain here: the CPU kernels did not build"),
+              pytest.mark.background]  # in this process alone: the lane may run it at idle priority
 
 
 def served(engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:

@@ -22,6 +22,8 @@ from services.modeling.quant import (
     quantize_activations,
 )
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 @pytest.fixture(scope="module")
 def kernels():

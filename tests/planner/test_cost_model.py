@@ -20,6 +20,8 @@ from services.planner.specs import PRESETS, ModelSpec
 from services.planner.topology import GIB, Topology
 from services.planner.topology import PRESETS as TOPOLOGIES
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 LLAMA70 = PRESETS["llama3-70b"]
 A100 = TOPOLOGIES["a100-80g-8x"]
 

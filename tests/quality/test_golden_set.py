@@ -10,6 +10,8 @@ from tokenizers import Tokenizer
 
 from services.quality.golden_set import DEFAULT_CHUNKS, GoldenSet, fingerprint, golden_text
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 def test_the_text_is_prose_and_deterministic() -> None:
     text = golden_text()

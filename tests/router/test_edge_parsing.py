@@ -12,6 +12,8 @@ from services.common.errors import PayloadTooLarge
 from services.router import edge
 from services.router.openai_format import BadRequest
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 ALPHABET = ["a", " ", "é", "€", "😀", '"', "\\", "\n", "\t", "\x01", "\u2028", "\ud800", "\udc00", "/", ":", ","]
 
 

@@ -1,6 +1,6 @@
 """`shardline up --routers 2`: two routers in front of one fleet, one SIGKILLed under load.
 
-The group's KV budget is small (``--kv-cache-gb 0.01``: a few streams of 200 tokens at once), so
+The group's KV budget is small (``--kv-cache-gb 0.005``: a few streams of 100 tokens at once), so
 both routers keep their queues full and the budget binds. A client spreads 16 greedy streams over
 the two routers (as a load balancer would: a request whose connection a router refuses, or resets
 before any answer, passes to the other). Fault-free, every stream ends with its reference text.
@@ -31,7 +31,10 @@ pytestmark = pytest.mark.slow
 
 MODEL = FLEET = "tiny-llama"
 STREAMS = 16
-MAX_TOKENS = 200
+MAX_TOKENS = 100
+# half the default `--kv-cache-gb 0.01` of up_command: the same few streams at once as 200 tokens
+# there, at half the decoding (the module's CPU is its tokens: 16 streams a round, two rounds)
+KV_CACHE_GB = "0.005"
 
 
 def complete(bases: list[str], first: int, prompt: str, progress: list[int], i: int) -> dict:
@@ -100,7 +103,8 @@ def worker_stats(registry: str) -> worker_pb2.StatsResponse:
 
 def test_two_routers_share_one_budget_and_a_killed_router_loses_only_its_own_streams(tmp_path):
     registry = f"sqlite:///{tmp_path / 'registry.db'}"
-    argv, env, ports = up_command(tmp_path, "--routers", "2", "--registry-url", registry)
+    argv, env, ports = up_command(tmp_path, "--routers", "2", "--registry-url", registry,
+                                    "--kv-cache-gb", KV_CACHE_GB)
     bases = [f"http://127.0.0.1:{ports['http'] + i}/v1" for i in range(2)]
     with running_up(argv, env, tmp_path / "up.out") as out:
         log = out.read_text()

@@ -15,6 +15,8 @@ from services.worker.engine.kv_cache import CacheConfig, KVCacheLayout
 from services.worker.engine.runner import StageRunner
 from services.worker.runtime import RankRuntime, RankSpec
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 MAX_BATCH = 16
 
 

@@ -17,6 +17,8 @@ from services.worker.engine.block_manager import (
     blocks_for_tokens,
 )
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 
 def test_blocks_for_tokens_is_ceil() -> None:
     assert [blocks_for_tokens(n, 4) for n in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]

@@ -7,12 +7,15 @@ write into a block another sequence still reads, a registered (immutable) block 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from services.common.prefix_blocks import block_hashes, reusable_blocks
 from services.worker.engine.block_manager import BlockAllocator
+
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
 
 BLOCK = 2
 PREFIXES = [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]  # two share their first block

@@ -28,6 +28,8 @@ from services.worker.engine.kv_cache import (
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig
 from services.worker.engine.sequence import Sequence
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 LLAMA3_70B = ModelConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, head_dim=128)
 TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,

@@ -11,6 +11,8 @@ from services.common.sampling import SamplingParams
 from services.worker.engine.sampler import Sampler, SamplerError, mix_seed
 from services.worker.engine.step import RowSampling
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 VOCAB = 300
 
 

@@ -12,6 +12,8 @@ from services.worker.engine.block_manager import BlockAllocator
 from services.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
 from services.worker.engine.sequence import Sequence, SequenceStatus
 
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
+
 EOS = 2
 
 

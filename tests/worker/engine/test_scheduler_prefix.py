@@ -3,12 +3,15 @@ step still reads its own prefix under preemption and eviction, and salts keep re
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.sampling import SamplingParams
 from services.worker.engine.sequence import Sequence
 from tests.worker.engine.test_scheduler import alone, chunks, make, run_to_completion, seq
+
+pytestmark = pytest.mark.background  # in this process alone: the lane may run it at idle priority
 
 
 @settings(max_examples=60, deadline=None)
