@@ -8,7 +8,8 @@ replica groups with): the same entry point, command line, own session and log fi
 ``python -m services.cli serve NAME``. A start with an environment of its own is a fresh
 interpreter (the server's modules were imported under its environment), and so are the tests
 that are about starting one: the five service shells, the netns groups, torchrun's nodes and
-everything ``shardline up`` starts (its replica groups fork from its own provisioner's server).
+everything ``shardline up`` starts (it forks its services, routers and replica groups from a
+fork server of its own).
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ are a fleet reconciled in this process). ``--model smollm2`` / ``tiny`` make the
 ``--drift-every S`` adds ``shardline drift`` (every group's golden-set numbers checked every S
 seconds against float32 of the model, alerts through telemetry) once the stack is up.
 
+Every process of the stack (the services, the routers, the groups' workers, ``drift``) is forked
+from one fork server that imported the command line and the worker with its torch once
+(``services.common.fork_server``): none of them spends its start importing grpc, protobuf and
+torch again. Each is still its own ``python -m services.cli ...`` in its own session, with its own
+log, and imports its own service's module after the fork.
+
 Embedded defaults: the SQLite registry in the state directory (``--registry-url`` for
 PostgreSQL) and the router's in-process health store (``--redis-url`` for Redis, then shared
 with the workers). Every child logs to ``<log-dir>/<name>.log``.
@@ -41,6 +47,7 @@ from services.common import heap
 from services.common.bearer_auth import BearerCheck
 from services.common.config import DEFAULT_PORTS
 from services.common.errors import InvalidArgument
+from services.common.fork_server import ForkServer
 from services.common.logging import say_line
 from services.common.metrics_http import MetricsHttpServer
 from services.common.ports import free_port
@@ -50,6 +57,7 @@ from services.common.registry.repository import ShardRegistry
 from services.common.stop_signals import SignalListener
 from services.common.supervisor import ManagedProcess, StackError, StackStopped, Supervisor
 from services.common.transport_security import TransportSecurity, add_security_arguments
+from services.fleet.local import WORKER_MODULES
 from services.router.server import add_shadow_arguments, shadow_flags
 from services.router.tools import DEFAULT_PARSER, PARSERS
 
@@ -261,6 +269,9 @@ def run(args: argparse.Namespace) -> int:
     fleets: UpFleets | None = None
     signals = SignalListener(lambda _signum: stop.set()).start()
     supervisor = Supervisor(stop)
+    # the workers' modules only: a service's own module registers its metrics when imported, and a
+    # process forked from a server that had imported another's would export (and clash with) them
+    forks = ForkServer(WORKER_MODULES)  # started by the first process it forks
     try:
         ports = internal_ports(args)
         logs = args.log_dir
@@ -269,12 +280,12 @@ def run(args: argparse.Namespace) -> int:
         metrics_port = free_port()
         extra = {"telemetry": ["--metrics-port", str(metrics_port)]}
         background = [supervisor.start(name, serve_argv(name, ports[name], *extra.get(name, [])), ports[name],
-                                       log_path=logs / f"{name}.log")
+                                       log_path=logs / f"{name}.log", fork_server=forks)
                       for name in BACKGROUND]
         telemetry = f"127.0.0.1:{ports['telemetry']}"
         fleets = UpFleets(specs, registry, supervisor, logs, telemetry=telemetry, redis_url=args.redis_url,
                           routers=[f"127.0.0.1:{args.port + i}" for i in range(args.routers)],
-                          api_key=args.api_key, say=say)
+                          api_key=args.api_key, say=say, fork_server=forks)
         fleets.start()
         _wait_all(supervisor, background, args.startup_timeout)
         fleets.wait_in_rotation(args.startup_timeout, stop.is_set, say)
@@ -285,13 +296,13 @@ def run(args: argparse.Namespace) -> int:
         routers = [supervisor.start(name, serve_argv("router", args.port + i, *router_flags(
                                         args, model_dir, registry, metrics_urls, telemetry,
                                         http_port=args.http_port + i)),
-                                    args.port + i, log_path=logs / f"{name}.log")
+                                    args.port + i, log_path=logs / f"{name}.log", fork_server=forks)
                    for i, name in enumerate(router_names(args.routers))]
         _wait_all(supervisor, routers, args.startup_timeout)
         router = routers[0]
         drift = drift_argv(args, model_dir, registry, telemetry)
         if drift is not None:  # no gRPC port: reported when it dies, like the other background services
-            background.append(supervisor.start("drift", drift, 0, log_path=logs / "drift.log"))
+            background.append(supervisor.start("drift", drift, 0, log_path=logs / "drift.log", fork_server=forks))
             say(f"  {'drift':<10} every {args.drift_every:g} s (log: {logs / 'drift.log'})")
         say(f"shardline is up: router gRPC 127.0.0.1:{args.port}{' (TLS)' if args.tls_cert else ''}, "
             f"OpenAI HTTP {scheme}://127.0.0.1:{args.http_port}/v1")
@@ -305,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         say("Ctrl-C stops the stack.")
         heap.started()
-        watch(supervisor, routers, background, stop, startup_timeout_s=args.startup_timeout)
+        watch(supervisor, routers, background, stop, startup_timeout_s=args.startup_timeout, fork_server=forks)
         return 0
     except StackStopped:
         return 0
@@ -318,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
         if fleets is not None:
             fleets.close()  # the controllers first: nothing is replaced while the stack stops
         supervisor.stop_all()
+        forks.close()  # last: what it forked to die with it is gone by now
         signals.stop()
 
 
@@ -335,7 +347,7 @@ def router_names(count: int) -> list[str]:
 
 
 def watch(supervisor: Supervisor, routers: list[ManagedProcess], background: list[ManagedProcess],
-          stop: threading.Event, *, startup_timeout_s: float) -> None:
+          stop: threading.Event, *, startup_timeout_s: float, fork_server: ForkServer | None = None) -> None:
     """Serve until stopped. A dead worker is a failed replica group (its fleet controller replaces
     it, on its own thread); a dead background service is reported and left dead (it is not on the
     request path). A dead router is started again while another serves (clients that spread over
@@ -353,7 +365,8 @@ def watch(supervisor: Supervisor, routers: list[ManagedProcess], background: lis
                   f"serve while it starts again (log: {router.log_path})", flush=True)
             supervisor.reap(router)
             routers[routers.index(router)] = again = supervisor.start(
-                router.name, router.argv, router.port, env=router.env, log_path=router.log_path)
+                router.name, router.argv, router.port, env=router.env, log_path=router.log_path,
+                fork_server=fork_server)
             threading.Thread(target=_report_restarted, args=(supervisor, again, startup_timeout_s),
                              name=f"{again.name}-start", daemon=True).start()
         for managed in background:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
+from services.common.fork_server import ForkServer
 from services.common.registry import IN_ROTATION, ShardRegistry, to_registry_dtype
 from services.common.supervisor import StackError, Supervisor
 from services.fleet.controller import FleetController
@@ -69,7 +70,7 @@ class UpFleets:
 
     def __init__(self, specs: list[FleetSpec], registry_url: str, supervisor: Supervisor, log_dir: Path, *,
                  telemetry: str, redis_url: str | None, routers: list[str], api_key: str | None,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], fork_server: ForkServer | None = None) -> None:
         self.specs = specs
         self.registry = ShardRegistry(registry_url)
         for spec in specs:
@@ -79,7 +80,8 @@ class UpFleets:
         shared = worker_shared_flags(registry_url, redis_url or "", telemetry, [])
         utilization = RouterUtilization(routers, api_key=api_key)
         signals = controller_signals(redis_url, telemetry)
-        self.provisioners = {spec.name: LocalProvisioner(supervisor, shared, log_dir) for spec in specs}
+        self.provisioners = {spec.name: LocalProvisioner(supervisor, shared, log_dir, fork_server=fork_server)
+                             for spec in specs}
 
         def make(fleet: str, fenced: ShardRegistry) -> FleetController:
             return FleetController(fenced, self.provisioners[fleet], fleet, registry_url=registry_url,

@@ -70,9 +70,11 @@ def _start_ticks(pid: int) -> int | None:
 class LocalProvisioner:
     def __init__(self, supervisor: Supervisor, shared_flags: list[str], log_dir: Path, *,
                  port_of: Callable[[], int] = free_port, stop_grace_s: float = STOP_GRACE_S,
-                 keep: bool = False, fleet: str = "") -> None:
+                 keep: bool = False, fleet: str = "", fork_server: ForkServer | None = None) -> None:
         """``keep``: the groups outlive this process and are recorded for the fleet's other
-        controllers on this host (``fleet`` names whose records are this provisioner's to read)."""
+        controllers on this host (``fleet`` names whose records are this provisioner's to read).
+        ``fork_server``: one its owner shares (``shardline up``'s, which starts every process of
+        the stack) and closes; by default the provisioner starts and closes its own."""
         self.supervisor = supervisor
         self.shared_flags = list(shared_flags)  # registry, health store, telemetry: the same for every group
         self.log_dir = log_dir
@@ -84,7 +86,8 @@ class LocalProvisioner:
         self._started: dict[str, _Started] = {}
         self._used_ports: set[int] = set()
         self._lock = threading.Lock()
-        self.fork_server = ForkServer(WORKER_MODULES)
+        self._own_fork_server = fork_server is None
+        self.fork_server = ForkServer(WORKER_MODULES) if fork_server is None else fork_server
 
     def _fresh_port(self) -> int:
         for _ in range(100):
@@ -190,4 +193,5 @@ class LocalProvisioner:
                 return
         for name in names:
             self.stop(name)
-        self.fork_server.close()  # its children were just told to stop
+        if self._own_fork_server:
+            self.fork_server.close()  # its children were just told to stop
