@@ -6,10 +6,8 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (0: one process). Two share the 2 cores; the third is a
 # lane for the files marked `waits` (tests/lanes.py), whose tests mostly sleep on pings, expiries
-# and timeouts; the fourth runs the files marked `background` at the kernel's idle priority, on
-# what CPU the others leave. Three or four plain workers were no faster and only starved the
-# tests' ranks.
-TEST_WORKERS ?= 4
+# and timeouts. Three or four plain workers were no faster and only starved the tests' ranks.
+TEST_WORKERS ?= 3
 # When this make started: `make test` reports its wall time, set-up included.
 MAKE_T0 := $(shell date +%s)
 # Where PYTHONDONTWRITEBYTECODE is set (some CI images set it), every process of a run would

@@ -18,7 +18,6 @@ from tests.lanes import (
     LaneScheduling,
     collect_after_the_others,
     has_lane,
-    is_background_worker,
     is_lane_worker,
     record_waiting_files,
     run_in_the_background,
@@ -125,8 +124,6 @@ _IDLE = pytest.StashKey[bool]()
 @pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
 def pytest_configure(config: pytest.Config) -> None:
     heap.starting()  # collection imports torch and every service: see pytest_collection_finish
-    if is_background_worker(config):
-        run_in_the_background()  # its collection too (tests/lanes.py)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the workers' base temp dirs (popen-gw0, ...) share one parent per run
         config._serial_lock_dir = config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
@@ -136,9 +133,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if "waits" in item.keywords and has_lane(item.config):  # outside the lock (tests/lanes.py)
         _wait_out_serial(item.config)
-        yield
-        return
-    if is_background_worker(item.config):  # idle priority, outside the lock (tests/lanes.py)
         yield
         return
     if "background" in item.keywords and is_lane_worker(item.config) and not item.config.stash.get(_IDLE, False):

@@ -11,14 +11,11 @@ a serial test would otherwise wait out a 20 s keepalive test while the gate kept
 workers idle. It only waits, before it starts, while one of them runs, so that it does not
 start its processes beside it. So a ``waits`` file may use neither.
 
-The files marked ``background`` (tests that run in the test process alone: no service, no rank,
-no clock) run at the kernel's idle priority (``SCHED_IDLE``): they get a core only while no other
-process wants it, when the other workers' tests wait on their processes or a serial test leaves
-a core idle. With four workers or more the last one is theirs from the start (its collection at
-idle priority too) and holds no part of the run lock: what it takes no other process wanted, so
-a serial test runs beside it as if alone. The waiting lane takes them too once its own files
-are handed out (then under the run lock). Both take the shortest first (from the end of the
-queue, which the other workers take from its front).
+Once the ``waits`` files are handed out, the lane takes the files marked ``background`` (tests
+that run in the test process alone: no service, no rank, no clock), the shortest first (from the
+end of the queue, which the other workers take from its front), and runs them at the kernel's
+idle priority (``SCHED_IDLE``): they get a core only while no other process wants it, when the
+other workers' tests wait on their processes. They take the run lock as every other test does.
 
 The workers know the markers, the scheduler (in the controller) only node ids: each worker
 writes the ``waits`` and ``background`` files it collected to the run's base temp dir, which the
@@ -38,22 +35,6 @@ from xdist.scheduler import LoadFileScheduling
 
 WAITS_FILE = "waits.json"
 LANE_FROM_WORKERS = 3
-BACKGROUND_FROM_WORKERS = 4
-
-
-def role(worker: str, count: int) -> str:
-    """What worker ``gwN`` of ``count`` takes: ``tests`` (every file), ``waits`` (the waiting lane:
-    the last of three workers, the last but one of four or more) or ``background`` (the last of
-    four or more)."""
-    last = f"gw{count - 1}"
-    if count >= BACKGROUND_FROM_WORKERS:
-        return {last: "background", f"gw{count - 2}": "waits"}.get(worker, "tests")
-    return "waits" if count >= LANE_FROM_WORKERS and worker == last else "tests"
-
-
-def _role(config: pytest.Config) -> str | None:
-    workerinput = getattr(config, "workerinput", None)
-    return None if workerinput is None else role(workerinput["workerid"], workerinput["workercount"])
 
 
 def has_lane(config: pytest.Config) -> bool:
@@ -63,11 +44,9 @@ def has_lane(config: pytest.Config) -> bool:
 
 
 def is_lane_worker(config: pytest.Config) -> bool:
-    return _role(config) == "waits"
-
-
-def is_background_worker(config: pytest.Config) -> bool:
-    return _role(config) == "background"
+    workerinput = getattr(config, "workerinput", {})
+    count = workerinput.get("workercount", 0)
+    return count >= LANE_FROM_WORKERS and workerinput.get("workerid") == f"gw{count - 1}"
 
 
 def collect_after_the_others(run_dir: Path | None, timeout_s: float = 120.0) -> None:
@@ -134,16 +113,17 @@ class LaneScheduling(LoadFileScheduling):
             self._marked = {name: set(recorded.get(name, ())) for name in ("waits", "background")}
         return self._marked[marker]
 
+    def is_lane(self, node) -> bool:
+        return self.numnodes >= LANE_FROM_WORKERS and node.gateway.id == f"gw{self.numnodes - 1}"
+
     def _assign_work_unit(self, node) -> None:
-        taker = role(node.gateway.id, self.numnodes)
+        lane = self.is_lane(node)
         waits = self.marked("waits") if self.numnodes >= LANE_FROM_WORKERS else set()
-        scope = None
-        if taker != "background":
-            scope = next((s for s in self.workqueue if (s in waits) == (taker == "waits")), None)
-        if scope is None and taker != "tests":  # the shortest background file left
+        scope = next((s for s in self.workqueue if (s in waits) == lane), None)
+        if scope is None and lane:  # nothing waiting is left: the shortest background file
             background = self.marked("background")
             scope = next((s for s in reversed(self.workqueue) if s in background), None)
-            if scope is None:  # none: the lane ends once its queued tests have run
+            if scope is None:  # nor one of those: the lane ends once its queued tests have run
                 node.shutdown()
                 return
         if scope is None:

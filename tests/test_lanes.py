@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.lanes import WAITS_FILE, LaneScheduling, record_waiting_files, role
+from tests.lanes import WAITS_FILE, LaneScheduling, record_waiting_files
 
 COLLECTION = ["t/a.py::one", "t/a.py::two", "t/w.py::one", "t/b.py::one", "t/c.py::one", "t/w2.py::one",
               "t/w2.py::two", "t/w2.py::three", "t/d.py::one", "t/e.py::one", "t/w3.py::one"]
@@ -90,23 +90,6 @@ def test_the_lane_then_takes_the_background_files_from_the_end(tmp_path):
     assert lane.shutting_down and "t/c.py" not in files(lane)  # an unmarked file is never the lane's
     run_all(sched, [gw0, gw1])
     assert sorted(gw0.sent + gw1.sent + lane.sent) == sorted(COLLECTION)
-
-
-def test_a_fourth_worker_takes_only_the_background_files_and_the_third_the_waiting_ones(tmp_path):
-    sched, (gw0, gw1, lane, background) = scheduler(tmp_path, 4, background=("t/b.py", "t/d.py", "t/e.py"))
-    assert files(background) and set(files(background)) <= {"t/b.py", "t/d.py", "t/e.py"}
-    assert files(lane) == ["t/w.py", "t/w2.py"]
-    run_all(sched, [background])
-    assert background.shutting_down and "t/c.py" not in files(background)
-    run_all(sched, [gw0, gw1, lane])
-    assert sorted(gw0.sent + gw1.sent + lane.sent + background.sent) == sorted(COLLECTION)
-    assert not set(files(gw0) + files(gw1) + files(lane)) & set(files(background))
-
-
-def test_roles_by_worker_count():
-    assert [role(f"gw{i}", 2) for i in range(2)] == ["tests", "tests"]
-    assert [role(f"gw{i}", 3) for i in range(3)] == ["tests", "tests", "waits"]
-    assert [role(f"gw{i}", 4) for i in range(4)] == ["tests", "tests", "waits", "background"]
 
 
 def test_idle_priority_is_the_kernels_idle_class(tmp_path):
