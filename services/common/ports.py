@@ -1,4 +1,5 @@
-"""Loopback ports for local processes: one any free port, or a run of consecutive free ones."""
+"""Loopback ports for local processes: one any free port, a run of consecutive free ones, or a
+replica group's rendezvous port."""
 
 from __future__ import annotations
 
@@ -35,3 +36,11 @@ def free_port_run(count: int, attempts: int = 200) -> int:
         if all(bindable(start + i) for i in range(count)):
             return start
     raise OSError(f"no run of {count} free ports found in {low}..{high}")
+
+
+def rendezvous_port() -> int:
+    """A port for a replica group's rank 0 to listen on for its peers (MASTER_PORT): from below
+    the ephemeral range, as for a run. A bind(0) port is the kernel's to hand out again as the
+    source port of any outgoing connection before rank 0 binds it (EADDRINUSE, once in a full
+    test run of many processes connecting)."""
+    return free_port_run(1)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from services.common.ports import free_port
+from services.common.ports import rendezvous_port
 from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.planner.calibrate_ranks import RankArgs, rank_main, stream_bytes_for_host, summarize_ranks
 from services.planner.specs import ModelSpec
@@ -198,7 +198,7 @@ def calibrate(
     threads = max(1, cores // world_size)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardline-calibrate-") as tmp:
-        args = RankArgs(world_size=world_size, link_world=link_world, port=free_port(), backend=backend,
+        args = RankArgs(world_size=world_size, link_world=link_world, port=rendezvous_port(), backend=backend,
                         threads=threads, overhead_models=_write_overhead_models(Path(tmp)),
                         engine_decode_steps=engine_decode_steps,
                         overhead_layer_bytes=_overhead_layer_bytes(), out_path=str(Path(tmp) / "result.json"),
@@ -207,7 +207,7 @@ def calibrate(
             # Links need two processes; the one rank must then measure with no other about (a
             # waiting peer's wake-ups stall a multi-threaded rank's parallel regions).
             raw = _run_ranks(replace(args, measure_compute=False)) | {"ranks": []}
-            raw["ranks"] = _run_ranks(replace(args, link_world=1, port=free_port(), measure_links=False))["ranks"]
+            raw["ranks"] = _run_ranks(replace(args, link_world=1, port=rendezvous_port(), measure_links=False))["ranks"]
         else:
             raw = _run_ranks(args)
     elapsed = time.perf_counter() - started

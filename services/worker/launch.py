@@ -37,7 +37,7 @@ import torch
 import torch.multiprocessing as mp
 
 from services.common.errors import ShardlineError
-from services.common.ports import free_port
+from services.common.ports import rendezvous_port
 from services.common.process_names import name_rank_process
 
 
@@ -109,7 +109,7 @@ def run_replica_group(world_size: int, rank_fn: Callable[..., Any], *args: Any,
         return rank_fn(rank, int(os.environ["WORLD_SIZE"]), *args)
     ctx = _context(fork=fork)
     results = ctx.Queue()
-    port = free_port()
+    port = rendezvous_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, results, rank_fn, args, dict(os.environ)),
                          name=f"shardline-rank{rank}") for rank in range(world_size)]
     for proc in procs:
@@ -171,7 +171,7 @@ class Followers:
 
     def __init__(self, world_size: int, rank_fn: Callable[..., Any], *args: Any, fork: bool = False) -> None:
         self.world_size = world_size
-        self.port = free_port()
+        self.port = rendezvous_port()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK="0",
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         ctx = _context(fork=fork)
