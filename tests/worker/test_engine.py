@@ -15,6 +15,7 @@ from services.worker.engine.bootstrap import generate_rank
 from services.worker.engine.kv_cache import CacheConfig
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
+from tests.ranks import NUMERICS_COLLECTIVE_TIMEOUT_S
 from tests.worker.oracle import reference_greedy
 from tests.worker.test_parallel_parity import ENGLISH
 
@@ -23,7 +24,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 def generate(model_dir, prompts, params, *, tp=1, pp=1, cache=None, max_batched_tokens=2048, dtype=None):
     spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, cache=cache or CacheConfig(kv_cache_bytes=64 << 20),
-                    max_batched_tokens=max_batched_tokens, dtype=dtype)
+                    max_batched_tokens=max_batched_tokens, dtype=dtype,
+                    collective_timeout_s=NUMERICS_COLLECTIVE_TIMEOUT_S)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     return run_replica_group(tp * pp, generate_rank, spec, prompts, params)

@@ -22,6 +22,7 @@ from services.worker.engine.kv_cache import CacheConfig
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
+from tests.ranks import NUMERICS_COLLECTIVE_TIMEOUT_S
 from tests.worker.oracle import reference_logprobs
 from tests.worker.test_engine import generate, prompts_of
 from tests.worker.test_parallel_parity import ENGLISH, make_tiny, random_ids, sharded_logprobs
@@ -73,7 +74,7 @@ TP_LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2)]
 
 def invariant_spec(model_dir, tp: int, pp: int, dtype: str = "bfloat16") -> RankSpec:
     return RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype, numerics=INVARIANT,
-                    cache=CacheConfig(kv_cache_bytes=64 << 20))
+                    cache=CacheConfig(kv_cache_bytes=64 << 20), collective_timeout_s=NUMERICS_COLLECTIVE_TIMEOUT_S)
 
 
 def test_scoring_is_bit_identical_at_every_tensor_parallel_degree_in_the_invariant_numerics(tmp_path_factory):

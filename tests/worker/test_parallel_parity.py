@@ -9,13 +9,15 @@ from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
 from tests.cli import run_cli
+from tests.ranks import NUMERICS_COLLECTIVE_TIMEOUT_S
 from tests.worker.oracle import reference_logprobs
 
 TINY_LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]  # every TP·PP ≤ 4 in {1,2,4}²
 
 
 def sharded_logprobs(model_dir, ids, tp, pp, dtype="float32"):
-    spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype)
+    spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype,
+                    collective_timeout_s=NUMERICS_COLLECTIVE_TIMEOUT_S)
     result = run_replica_group(tp * pp, score_rank, spec, ids)
     return torch.tensor(result.logprobs), result
 

@@ -16,6 +16,7 @@ from services.worker.engine.kv_cache import CacheConfig
 from services.worker.engine.runner import follower_loop
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
+from tests.ranks import NUMERICS_COLLECTIVE_TIMEOUT_S
 from tests.worker.test_engine import prompts_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -55,7 +56,7 @@ def phases_rank(rank: int, world_size: int, spec: RankSpec,
 def run(model_dir, phases, *, tp=1, pp=1, dtype=None, caching=True, cache=None, max_batched_tokens=2048) -> Phases:
     spec = RankSpec(str(model_dir), tp_degree=tp, pp_degree=pp, dtype=dtype, prefix_caching=caching,
                     cache=cache or CacheConfig(block_size=16, kv_cache_bytes=64 << 20),
-                    max_batched_tokens=max_batched_tokens)
+                    max_batched_tokens=max_batched_tokens, collective_timeout_s=NUMERICS_COLLECTIVE_TIMEOUT_S)
     return run_replica_group(tp * pp, phases_rank, spec, phases)
 
 

@@ -12,6 +12,7 @@ from services.modeling.tiny import TinyModelSpec, write_tiny_model
 from services.worker.launch import run_replica_group
 from services.worker.runtime import RankSpec
 from services.worker.scoring import score_rank
+from tests.ranks import NUMERICS_COLLECTIVE_TIMEOUT_S
 from tests.worker.test_parallel_parity import random_ids
 
 # divides TP 3 (6 heads, 3 KV heads, intermediate 384, vocab 384) and PP 2 (2 layers)
@@ -28,7 +29,8 @@ def tp3_model_dir(tmp_path_factory) -> str:
 
 
 def logprobs(model_dir: str, ids: list[int], tp: int, pp: int, dtype: str, activation: str | None) -> torch.Tensor:
-    spec = RankSpec(model_dir, tp_degree=tp, pp_degree=pp, dtype=dtype, activation_dtype=activation)
+    spec = RankSpec(model_dir, tp_degree=tp, pp_degree=pp, dtype=dtype, activation_dtype=activation,
+                    collective_timeout_s=NUMERICS_COLLECTIVE_TIMEOUT_S)
     assert spec.plan.weight_quant is not None or dtype not in ("int8", "fp8")
     return torch.tensor(run_replica_group(tp * pp, score_rank, spec, ids).logprobs)
 
