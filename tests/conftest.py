@@ -19,7 +19,7 @@ from tests.lanes import (
     collect_after_the_others,
     has_lane,
     is_lane_worker,
-    record_waiting_files,
+    record_lane_files,
     run_in_the_background,
 )
 from tests.model_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures for every test)
@@ -118,7 +118,6 @@ def _wait_out_serial(config: pytest.Config) -> None:
 
 
 _LOCKS = pytest.StashKey[tuple | None]()
-_IDLE = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(trylast=True)  # after the tmp_path plugin has set up its factory
@@ -135,9 +134,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _wait_out_serial(item.config)
         yield
         return
-    if "background" in item.keywords and is_lane_worker(item.config) and not item.config.stash.get(_IDLE, False):
+    if "background" in item.keywords and is_lane_worker(item.config):
         run_in_the_background()  # the lane's last files, at idle priority (tests/lanes.py)
-        item.config.stash[_IDLE] = True
     with _run_lock(item.config, exclusive="serial" in item.keywords) as locks:
         item.stash[_LOCKS] = locks
         yield
@@ -260,7 +258,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _longest_files_first(items)
-    record_waiting_files(getattr(config, "_serial_lock_dir", None), items)
+    record_lane_files(getattr(config, "_serial_lock_dir", None), items)
     try:
         import torch
 

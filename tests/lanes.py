@@ -66,18 +66,22 @@ def _files_marked(items: list[pytest.Item], marker: str) -> list[str]:
     return sorted({item.nodeid.split("::", 1)[0] for item in items if marker in item.keywords})
 
 
-def record_waiting_files(run_dir: Path | None, items: list[pytest.Item]) -> None:
+# Each lane's marker, why its tests cannot also be what follows, and the markers they cannot carry
+# (none of them may use `alone` either)
+_RULED_OUT = {"waits": ("runs outside the run lock", ("serial",)),
+              "background": ("may run at idle priority", ("serial", "waits"))}
+
+
+def record_lane_files(run_dir: Path | None, items: list[pytest.Item]) -> None:
     """In a worker: write the collected ``waits`` and ``background`` files for the scheduler;
-    refuse a ``waits`` test that is ``serial`` or uses ``alone`` (it runs outside the run lock),
-    and a ``background`` test that is either (idle priority may starve it for seconds)."""
+    refuse a test whose lane marker rules out another marker of it or the ``alone`` fixture."""
     for item in items:
-        if "waits" in item.keywords and ("serial" in item.keywords or "alone" in getattr(item, "fixturenames", ())):
-            raise pytest.UsageError(f"{item.nodeid}: a `waits` test runs outside the run lock, so it can be "
-                                    "neither `serial` nor use `alone`")
-        if "background" in item.keywords and (
-                {"serial", "waits"} & set(item.keywords) or "alone" in getattr(item, "fixturenames", ())):
-            raise pytest.UsageError(f"{item.nodeid}: a `background` test may run at idle priority, so it can be "
-                                    "neither `serial` nor `waits` nor use `alone`")
+        for marker, (why, others) in _RULED_OUT.items():
+            if marker in item.keywords and (any(other in item.keywords for other in others)
+                                            or "alone" in getattr(item, "fixturenames", ())):
+                neither = " nor ".join(f"`{other}`" for other in others)
+                raise pytest.UsageError(f"{item.nodeid}: a `{marker}` test {why}, so it can be neither {neither} "
+                                        "nor use `alone`")
     if run_dir is None:
         return
     tmp = run_dir / f"{WAITS_FILE}.{os.getpid()}"
@@ -88,7 +92,9 @@ def record_waiting_files(run_dir: Path | None, items: list[pytest.Item]) -> None
 
 def run_in_the_background() -> None:
     """Put every thread of this process (and so what they start from now on) at the kernel's idle
-    priority: a core only while no other process wants it."""
+    priority: a core only while no other process wants it. Once is enough."""
+    if os.sched_getscheduler(0) == os.SCHED_IDLE:
+        return
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.lanes import WAITS_FILE, LaneScheduling, record_waiting_files
+from tests.lanes import WAITS_FILE, LaneScheduling, record_lane_files
 
 COLLECTION = ["t/a.py::one", "t/a.py::two", "t/w.py::one", "t/b.py::one", "t/c.py::one", "t/w2.py::one",
               "t/w2.py::two", "t/w2.py::three", "t/d.py::one", "t/e.py::one", "t/w3.py::one"]
@@ -114,10 +114,10 @@ def test_two_workers_have_no_lane(tmp_path):
 def test_a_waiting_test_may_not_be_serial():
     item = SimpleNamespace(nodeid="t/w.py::one", keywords={"waits": 1, "serial": 1}, fixturenames=[])
     with pytest.raises(pytest.UsageError, match="neither `serial` nor use `alone`"):
-        record_waiting_files(None, [item])
+        record_lane_files(None, [item])
 
 
 def test_a_background_test_may_not_use_alone():
     item = SimpleNamespace(nodeid="t/b.py::one", keywords={"background": 1}, fixturenames=["alone"])
     with pytest.raises(pytest.UsageError, match="neither `serial` nor `waits` nor use `alone`"):
-        record_waiting_files(None, [item])
+        record_lane_files(None, [item])
