@@ -215,15 +215,20 @@ def metric(stack: Stack, name: str, group: str) -> float:
 
 def test_requests_sharing_a_prefix_follow_it_to_the_group_that_caches_it(stack):
     """The router mirrors each group's prefix cache from its Stats: once the group that served a
-    64-token system prompt reports its 4 blocks, six requests that start with it all go there (one
+    64-token system prompt has reported its 4 blocks, six requests that start with it all go there (one
     at a time, so it is never busier than the other), each reusing the 4 blocks."""
     system = list(range(200, 264))
     first = stack.client.completions.create(model="tiny", prompt=system + [1], max_tokens=2, temperature=0)
     home = first.replica_group_id
     other = SECOND if home == FIRST else FIRST
+    # the router's mirror has the prefix once it shows the count the worker reports now: the Stats
+    # reply that counts the blocks brought their names too (the count alone may already be 4 or
+    # more from earlier tests' prompts, before this one's names have come)
+    cached = stack.workers[home].Stats(worker_pb2.StatsRequest()).blocks_cached
     deadline = time.monotonic() + 10
-    while metric(stack, "shardline_prefix_cache_blocks", home) < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)  # the Stats reply that counts the blocks brought their names too
+    while metric(stack, "shardline_prefix_cache_blocks", home) < cached and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(stack, "shardline_prefix_cache_blocks", home) >= cached >= 4
     before = {g: w.Stats(worker_pb2.StatsRequest()).prefix_cache_hits for g, w in stack.workers.items()}
     groups = [stack.client.completions.create(model="tiny", prompt=system + [i, i], max_tokens=2, temperature=0)
               .replica_group_id for i in range(2, 8)]
