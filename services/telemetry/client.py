@@ -13,6 +13,12 @@ Counters (plain ints, read by the metrics callbacks and the tests):
   attempt to reach it lets go of everything buffered, and of what it had handed to the stream
   (which may or may not have arrived). Attempts repeat with a backoff of up to ``backoff_max_s``,
   so while telemetry is down the counter rises at least that often.
+
+Start-up order loses nothing: a rank often starts beside its telemetry service (``shardline up``
+starts both at once), so until the shipper has reached telemetry once, and for at most
+``connect_wait_s`` from its creation, its first stream waits for the service to come up
+(``wait_for_ready``) and the buffer keeps what the rank records meanwhile (a full one drops as
+above). Past that, or once telemetry has been reached, an attempt fails at once.
 - ``sampled_out``: events left out on purpose by the per-op sampling rate. A timed-out event is
   never sampled out, and when the buffer is full it pushes out the oldest event instead of
   being dropped.
@@ -77,6 +83,7 @@ class ShipperConfig:
     flush_interval_s: float = 0.2
     stream_max_s: float = 2.0
     backoff_max_s: float = 2.0
+    connect_wait_s: float = 10.0  # how long a new shipper's first stream waits for telemetry to come up
     sample_rates: Mapping[str, float] = field(default_factory=dict)
     security: TransportSecurity = field(default_factory=TransportSecurity)  # TLS and the internal token
 
@@ -131,6 +138,8 @@ class TelemetryShipper:
         self.accepted = 0
         self.stream_failures = 0
         self._dropped_reported = 0
+        self._reached = False  # a stream has ended confirmed by the service
+        self._wait_until = time.monotonic() + config.connect_wait_s
         self._channel = open_channel(config.address, config.security)
         self._stub = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="telemetry-shipper", daemon=True)
@@ -209,9 +218,14 @@ class TelemetryShipper:
             if self._closing.is_set() and not self._buffer:
                 return
             stream = _Stream()
+            timeout = cfg.stream_max_s + 10.0
+            waiting = not self._reached and time.monotonic() < self._wait_until
+            if waiting:  # a rank started beside its telemetry: wait for it rather than fail at once
+                timeout += self._wait_until - time.monotonic()
             try:
-                response = self._stub.Report(self._requests(stream), timeout=cfg.stream_max_s + 10.0)
+                response = self._stub.Report(self._requests(stream), timeout=timeout, wait_for_ready=waiting)
                 self.accepted += response.accepted
+                self._reached = True
                 backoff = 0.0
             except grpc.RpcError as exc:
                 stream.failed = True

@@ -1,5 +1,6 @@
 """The shipper against a real telemetry process: batches arrive, sampling keeps timeouts, a
-down service costs dropped events and never a blocked caller."""
+service that starts after the shipper loses nothing, a down service costs dropped events and
+never a blocked caller."""
 
 from __future__ import annotations
 
@@ -60,9 +61,29 @@ def test_sampling_thins_an_op_but_keeps_every_timeout(telemetry):
     assert windows["all_reduce"].count == 100
 
 
+def test_telemetry_that_starts_after_the_shipper_gets_every_event(tmp_path):
+    """A rank and its telemetry service started together (as `shardline up` does): the first
+    stream waits for the service, so what the rank recorded meanwhile (a load's barrier) arrives."""
+    port = free_port()
+    shipper = TelemetryShipper(ShipperConfig(f"127.0.0.1:{port}", flush_interval_s=0.05, backoff_max_s=0.5))
+    for e in events("ship-f", 100):
+        shipper.record(e)
+    time.sleep(1.0)  # attempts would have failed and let go of the buffer by now
+    service = start_service("telemetry", tmp_path / "t.log", "--window-s", "300", port=port)
+    try:
+        for e in events("ship-f", 100):
+            shipper.record(e)
+        assert wait_until(lambda: shipper.accepted == 200, 15), shipper.stats()
+        assert (shipper.dropped, shipper.stream_failures) == (0, 0), shipper.stats()
+    finally:
+        shipper.close(timeout_s=5)
+        assert service.stop() == 0
+
+
 def test_down_telemetry_drops_events_and_never_blocks_the_caller():
+    # connect_wait_s=0: the shipper past its start-up wait for a service still down
     config = ShipperConfig(f"127.0.0.1:{free_port()}", buffer_events=5000, batch_events=1000,
-                           flush_interval_s=0.05)
+                           flush_interval_s=0.05, connect_wait_s=0.0)
     shipper = TelemetryShipper(config)
     batch = events("ship-c", 50_000)
     t0 = time.perf_counter()
@@ -86,7 +107,8 @@ def test_down_telemetry_drops_events_and_never_blocks_the_caller():
 
 def test_shipper_reconnects_when_telemetry_comes_back(tmp_path):
     port = free_port()
-    shipper = TelemetryShipper(ShipperConfig(f"127.0.0.1:{port}", flush_interval_s=0.05, backoff_max_s=0.5))
+    shipper = TelemetryShipper(ShipperConfig(f"127.0.0.1:{port}", flush_interval_s=0.05, backoff_max_s=0.5,
+                                             connect_wait_s=0.0))  # past its start-up wait
     for e in events("ship-d", 100):
         shipper.record(e)
     assert wait_until(lambda: shipper.stream_failures >= 1, 5)
