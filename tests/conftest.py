@@ -17,6 +17,7 @@ from tests import stack
 from tests.lanes import (
     LaneScheduling,
     collect_after_the_others,
+    collection_ended,
     has_lane,
     is_lane_worker,
     record_lane_files,
@@ -141,10 +142,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         yield
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection(session: pytest.Session) -> None:
-    if is_lane_worker(session.config):
-        collect_after_the_others(getattr(session.config, "_serial_lock_dir", None))
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection(session: pytest.Session):
+    run_dir = getattr(session.config, "_serial_lock_dir", None)
+    lane = is_lane_worker(session.config)
+    if lane:
+        collect_after_the_others(run_dir)
+    try:
+        return (yield)
+    finally:
+        if not lane:
+            collection_ended(run_dir)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

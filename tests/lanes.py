@@ -34,6 +34,7 @@ import pytest
 from xdist.scheduler import LoadFileScheduling
 
 WAITS_FILE = "waits.json"
+COLLECTED_FILE = "collected"  # a worker's collection ended, however it ended
 LANE_FROM_WORKERS = 3
 
 
@@ -54,12 +55,19 @@ def collect_after_the_others(run_dir: Path | None, timeout_s: float = 120.0) -> 
     compiled the bytecode the lane then reads: in a fresh clone nothing is compiled yet, and a
     third process compiling the same modules at once took its CPU from the two that run first
     (a cold collection is 25 CPU-seconds on the AVX2 EPYC, a warm one 9.5). The lane's first
-    files can wait: it finishes long before the others."""
+    files can wait: it finishes long before the others. A collection that failed (a path that
+    does not exist, a module that does not import) ends the wait too: the run stops at once."""
     if run_dir is None:
         return
     deadline = time.monotonic() + timeout_s
-    while not (run_dir / WAITS_FILE).exists() and time.monotonic() < deadline:
+    while not (run_dir / COLLECTED_FILE).exists() and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def collection_ended(run_dir: Path | None) -> None:
+    """In a worker other than the lane's: its collection ended (the lane may collect now)."""
+    if run_dir is not None:
+        (run_dir / COLLECTED_FILE).touch()
 
 
 def _files_marked(items: list[pytest.Item], marker: str) -> list[str]:

@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.lanes import WAITS_FILE, LaneScheduling, record_lane_files
+from tests.lanes import WAITS_FILE, LaneScheduling, collect_after_the_others, collection_ended, record_lane_files
 
 COLLECTION = ["t/a.py::one", "t/a.py::two", "t/w.py::one", "t/b.py::one", "t/c.py::one", "t/w2.py::one",
               "t/w2.py::two", "t/w2.py::three", "t/d.py::one", "t/e.py::one", "t/w3.py::one"]
@@ -121,3 +123,13 @@ def test_a_background_test_may_not_use_alone():
     item = SimpleNamespace(nodeid="t/b.py::one", keywords={"background": 1}, fixturenames=["alone"])
     with pytest.raises(pytest.UsageError, match="neither `serial` nor `waits` nor use `alone`"):
         record_lane_files(None, [item])
+
+
+def test_the_lane_collects_once_another_worker_ended_its_collection_however_it_ended(tmp_path):
+    """The lane waits for another worker's collection to end, not for its lane files: a run given
+    a path that does not exist writes none, and had kept the lane (and the run) waiting 120 s."""
+    ended = threading.Timer(0.3, collection_ended, args=(tmp_path,))
+    ended.start()
+    t0 = time.monotonic()
+    collect_after_the_others(tmp_path, timeout_s=30)
+    assert 0.25 < time.monotonic() - t0 < 5 and not (tmp_path / WAITS_FILE).exists()
