@@ -10,7 +10,9 @@ The workload: ``--num-prefixes`` shared prefixes of ``--prefix-len`` random toke
 one of them plus ``--suffix-len`` tokens of its own, ``--output-len`` tokens out (``--ignore-eos``,
 temperature 0), at concurrency 1 and 8. Each prefix's first request finds nothing cached: with 4
 prefixes, 8 prompts would make half the requests misses and the median TTFT the mean of a miss
-and a hit, so both concurrencies send 32 (28 hits); the p99 TTFT column is a miss's. The peers
+and a hit, so both concurrencies send 32 (28 hits); the p99 TTFT column is a miss's. Each concurrency draws
+its own prefixes and suffixes (seed + concurrency): with one seed the c=8 phase re-sent the c=1
+phase's 32 prompts whole, every one a full hit on a server that caches. The peers
 come from ``bench.serving``'s set-up (the same ``--cache``). Writes ``bench/results/<name>.{json,md,png}``: per server and concurrency the
 medians across rounds of TTFT, TPOT and output tok/s, and the ratios the prefix-caching work is
 judged by (our median TTFT with caching over ours without it and over the best peer's, our tok/s
@@ -59,7 +61,7 @@ def bench_argv(cache: Cache, server: Server, model_dir: Path, concurrency: int, 
             "--prefix-repetition-suffix-len", str(args.suffix_len),
             "--prefix-repetition-num-prefixes", str(args.num_prefixes),
             "--prefix-repetition-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
-            "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--seed", str(args.seed),
+            "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--seed", str(args.seed + concurrency),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", filename]
 
@@ -186,7 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat-turns", type=int, default=6)
     parser.add_argument("--chat-concurrency", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the dataset's seed (default 0); concurrency c draws its prompts with seed + c")
     parser.add_argument("--name", default="serving-prefix")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="go on with an interrupted run: what its result files and chat.json hold is kept")
