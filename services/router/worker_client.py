@@ -74,10 +74,11 @@ class UpstreamToken:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamFinished:
+    """A worker's end of a generation (a stop string is matched in the router, never here)."""
+
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)
@@ -269,10 +270,8 @@ class WorkerRelay:
 
 
 def finished_from_pb(finished: common_pb2.GenerationFinished) -> UpstreamFinished:
-    return UpstreamFinished(
-        finish_reason_from_pb(finished.finish_reason),
-        finished.usage.prompt_tokens, finished.usage.completion_tokens,
-        finished.stop_sequence if finished.HasField("stop_sequence") else None)
+    return UpstreamFinished(finish_reason_from_pb(finished.finish_reason), finished.usage.prompt_tokens,
+                            finished.usage.completion_tokens)
 
 
 class WorkerClient:

@@ -136,7 +136,7 @@ def test_events_in_domain_terms_and_the_trace_context_in_the_submit():
                                  trace_context=(("traceparent", TRACEPARENT),))
         events = await events_of(stream)
         assert events[:-1] == [UpstreamToken(100 + i, -0.25, ((7, -0.5),)) for i in range(3)]
-        assert events[-1] == UpstreamFinished(FinishReason.LENGTH, 3, 3, None)
+        assert events[-1] == UpstreamFinished(FinishReason.LENGTH, 3, 3)
         await events_of(client.generate("r2", [5], SamplingParams()))
         first, second = worker.submits
         assert first.trace_context["traceparent"] == TRACEPARENT and "traceparent" not in second.trace_context
