@@ -62,7 +62,8 @@ def bench_argv(cache: Cache, server: Server, model_dir: Path, concurrency: int, 
             "--prefix-repetition-num-prefixes", str(args.num_prefixes),
             "--prefix-repetition-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
             "--max-concurrency", str(concurrency), "--num-prompts", str(prompts),
-            "--seed", str(args.seed + concurrency), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--seed", str(args.seed + concurrency),
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", filename]
 
 
