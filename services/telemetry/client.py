@@ -13,16 +13,16 @@ Counters (plain ints, read by the metrics callbacks and the tests):
   attempt to reach it lets go of everything buffered, and of what it had handed to the stream
   (which may or may not have arrived). Attempts repeat with a backoff of up to ``backoff_max_s``,
   so while telemetry is down the counter rises at least that often.
+- ``sampled_out``: events left out on purpose by the per-op sampling rate. A timed-out event is
+  never sampled out, and when the buffer is full it pushes out the oldest event instead of
+  being dropped.
+- ``sent`` / ``accepted``: handed to a stream / confirmed by the service.
 
 Start-up order loses nothing: a rank often starts beside its telemetry service (``shardline up``
 starts both at once), so until the shipper has reached telemetry once, and for at most
 ``connect_wait_s`` from its creation, its first stream waits for the service to come up
 (``wait_for_ready``) and the buffer keeps what the rank records meanwhile (a full one drops as
-above). Past that, or once telemetry has been reached, an attempt fails at once.
-- ``sampled_out``: events left out on purpose by the per-op sampling rate. A timed-out event is
-  never sampled out, and when the buffer is full it pushes out the oldest event instead of
-  being dropped.
-- ``sent`` / ``accepted``: handed to a stream / confirmed by the service.
+the counters say). Past that, or once telemetry has been reached, an attempt fails at once.
 """
 
 from __future__ import annotations
@@ -218,12 +218,11 @@ class TelemetryShipper:
             if self._closing.is_set() and not self._buffer:
                 return
             stream = _Stream()
-            timeout = cfg.stream_max_s + 10.0
-            waiting = not self._reached and time.monotonic() < self._wait_until
-            if waiting:  # a rank started beside its telemetry: wait for it rather than fail at once
-                timeout += self._wait_until - time.monotonic()
+            # a rank started beside its telemetry: its first stream waits for it rather than fail at once
+            wait_s = 0.0 if self._reached else max(0.0, self._wait_until - time.monotonic())
             try:
-                response = self._stub.Report(self._requests(stream), timeout=timeout, wait_for_ready=waiting)
+                response = self._stub.Report(self._requests(stream), timeout=cfg.stream_max_s + 10.0 + wait_s,
+                                             wait_for_ready=wait_s > 0)
                 self.accepted += response.accepted
                 self._reached = True
                 backoff = 0.0
