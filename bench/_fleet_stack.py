@@ -33,6 +33,7 @@ from services.cli.fleet import fleet_status
 from services.common.config import child_environ
 from services.common.fork_server import live_process
 from services.common.healthcheck import check
+from services.common.logging import STACKS_SIGNAL
 from services.common.ports import free_port
 from services.common.process_names import rank_of_process
 from services.common.proto import common_pb2, router_pb2, router_pb2_grpc
@@ -159,7 +160,10 @@ class FleetStack:
                     raise RuntimeError(f"{proc.args[3:5]} exited {proc.returncode} while waiting for {what}:\n"
                                        f"{self.log_tail()}")
             if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"no {what} within {timeout_s:g} s:\n{self.log_tail()}")
+                # the controller's threads, where they are now, after its events
+                os.kill(self.controller.pid, STACKS_SIGNAL)
+                time.sleep(1.0)
+                raise TimeoutError(f"no {what} within {timeout_s:g} s:\n{self.log_tail(150)}")
             time.sleep(0.25)
         return time.monotonic() - start
 

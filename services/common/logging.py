@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _SAY_LOCK = threading.Lock()
+STACKS_SIGNAL = signal.SIGUSR2  # a process that stops acting: every thread's stack to its log
+
+
+def stacks_on_signal() -> None:
+    """From now on ``STACKS_SIGNAL`` writes every thread's stack to the process's stderr (its log) and
+    the process goes on, so a process that hangs can be asked where."""
+    faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
 
 
 def configure_logging(level: str | None = None) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from services.common.config import resolve
 from services.common.grpc_server import GrpcServer, serve_service
 from services.common.health import make_health_store
-from services.common.logging import say_line
+from services.common.logging import say_line, stacks_on_signal
 from services.common.registry import Fenced, ShardRegistry, registry_url
 from services.common.supervisor import Supervisor
 from services.fleet import metrics
@@ -237,6 +237,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def on_started(server: GrpcServer) -> None:
         setup_observability(args, SERVICE)
+        stacks_on_signal()  # a controller that stopped acting can be asked where it is
         reconcilers.on_ready = server.set_serving  # SERVING once every fleet reconciles, NOT_SERVING while one cannot
         reconcilers.start()
 

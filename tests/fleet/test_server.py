@@ -3,6 +3,7 @@ cannot reach yet (the Kubernetes API server) instead of exiting."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import yaml
 from services.cli import main
 from services.common.config import child_environ
 from services.common.healthcheck import check
+from services.common.logging import STACKS_SIGNAL
 from services.common.ports import free_port
 from tests.router.processes import REPO, stop
 from tests.stack import fresh_database
@@ -86,6 +88,14 @@ def test_the_rendered_controller_starts_without_an_api_server_reports_not_ready_
             assert proc.poll() is None, log.read_text()
             assert check(f"127.0.0.1:{port}", timeout_s=5) == "NOT_SERVING"
             assert log.read_text().count("reconcile failed, retrying") >= 2, log.read_text()
+            # asked where it is (as bench/_fleet_stack does when a controller stops acting): every
+            # thread's stack in its log, the reconcile loop's among them, and it serves on
+            os.kill(proc.pid, STACKS_SIGNAL)
+            deadline = time.monotonic() + 10
+            while "in _run" not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            assert "Thread 0x" in log.read_text() and proc.poll() is None
         finally:
             stop(proc, timeout_s=20)
 
